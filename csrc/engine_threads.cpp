@@ -1,0 +1,115 @@
+// A pool of threads doing plain pread/pwrite: works everywhere, including where the
+// kernel's asynchronous interfaces are disabled (containers, gVisor).
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+#include "engine.h"
+#include "io_error.h"
+
+namespace fastckpt {
+namespace {
+
+// Enough threads to keep a fast device busy without one thread per queue slot.
+constexpr unsigned kMaxThreads = 16;
+
+class ThreadsEngine final : public Engine {
+ public:
+  explicit ThreadsEngine(unsigned depth) {
+    unsigned n = std::max(1u, std::min(depth, kMaxThreads));
+    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
+  }
+
+  ~ThreadsEngine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void prepare(Request* r) override { prepared_.push_back(r); }
+
+  void flush() override {
+    if (prepared_.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Request* r : prepared_) queue_.push_back(r);
+    }
+    prepared_.clear();
+    work_cv_.notify_all();
+  }
+
+  void reap(size_t min_complete, std::vector<Completion>& out) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return done_.size() >= min_complete; });
+    out.insert(out.end(), done_.begin(), done_.end());
+    done_.clear();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Request* r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        r = queue_.front();
+        queue_.pop_front();
+      }
+      ssize_t n = r->write ? pwrite(r->fd, r->buf, r->len, static_cast<off_t>(r->offset))
+                           : pread(r->fd, r->buf, r->len, static_cast<off_t>(r->offset));
+      int64_t result = n < 0 ? -errno : n;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_.push_back({r, result});
+      }
+      done_cv_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::vector<Request*> prepared_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Request*> queue_;
+  std::vector<Completion> done_;
+  bool stopping_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_threads(unsigned depth) { return std::make_unique<ThreadsEngine>(depth); }
+
+EngineKind parse_engine_kind(const std::string& name) {
+  if (name == "io_uring") return EngineKind::io_uring;
+  if (name == "libaio") return EngineKind::libaio;
+  if (name == "threads") return EngineKind::threads;
+  throw std::invalid_argument("unknown engine '" + name + "' (io_uring, libaio, threads)");
+}
+
+const char* engine_kind_name(EngineKind kind) {
+  switch (kind) {
+    case EngineKind::io_uring: return "io_uring";
+    case EngineKind::libaio: return "libaio";
+    case EngineKind::threads: return "threads";
+  }
+  return "?";
+}
+
+std::unique_ptr<Engine> make_engine(EngineKind kind, unsigned depth) {
+  switch (kind) {
+    case EngineKind::io_uring: return make_io_uring(depth);
+    case EngineKind::libaio: return make_libaio(depth);
+    case EngineKind::threads: return make_threads(depth);
+  }
+  throw std::invalid_argument("bad engine kind");
+}
+
+}  // namespace fastckpt

@@ -1,0 +1,23 @@
+// The one error type the native core throws: errno + what was being done + the path.
+// module.cpp translates it into Python's OSError(errno, message, filename), which Python
+// maps onto FileNotFoundError, PermissionError, ... by errno.
+#pragma once
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace fastckpt {
+
+class IoError : public std::runtime_error {
+ public:
+  IoError(int err, const std::string& what, std::string path = "")
+      : std::runtime_error(what + ": " + std::strerror(err)), err_(err), path_(std::move(path)) {}
+  int err() const { return err_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  int err_;
+  std::string path_;
+};
+
+}  // namespace fastckpt

@@ -1,0 +1,106 @@
+#include "memory.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <map>
+#include <mutex>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "io_error.h"
+
+namespace fastckpt {
+namespace {
+
+std::mutex g_locked_mu;
+std::map<uintptr_t, size_t>& locked_ranges() {  // start -> length, of locked buffers
+  static std::map<uintptr_t, size_t> ranges;
+  return ranges;
+}
+
+size_t page_size() {
+  static const size_t size = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbytes) {
+  if (nbytes == 0) return;
+  mapped_ = (nbytes + page_size() - 1) / page_size() * page_size();
+  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw IoError(errno, "allocating " + std::to_string(nbytes) + " bytes of aligned memory");
+  data_ = static_cast<char*>(p);
+  if (!lock) return;
+  if (mlock(data_, mapped_) == 0) {
+    locked_ = true;
+    std::lock_guard<std::mutex> g(g_locked_mu);
+    locked_ranges()[reinterpret_cast<uintptr_t>(data_)] = mapped_;
+  } else if (strict) {
+    int err = errno;
+    munmap(data_, mapped_);
+    data_ = nullptr;
+    throw IoError(err, "mlock of " + std::to_string(nbytes) +
+                           " bytes failed (the locked-memory limit, `ulimit -l`, may be too low)");
+  }
+}
+
+AlignedBuffer::~AlignedBuffer() {
+  if (!data_) return;
+  if (locked_) {
+    std::lock_guard<std::mutex> g(g_locked_mu);
+    locked_ranges().erase(reinterpret_cast<uintptr_t>(data_));
+  }
+  munmap(data_, mapped_);  // also unlocks
+}
+
+bool is_locked(const void* ptr) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> g(g_locked_mu);
+  auto& ranges = locked_ranges();
+  auto it = ranges.upper_bound(p);
+  if (it == ranges.begin()) return false;
+  --it;
+  return p < it->first + it->second;
+}
+
+void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
+  // Below a few MiB, thread start-up costs more than it saves.
+  constexpr size_t kMinPerThread = 4u << 20;
+  threads = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
+  if (threads <= 1) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  const size_t share = (n + threads - 1) / threads / 64 * 64 + 64;
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < threads; ++i) {
+    size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
+    if (begin < end)
+      pool.emplace_back([=] {
+        std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
+      });
+  }
+  std::memcpy(dst, src, std::min(n, share));
+  for (auto& t : pool) t.join();
+}
+
+std::pair<uint32_t, uint32_t> dio_alignment(int fd) {
+#if defined(STATX_DIOALIGN)
+  struct statx stx;
+  std::memset(&stx, 0, sizeof(stx));
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN))
+    return {stx.stx_dio_mem_align, stx.stx_dio_offset_align};
+#else
+  (void)fd;
+#endif
+  return {0, 0};
+}
+
+}  // namespace fastckpt

@@ -1,0 +1,40 @@
+// Page-aligned (optionally page-locked) host memory, a multi-threaded memcpy and the
+// O_DIRECT alignment a file asks for.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+namespace fastckpt {
+
+// Owns `nbytes` of page-aligned memory from mmap; mlock()ed when asked.
+class AlignedBuffer {
+ public:
+  // lock: try mlock(); strict: a failed mlock() throws IoError instead of leaving it unlocked.
+  AlignedBuffer(size_t nbytes, bool lock, bool strict);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool locked() const { return locked_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+  size_t mapped_ = 0;
+  bool locked_ = false;
+};
+
+// Whether `ptr` lies in a live AlignedBuffer that is page-locked.
+bool is_locked(const void* ptr);
+
+// memcpy split over `threads` threads (1: plain memcpy). Safe to call without the GIL.
+void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads);
+
+// (memory alignment, file offset alignment) for O_DIRECT on fd, from statx(STATX_DIOALIGN);
+// (0, 0) when the kernel does not say.
+std::pair<uint32_t, uint32_t> dio_alignment(int fd);
+
+}  // namespace fastckpt

@@ -1,0 +1,104 @@
+"""Turns the objects users hand us (tensors, numpy arrays, buffers) into (address, nbytes).
+
+The native core sees only addresses; the returned :class:`BufferRef` keeps the owning
+object alive for as long as an operation on it is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from fastckpt import _C
+
+__all__ = ["BufferRef", "buffer_ref", "aligned_tensor", "aligned_array"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferRef:
+    address: int
+    nbytes: int
+    owner: Any  # keeps the memory alive
+    is_cuda: bool = False
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def buffer_ref(obj: Any, *, writable: bool, argname: str = "buffer", allow_cuda: bool = False) -> BufferRef:
+    """The memory of a contiguous tensor, numpy array or buffer-protocol object.
+
+    Args:
+        writable: the operation writes into the memory (a file read), so it must be writable.
+        argname: the caller's parameter name, used in error messages.
+        allow_cuda: accept CUDA tensors (the caller stages them through host memory).
+
+    Raises:
+        TypeError: unsupported object, read-only buffer where a writable one is needed, or a
+            CUDA tensor where none is supported.
+        ValueError: a non-contiguous tensor or array.
+
+    Example:
+        >>> ref = buffer_ref(bytearray(16), writable=True)
+        >>> ref.nbytes
+        16
+    """
+    if _is_torch_tensor(obj):
+        if obj.is_cuda and not allow_cuda:
+            raise TypeError(f"{argname}: CUDA tensors are not supported here; pass a CPU tensor")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"{argname}: tensors on device {obj.device} are not supported")
+        if obj.layout.__repr__() != "torch.strided":
+            raise TypeError(f"{argname}: only dense (strided) tensors are supported, got {obj.layout}")
+        if not obj.is_contiguous():
+            raise ValueError(f"{argname}: the tensor is not contiguous; call .contiguous() first")
+        return BufferRef(obj.data_ptr(), obj.numel() * obj.element_size(), obj, bool(obj.is_cuda))
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"{argname}: the array is not C-contiguous; use np.ascontiguousarray")
+        if writable and not obj.flags.writeable:
+            raise TypeError(f"{argname}: the array is read-only and cannot receive data")
+        return BufferRef(obj.__array_interface__["data"][0], obj.nbytes, obj)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"{argname}: expected a torch.Tensor, numpy.ndarray or buffer, got {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError(f"{argname}: the buffer is not contiguous")
+    if writable and view.readonly:
+        raise TypeError(f"{argname}: the {type(obj).__name__} is read-only and cannot receive data")
+    if view.nbytes == 0:
+        return BufferRef(0, 0, view)
+    array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return BufferRef(array.__array_interface__["data"][0], view.nbytes, (view, array))
+
+
+def aligned_array(nbytes: int, *, lock: bool = False, strict: bool = False) -> np.ndarray:
+    """A page-aligned uint8 numpy array of ``nbytes`` (mlock()ed with ``lock``)."""
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=np.uint8)
+
+
+def aligned_tensor(nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False) -> Any:
+    """A page-aligned 1-D torch tensor of ``nbytes`` bytes viewed as ``dtype`` (uint8 by default).
+
+    The memory is freed when the last tensor viewing it is garbage collected.
+
+    Example:
+        >>> t = aligned_tensor(8192)
+        >>> t.data_ptr() % 4096, t.numel()
+        (0, 8192)
+    """
+    import torch
+
+    dtype = dtype or torch.uint8
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    raw = torch.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=torch.uint8)
+    return raw.view(dtype) if dtype != torch.uint8 else raw

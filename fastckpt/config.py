@@ -1,0 +1,261 @@
+"""One place for fastckpt's I/O settings.
+
+Each setting is resolved in this order, first match wins:
+
+1. the keyword argument of the call (``fastckpt.save(..., queue_depth=64)``);
+2. process-wide defaults set with :func:`set_defaults`;
+3. ``FASTCKPT_*`` environment variables (``FASTCKPT_ENGINE``, ``FASTCKPT_BLOCK_SIZE``,
+   ``FASTCKPT_QUEUE_DEPTH``, ``FASTCKPT_INTRA_OP_PARALLELISM``, ``FASTCKPT_SINGLE_SUBMIT``,
+   ``FASTCKPT_OVERLAP_EVENTS``, ``FASTCKPT_STAGING_BYTES``);
+4. the configuration ``fastckpt tune`` measured for the file system of the path;
+5. built-in defaults.
+
+The tuned configurations live in one JSON file, ``$XDG_CONFIG_HOME/fastckpt/tuned.json``
+(``~/.config/fastckpt/tuned.json`` without ``XDG_CONFIG_HOME``); ``FASTCKPT_CONFIG`` names
+another file.
+
+Example:
+    >>> import fastckpt.config as cfg
+    >>> cfg.set_defaults(queue_depth=64)
+    >>> cfg.resolve_io(None, {}).queue_depth
+    64
+    >>> cfg.set_defaults(queue_depth=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "IOConfig",
+    "IO_KEYS",
+    "set_defaults",
+    "resolve_io",
+    "staging_bytes",
+    "tuned_config_path",
+    "filesystem_key",
+    "load_tuned",
+    "save_tuned",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class IOConfig:
+    """How an executor moves bytes; the keys are exactly ``aio_handle``'s constructor's."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    single_submit: bool = False
+    overlap_events: bool = True
+    intra_op_parallelism: int = 2
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "queue_depth", "intra_op_parallelism"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.queue_depth > 65536:
+            raise ValueError(f"queue_depth must be at most 65536, got {self.queue_depth}")
+        if self.intra_op_parallelism > 1024:
+            raise ValueError(
+                f"intra_op_parallelism must be at most 1024, got {self.intra_op_parallelism}"
+            )
+        if not isinstance(self.engine, str):
+            raise TypeError(f"engine must be a str, got {type(self.engine).__name__}")
+
+
+IO_KEYS = tuple(f.name for f in dataclasses.fields(IOConfig))
+
+# The save/load path keeps at most this much in staging buffers, whatever the checkpoint size.
+DEFAULT_STAGING_BYTES = 256 << 20
+
+_process_defaults: dict[str, Any] = {}
+
+
+def set_defaults(**settings: Any) -> None:
+    """Sets process-wide defaults (any of :data:`IO_KEYS` and ``staging_bytes``); ``None`` clears one.
+
+    Example:
+        >>> import fastckpt.config
+        >>> fastckpt.config.set_defaults(engine="threads")
+        >>> fastckpt.config.set_defaults(engine=None)
+    """
+    for key, value in settings.items():
+        if key not in IO_KEYS and key != "staging_bytes":
+            raise TypeError(f"unknown setting {key!r}; expected one of {IO_KEYS + ('staging_bytes',)}")
+        if value is None:
+            _process_defaults.pop(key, None)
+        else:
+            _process_defaults[key] = value
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={text!r} is not a boolean")
+
+
+def parse_size(text: str) -> int:
+    """Parses ``"4096"``, ``"64K"``, ``"1M"``, ``"400M"``, ``"1G"`` (powers of 1024) into bytes.
+
+    Example:
+        >>> parse_size("1M")
+        1048576
+    """
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = 1
+    if value and value[-1] in units:
+        scale = units[value[-1]]
+        value = value[:-1]
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64K, 1M, 1G)") from None
+    if number < 0:
+        raise ValueError(f"size must not be negative: {text!r}")
+    return int(number * scale)
+
+
+def _from_environment() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key in IO_KEYS:
+        name = "FASTCKPT_" + key.upper()
+        text = os.environ.get(name)
+        if text is None or text == "":
+            continue
+        if key == "engine":
+            found[key] = text.strip()
+        elif key in ("single_submit", "overlap_events"):
+            found[key] = _parse_bool(name, text)
+        else:
+            found[key] = parse_size(text)
+    return found
+
+
+def tuned_config_path() -> Path:
+    """Where ``fastckpt tune`` stores what it measured (``FASTCKPT_CONFIG`` overrides)."""
+    override = os.environ.get("FASTCKPT_CONFIG")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "fastckpt" / "tuned.json"
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, file system type, source) of every mount, from /proc/self/mountinfo."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) >= 5 and len(tail) >= 2:
+            mount_point = fields[4].replace("\\040", " ")
+            mounts.append((mount_point, tail[0], tail[1]))
+    return mounts
+
+
+def filesystem_key(path: str | os.PathLike[str]) -> str:
+    """Names the file system holding ``path`` (which need not exist yet), as ``type:source:mount``.
+
+    Example:
+        >>> filesystem_key("/proc/self").startswith("proc:")
+        True
+    """
+    p = Path(os.path.abspath(os.fspath(path)))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    real = os.path.realpath(p)
+    best = ("/", "unknown", "unknown")
+    for mount_point, fs_type, source in _mounts():
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best[0]):
+            best = (mount_point, fs_type, source)
+    return f"{best[1]}:{best[2]}:{best[0]}"
+
+
+def load_tuned() -> dict[str, dict[str, Any]]:
+    """Every tuned configuration, keyed by :func:`filesystem_key`; empty when none is saved."""
+    path = tuned_config_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the tuned configuration {path}: {exc}") from exc
+    entries = data.get("filesystems", {}) if isinstance(data, dict) else {}
+    return {k: v for k, v in entries.items() if isinstance(v, dict)}
+
+
+def save_tuned(fs_key: str, settings: Mapping[str, Any], measured: Mapping[str, Any]) -> Path:
+    """Records the best configuration for one file system; returns the file written."""
+    path = tuned_config_path()
+    entries = load_tuned()
+    entries[fs_key] = {
+        "config": {k: settings[k] for k in IO_KEYS if k in settings},
+        "measured": dict(measured),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"filesystems": entries}, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def tuned_for(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The tuned settings for the file system of ``path``; with ``path=None`` the newest entry."""
+    entries = load_tuned()
+    if not entries:
+        return {}
+    if path is None:
+        newest = max(entries.values(), key=lambda e: str(e.get("time", "")))
+        return dict(newest.get("config", {}))
+    return dict(entries.get(filesystem_key(path), {}).get("config", {}))
+
+
+def resolve_io(
+    path: str | os.PathLike[str] | None,
+    explicit: Mapping[str, Any],
+    *,
+    builtin: IOConfig | None = None,
+) -> IOConfig:
+    """Merges explicit arguments, process defaults, environment, tuning and built-ins.
+
+    ``explicit`` holds only the arguments the caller actually passed (``None`` means unset).
+    """
+    merged: dict[str, Any] = dataclasses.asdict(builtin or IOConfig())
+    layers = (tuned_for(path), _from_environment(), _process_defaults, explicit)
+    for layer in layers:
+        for key in IO_KEYS:
+            if layer.get(key) is not None:
+                merged[key] = layer[key]
+    return IOConfig(**merged)
+
+
+def staging_bytes(explicit: int | None = None) -> int:
+    """The staging-memory budget of save/load (default 256 MiB)."""
+    if explicit is not None:
+        value = explicit
+    elif "staging_bytes" in _process_defaults:
+        value = _process_defaults["staging_bytes"]
+    elif os.environ.get("FASTCKPT_STAGING_BYTES"):
+        value = parse_size(os.environ["FASTCKPT_STAGING_BYTES"])
+    else:
+        value = DEFAULT_STAGING_BYTES
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 << 20):
+        raise ValueError(f"staging_bytes must be an int of at least 1 MiB, got {value!r}")
+    return value

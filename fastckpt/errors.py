@@ -1,0 +1,44 @@
+"""The exception types of fastckpt.
+
+Every failure fastckpt raises is one of these, or an ``OSError`` subclass that
+carries ``errno`` and ``filename`` (so ``except FileNotFoundError`` works), or a
+``TypeError``/``ValueError`` that names the offending argument.
+
+Example:
+    >>> import fastckpt
+    >>> try:
+    ...     fastckpt.load("/no/such/file.safetensors")
+    ... except FileNotFoundError as e:
+    ...     print(e.filename)
+    /no/such/file.safetensors
+"""
+
+from __future__ import annotations
+
+__all__ = ["FastCkptError", "HeaderError", "ChecksumError", "EngineUnavailableError"]
+
+
+class FastCkptError(Exception):
+    """Base class of every fastckpt-specific error."""
+
+
+class HeaderError(FastCkptError, ValueError):
+    """A file is not a valid safetensors/fastckpt file; the message says what and where."""
+
+
+class ChecksumError(FastCkptError):
+    """A tensor's bytes do not match the CRC32C recorded when it was saved.
+
+    Attributes:
+        tensor: the name of the damaged tensor.
+        filename: the file it was read from.
+    """
+
+    def __init__(self, message: str, *, tensor: str | None = None, filename: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+        self.filename = filename
+
+
+class EngineUnavailableError(FastCkptError):
+    """An I/O engine asked for by name cannot run here; the message says why."""
