@@ -7,6 +7,7 @@
 #include <Python.h>
 
 #include "crc32c.h"
+#include "cufile.h"
 #include "engine.h"
 #include "executor.h"
 #include "io_error.h"
@@ -130,4 +131,6 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("dio_alignment", &dio_alignment, py::arg("fd"));
+
+  bind_cufile(m);
 }

@@ -32,9 +32,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from fastckpt import _C
 from fastckpt._buffers import BufferRef, aligned_tensor, buffer_ref
@@ -76,10 +77,13 @@ def _pop_async(async_op: Any, kwargs: dict[str, Any], method: str) -> bool:
 
 
 class _PendingOp:
-    __slots__ = ("op_id", "file", "ref", "offset", "write", "validate")
+    """One submitted op: ``wait_fn`` blocks until it is done and raises its error."""
 
-    def __init__(self, op_id: int, file: File, ref: BufferRef, offset: int, write: bool, validate: bool):
-        self.op_id, self.file, self.ref = op_id, file, ref
+    __slots__ = ("wait_fn", "file", "ref", "offset", "write", "validate")
+
+    def __init__(self, wait_fn: Callable[[], None], file: File, ref: BufferRef, offset: int,
+                 write: bool, validate: bool):
+        self.wait_fn, self.file, self.ref = wait_fn, file, ref
         self.offset, self.write, self.validate = offset, write, validate
 
 
@@ -178,7 +182,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
         if file_offset < 0:
             raise ValueError(f"file_offset must not be negative, got {file_offset}")
-        ref = buffer_ref(buffer, writable=not write, argname="buffer")
+        ref = buffer_ref(buffer, writable=not write, argname="buffer", allow_cuda=True)
         if fd is not None:
             if filename is not None:
                 raise TypeError("pass either filename or fd, not both")
@@ -195,15 +199,25 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                         f"read of {ref.nbytes} bytes at file_offset {file_offset} goes past the end "
                         f"of {file.path!r} ({size} bytes)"
                     )
-            op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=0 if parallel else 1)
+            max_parts = 0 if parallel else 1
+            if ref.is_cuda:
+                # Device memory is staged through page-locked host buffers.
+                from fastckpt import cuda
+
+                wait_fn = cuda.submit_device_io(
+                    self._executor, file, ref, file_offset, write=write, max_parts=max_parts
+                )
+            else:
+                op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=max_parts)
+                wait_fn = functools.partial(self._executor.wait, op_id)
         except BaseException:
             file.close()
             raise
-        return _PendingOp(op_id, file, ref, file_offset, write, validate)
+        return _PendingOp(wait_fn, file, ref, file_offset, write, validate)
 
     def _finish(self, op: _PendingOp) -> None:
         try:
-            self._executor.wait(op.op_id)
+            op.wait_fn()
             if op.validate:
                 _validate(op)
         finally:
@@ -327,8 +341,15 @@ def _validate(op: _PendingOp) -> None:
     """Reads the range back through the page cache and compares it with the buffer."""
     import numpy as np
 
-    expected = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)) \
-        if op.ref.nbytes else np.empty(0, np.uint8)
+    if op.ref.is_cuda:
+        import torch
+
+        expected = op.ref.owner.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+    elif op.ref.nbytes:
+        raw = (np.ctypeslib.ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
+        expected = np.ctypeslib.as_array(raw)
+    else:
+        expected = np.empty(0, np.uint8)
     actual = np.frombuffer(os.pread(op.file.fd, op.ref.nbytes, op.offset), dtype=np.uint8)
     if actual.size != expected.size or not np.array_equal(actual, expected):
         mismatch = np.flatnonzero(actual != expected[: actual.size])

@@ -50,6 +50,7 @@ from fastckpt.errors import HeaderError
 __all__ = [
     "ITEMSIZE",
     "HEADER_LIMIT",
+    "METADATA_KEY",
     "DEFAULT_ALIGNMENT",
     "FORMAT_VERSION",
     "META_PREFIX",
@@ -95,6 +96,7 @@ ITEMSIZE: dict[str, int] = {
 #: Largest header accepted, the same cap as the reference reader.
 HEADER_LIMIT = 100 * 1024 * 1024
 DEFAULT_ALIGNMENT = 4096
+#: The one header key that is not a tensor name.
 METADATA_KEY = "__metadata__"
 
 FORMAT_VERSION = "1"
