@@ -16,7 +16,7 @@ from typing import Any
 from fastckpt import _C
 from fastckpt._buffers import BufferRef
 from fastckpt.config import IOConfig
-from fastckpt.engines import resolve_engine
+from fastckpt._engines import resolve_engine
 
 __all__ = ["File", "Executor", "DEFAULT_ALIGNMENT"]
 

@@ -135,8 +135,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             ).items()
             if v is not _UNSET
         }
-        self._config = resolve_io(os.getcwd() if not explicit else None, explicit, builtin=_DEEPSPEED_DEFAULTS) \
-            if explicit else resolve_io(os.getcwd(), {}, builtin=_DEEPSPEED_DEFAULTS)
+        self._config = resolve_io(os.getcwd(), explicit, builtin=_DEEPSPEED_DEFAULTS, any_filesystem=True)
         self._executor = Executor(self._config)
         self._lock = threading.Lock()
         self._pending: list[_PendingOp] = []

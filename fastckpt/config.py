@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -195,7 +196,9 @@ def load_tuned() -> dict[str, dict[str, Any]]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the tuned configuration {path}: {exc}") from exc
+        # A damaged or unreadable cache of measurements must not stop any I/O: say so, go on.
+        warnings.warn(f"ignoring the tuned configuration {path}: {exc}", RuntimeWarning, stacklevel=2)
+        return {}
     entries = data.get("filesystems", {}) if isinstance(data, dict) else {}
     return {k: v for k, v in entries.items() if isinstance(v, dict)}
 
@@ -216,15 +219,21 @@ def save_tuned(fs_key: str, settings: Mapping[str, Any], measured: Mapping[str, 
     return path
 
 
-def tuned_for(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """The tuned settings for the file system of ``path``; with ``path=None`` the newest entry."""
+def tuned_for(path: str | os.PathLike[str] | None, *, any_filesystem: bool = False) -> dict[str, Any]:
+    """The tuned settings for the file system of ``path``.
+
+    With ``any_filesystem`` (used where no path is known yet, as by ``aio_handle()``), the
+    newest entry stands in when that file system was never tuned.
+    """
     entries = load_tuned()
     if not entries:
         return {}
-    if path is None:
+    if path is not None and filesystem_key(path) in entries:
+        return dict(entries[filesystem_key(path)].get("config", {}))
+    if any_filesystem:
         newest = max(entries.values(), key=lambda e: str(e.get("time", "")))
         return dict(newest.get("config", {}))
-    return dict(entries.get(filesystem_key(path), {}).get("config", {}))
+    return {}
 
 
 def resolve_io(
@@ -232,13 +241,14 @@ def resolve_io(
     explicit: Mapping[str, Any],
     *,
     builtin: IOConfig | None = None,
+    any_filesystem: bool = False,
 ) -> IOConfig:
     """Merges explicit arguments, process defaults, environment, tuning and built-ins.
 
     ``explicit`` holds only the arguments the caller actually passed (``None`` means unset).
     """
     merged: dict[str, Any] = dataclasses.asdict(builtin or IOConfig())
-    layers = (tuned_for(path), _from_environment(), _process_defaults, explicit)
+    layers = (tuned_for(path, any_filesystem=any_filesystem), _from_environment(), _process_defaults, explicit)
     for layer in layers:
         for key in IO_KEYS:
             if layer.get(key) is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastckpt.engines import EngineInfo
+from fastckpt._engines import EngineInfo
 
 
 def engine_info() -> EngineInfo:

@@ -1,0 +1,682 @@
+"""Nested Python objects <-> named tensors plus a JSON description (the "tree").
+
+A checkpoint is usually a nest of dicts, lists and numbers with tensors at the
+leaves (a model's state_dict, an optimizer's, a step counter...). A
+safetensors file holds only named tensors and string metadata, so
+:func:`flatten` splits such an object into
+
+* ``tensors``: the tensors, each stored once under a name derived from its
+  path (``optimizer/state/0/exp_avg``);
+* ``aliases``: alias name -> stored name, for a tensor that appears twice
+  (tied weights);
+* ``tree``: a JSON-able description of everything else, which the file keeps
+  in its metadata; None for a flat ``str -> Tensor`` dict, which is stored
+  under its own keys so that ``safetensors.torch.load_file`` reads it back.
+
+:func:`unflatten` rebuilds the object from the three, Python types included.
+
+Tree encoding. A node is one of::
+
+    "text"  12  1.5  true  false            str, int (|x| < 2**63), finite float, bool
+    [node, ...]                              list
+    {"t": "none"}                            None
+    {"t": "tuple", "v": [node, ...]}         tuple
+    {"t": "dict", "k": [node, ...], "v": [node, ...]}
+                                             dict: keys are nodes too (int keys stay ints)
+    {"t": "odict", "k": [...], "v": [...], "m": node}
+                                             OrderedDict; "m" (optional) is its _metadata
+                                             attribute, as module state_dicts carry
+    {"t": "tensor", "n": "name", "p": true, "g": true}
+                                             a tensor by name (stored or alias); "p": an
+                                             nn.Parameter, "g": requires_grad (both optional)
+    {"t": "float", "v": "nan" | "inf" | "-inf"}
+    {"t": "int", "v": "-0x1f..."}            an int of 64 bits or more, in hex
+    {"t": "dtype", "v": "float32"}           torch.dtype
+    {"t": "size", "v": [int, ...]}           torch.Size
+    {"t": "device", "v": "cuda:0"}           torch.device
+    {"t": "bytes", "v": "<base64>"}          bytes
+    {"t": "pickle", "v": "<base64>", "type": "module.Class"}
+                                             anything else, only with allow_pickle=True
+
+Every JSON object is a tagged node, so plain dicts never clash with tags.
+JSON floats keep their exact value, -0.0 included, and stay floats (``1.0``
+is not ``1``). Nesting is limited to :data:`MAX_DEPTH` levels, well inside what
+Python's JSON module and the interpreter's recursion limit allow.
+
+Example:
+    >>> import torch
+    >>> w = torch.ones(2)
+    >>> flat = flatten({"model": {"w": w, "tied": w}, "step": 3})
+    >>> list(flat.tensors), flat.aliases
+    (['model/w'], {'model/tied': 'model/w'})
+    >>> back = unflatten(flat.tree, flat.tensors, flat.aliases)
+    >>> back["step"], back["model"]["tied"] is back["model"]["w"]
+    (3, True)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import pickle
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fastckpt import dtypes
+from fastckpt.errors import FastCkptError, HeaderError
+from fastckpt.format import METADATA_KEY
+
+__all__ = ["Flat", "flatten", "unflatten", "WeightsOnlyError", "MAX_DEPTH"]
+
+#: Deepest nesting of containers that flatten writes and unflatten reads.
+#: Each level costs two JSON levels and two Python frames, and both the JSON
+#: module and the interpreter stop near 1000.
+MAX_DEPTH = 200
+
+PICKLE_PROTOCOL = 4
+_SMALL_INT = 2**63  # ints in [-2**63, 2**63) are plain JSON numbers
+_HEX_INT = re.compile(r"-?0x[0-9a-f]+")
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_TOP_LEVEL_NAME = "tensor"  # the name of a tensor saved on its own
+
+
+class WeightsOnlyError(FastCkptError, pickle.UnpicklingError):
+    """The checkpoint holds a pickled object and ``weights_only=True`` forbids unpickling.
+
+    It is a ``pickle.UnpicklingError``, as ``torch.load(weights_only=True)``
+    raises, so code written for torch keeps catching it.
+    """
+
+
+@dataclass(frozen=True)
+class Flat:
+    """An object split for storage; see :func:`flatten`.
+
+    Attributes:
+        tensors: stored name -> tensor, each distinct tensor once, in the
+            order met (the original objects: maybe non-contiguous, maybe CUDA).
+        aliases: alias name -> stored name of a tensor met again.
+        tree: the JSON-able description, or None for a flat ``str -> Tensor`` dict.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    aliases: dict[str, str] = field(default_factory=dict)
+    tree: Any = None
+
+
+class _Attribute:
+    """A path step into an attribute (an OrderedDict's ``_metadata``) rather than a key."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+Path = tuple  # keys, indices and _Attribute steps from the top-level object
+
+
+def _format_path(path: Path) -> str:
+    """``['optimizer']['state'][0]`` style, for error messages."""
+    if not path:
+        return "the top level"
+    if len(path) > 12:  # deep paths: the ends say where, the middle only repeats
+        return _format_path(path[:4]) + "..." + _format_path(path[-6:])
+    parts = []
+    for step in path:
+        parts.append(f".{step.name}" if isinstance(step, _Attribute) else f"[{_safe_repr(step)}]")
+    return "".join(parts)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a pickled key's own __repr__ may fail; the message must not
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _qualname(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+# --------------------------------------------------------------------------- names
+
+
+def _valid_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (lone surrogates cannot)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _segment(step: Any) -> str:
+    if type(step) is str:
+        return step
+    if isinstance(step, _Attribute):
+        return step.name
+    try:
+        return str(step)
+    except Exception:
+        return type(step).__name__
+
+
+class _Names:
+    """Hands out unique tensor names derived from paths: ``a/b/0``, then ``a/b/0~1``..."""
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+        self._suffix: dict[str, int] = {}
+
+    def claim(self, path: Path) -> str:
+        base = "/".join(_segment(step) for step in path) or _TOP_LEVEL_NAME
+        if not _valid_text(base):
+            base = base.encode("utf-8", "backslashreplace").decode("utf-8")
+        name = base
+        # First come, first served: the walk order is fixed, so suffixes are too.
+        while name in self._used or name == METADATA_KEY:
+            self._suffix[base] = self._suffix.get(base, 0) + 1
+            name = f"{base}~{self._suffix[base]}"
+        self._used.add(name)
+        return name
+
+
+# --------------------------------------------------------------------------- flatten
+
+
+def _check_tensor(tensor: torch.Tensor, path: Path) -> None:
+    where = _format_path(path)
+    if tensor.is_nested:
+        raise TypeError(f"nested tensor at {where}: nested tensors cannot be stored")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{tensor.layout} tensor at {where}: only dense (strided) tensors can be stored")
+    if tensor.is_quantized:
+        raise TypeError(f"quantized tensor at {where}: quantized tensors cannot be stored")
+    if tensor.device.type == "meta":
+        raise TypeError(f"meta tensor at {where}: it has no data to store")
+    try:
+        dtypes.to_safetensors(tensor.dtype)
+    except TypeError as exc:
+        raise TypeError(f"{exc} (tensor at {where})") from None
+
+
+def _view_key(tensor: torch.Tensor) -> tuple | None:
+    """What makes two tensor objects the same data: one storage, one view of it.
+
+    None when that cannot be told (no storage, or an empty one, whose address
+    0 is shared by every empty tensor); such tensors are tied only when they
+    are the same object.
+    """
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if address == 0:
+        return None
+    # Type, requires_grad and the conj/neg bits are part of what load returns,
+    # so tensors differing there are kept apart even over the same bytes.
+    return (
+        type(tensor),
+        tensor.device,
+        address,
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.requires_grad,
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
+
+
+def _float_node(value: float) -> Any:
+    if math.isfinite(value):
+        return value
+    return {"t": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+def _int_node(value: int) -> Any:
+    if -_SMALL_INT <= value < _SMALL_INT:
+        return value
+    # Beyond 64 bits: hex, because json refuses ints of more than 4300 digits
+    # and other JSON readers lose precision past 2**53.
+    return {"t": "int", "v": hex(value)}
+
+
+class _Flattener:
+    """One walk over an object: collects tensors and aliases, returns tree nodes."""
+
+    def __init__(self, allow_pickle: bool):
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}
+        self._names = _Names()
+        self._by_id: dict[int, str] = {}  # id(tensor) -> stored name
+        self._by_view: dict[tuple, str] = {}  # _view_key -> stored name
+        self._open: set[int] = set()  # containers on the current path, to catch cycles
+
+    def node(self, value: Any, path: Path, depth: int = 0, in_key: bool = False) -> Any:
+        """The tree node of ``value``, which sits at ``path``."""
+        if depth > MAX_DEPTH:
+            raise ValueError(f"object nested deeper than {MAX_DEPTH} levels at {_format_path(path)}")
+        kind = type(value)
+        if value is None:
+            return {"t": "none"}
+        if kind is str or kind is bool:
+            return value
+        if kind is int:
+            return _int_node(value)
+        if kind is float:
+            return _float_node(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if in_key:
+                raise TypeError(f"tensor used as a dict key at {_format_path(path)}")
+            return self.tensor(value, path)
+        if kind in (dict, OrderedDict, list, tuple):
+            return self.container(value, path, depth, in_key)
+        if kind is torch.Size:
+            return {"t": "size", "v": list(value)}
+        if kind is torch.dtype:
+            return {"t": "dtype", "v": str(value).rpartition(".")[2]}
+        if kind is torch.device:
+            return {"t": "device", "v": str(value)}
+        if kind is bytes:
+            return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
+        return self.pickled(value, path, in_key)
+
+    def container(self, value: Any, path: Path, depth: int, in_key: bool) -> Any:
+        if id(value) in self._open:
+            raise ValueError(f"the object at {_format_path(path)} contains itself")
+        self._open.add(id(value))
+        try:
+            if isinstance(value, dict):
+                return self.mapping(value, path, depth)
+            # Elements of a tuple used as a key report the key's path.
+            children = [
+                self.node(item, path if in_key else path + (index,), depth + 1, in_key)
+                for index, item in enumerate(value)
+            ]
+            return children if type(value) is list else {"t": "tuple", "v": children}
+        finally:
+            self._open.discard(id(value))
+
+    def mapping(self, value: dict, path: Path, depth: int) -> dict:
+        keys = [self.node(key, path, depth + 1, in_key=True) for key in value]
+        values = [self.node(item, path + (key,), depth + 1) for key, item in value.items()]
+        if type(value) is dict:
+            return {"t": "dict", "k": keys, "v": values}
+        node = {"t": "odict", "k": keys, "v": values}
+        # Module state_dicts carry per-module versions here; load_state_dict reads them.
+        # Other instance attributes of an OrderedDict are not kept.
+        if "_metadata" in vars(value):
+            step = _Attribute("_metadata")
+            node["m"] = self.node(value._metadata, path + (step,), depth + 1)
+        return node
+
+    def tensor(self, tensor: torch.Tensor, path: Path) -> dict:
+        _check_tensor(tensor, path)
+        node: dict[str, Any] = {"t": "tensor", "n": self.store(tensor, path)}
+        if type(tensor) is torch.nn.Parameter:
+            node["p"] = True
+        if tensor.requires_grad:
+            node["g"] = True
+        return node
+
+    def store(self, tensor: torch.Tensor, path: Path) -> str:
+        """Name ``tensor``: stored the first time, an alias when met again."""
+        name = self._names.claim(path)
+        key = _view_key(tensor)
+        target = self._by_id.get(id(tensor))
+        if target is None and key is not None:
+            target = self._by_view.get(key)
+        if target is not None:
+            self.aliases[name] = target
+            return name
+        self.tensors[name] = tensor
+        self._by_id[id(tensor)] = name
+        if key is not None:
+            self._by_view[key] = name
+        return name
+
+    def pickled(self, value: Any, path: Path, in_key: bool) -> dict:
+        what = "dict key" if in_key else "object"
+        kind = _qualname(type(value))
+        if not self.allow_pickle:
+            raise TypeError(
+                f"unsupported {what} of type {kind} at {_format_path(path)}; "
+                "pass allow_pickle=True to store it with pickle"
+            )
+        try:
+            data = pickle.dumps(value, protocol=PICKLE_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot pickle {what} of type {kind} at {_format_path(path)}: {exc}"
+            ) from exc
+        return {"t": "pickle", "v": base64.b64encode(data).decode("ascii"), "type": kind}
+
+
+def _is_flat_dict(obj: Any) -> bool:
+    """A plain ``str -> Tensor`` dict that load_file would return unchanged."""
+    if type(obj) is not dict:
+        return False
+    for key, value in obj.items():
+        if type(key) is not str or key == METADATA_KEY or not _valid_text(key):
+            return False
+        if type(value) is not torch.Tensor or value.requires_grad:
+            return False
+    return True
+
+
+def flatten(obj: Any, *, allow_pickle: bool = False) -> Flat:
+    """Split ``obj`` into named tensors, aliases and a JSON-able description.
+
+    Supported: dict and OrderedDict (keys: str, int, float, bool, None, tuples
+    of those...), list, tuple, None, bool, int, float (nan, inf, -0.0
+    included), str, bytes, torch.Tensor and nn.Parameter (dense, not meta),
+    torch.dtype, torch.Size, torch.device. Two tensors that are the same view
+    of one storage are stored once. Anything else raises ``TypeError``, or is
+    pickled when ``allow_pickle=True``.
+
+    Args:
+        obj: what to save.
+        allow_pickle: pickle (protocol 4) unsupported objects instead of refusing them.
+
+    Raises:
+        TypeError: an unsupported object or tensor; the message gives its path.
+        ValueError: nesting deeper than :data:`MAX_DEPTH`, or a container that
+            contains itself.
+
+    Example:
+        >>> import torch
+        >>> flat = flatten({"state": {0: {"step": torch.tensor(1.0)}}, "lr": 0.1})
+        >>> list(flat.tensors)
+        ['state/0/step']
+        >>> flatten({"w": torch.zeros(1)}).tree is None
+        True
+    """
+    walker = _Flattener(allow_pickle)
+    try:
+        tree = walker.node(obj, ())
+    except RecursionError:
+        raise ValueError("object nested too deeply to describe") from None
+    if _is_flat_dict(obj):
+        # Names equal the keys here, so the file reads back as the same dict.
+        tree = None
+    return Flat(tensors=walker.tensors, aliases=walker.aliases, tree=tree)
+
+
+# --------------------------------------------------------------------------- unflatten
+
+
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {}
+
+
+def _dtype_by_name(name: str) -> torch.dtype | None:
+    # Looked up in a table rather than with getattr(torch, name), which could
+    # import arbitrary torch submodules on a hostile name.
+    if not _DTYPES_BY_NAME:
+        for value in vars(torch).values():
+            if isinstance(value, torch.dtype):
+                _DTYPES_BY_NAME[str(value).rpartition(".")[2]] = value
+    return _DTYPES_BY_NAME.get(name)
+
+
+class _Unflattener:
+    """One walk over an untrusted tree: validates every node, rebuilds the object."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str], weights_only: bool
+    ):
+        self.tensors = tensors
+        self.aliases = aliases
+        self.weights_only = weights_only
+        self._built: dict[str, torch.Tensor] = {}  # stored name -> returned object
+        self._decoders: dict[str, Callable[[dict, Path, int], Any]] = {
+            "none": self.none,
+            "tuple": self.tuple_,
+            "dict": self.mapping,
+            "odict": self.mapping,
+            "tensor": self.tensor,
+            "float": self.float_,
+            "int": self.int_,
+            "dtype": self.dtype,
+            "size": self.size,
+            "device": self.device,
+            "bytes": self.bytes_,
+            "pickle": self.pickled,
+        }
+
+    def node(self, node: Any, path: Path, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise HeaderError(f"tree nested deeper than {MAX_DEPTH} levels at {_format_path(path)}")
+        kind = type(node)
+        if kind is str or kind is bool or kind is int or kind is float:
+            return node
+        if kind is list:
+            return [self.node(child, path + (index,), depth + 1) for index, child in enumerate(node)]
+        if kind is dict:
+            tag = node.get("t")
+            decoder = self._decoders.get(tag) if type(tag) is str else None
+            if decoder is not None:
+                return decoder(node, path, depth)
+        raise HeaderError(f"malformed tree node {_safe_repr(node)} at {_format_path(path)}")
+
+    # Each decoder gets a dict whose "t" it handles.
+
+    def none(self, node: dict, path: Path, depth: int) -> None:
+        _fields(node, (), (), path)
+
+    def tuple_(self, node: dict, path: Path, depth: int) -> tuple:
+        _fields(node, ("v",), (), path)
+        items = _typed(node, "v", list, path)
+        return tuple(self.node(child, path + (index,), depth + 1) for index, child in enumerate(items))
+
+    def mapping(self, node: dict, path: Path, depth: int) -> dict:
+        ordered = node["t"] == "odict"
+        _fields(node, ("k", "v"), ("m",) if ordered else (), path)
+        keys, values = _typed(node, "k", list, path), _typed(node, "v", list, path)
+        if len(keys) != len(values):
+            raise HeaderError(
+                f"malformed dict at {_format_path(path)}: {len(keys)} keys, {len(values)} values"
+            )
+        result: dict = OrderedDict() if ordered else {}
+        for key_node, value_node in zip(keys, values):
+            key = self.key(key_node, path, depth + 1)
+            if key in result:
+                raise HeaderError(f"duplicate key {_safe_repr(key)} in dict at {_format_path(path)}")
+            result[key] = self.node(value_node, path + (key,), depth + 1)
+        if "m" in node:
+            step = _Attribute("_metadata")
+            result._metadata = self.node(node["m"], path + (step,), depth + 1)  # type: ignore[attr-defined]
+        return result
+
+    def key(self, node: Any, path: Path, depth: int) -> Any:
+        key = self.node(node, path, depth)
+        if isinstance(key, torch.Tensor) or not _hashable(key):
+            raise HeaderError(f"invalid dict key {_safe_repr(node)} at {_format_path(path)}")
+        return key
+
+    def tensor(self, node: dict, path: Path, depth: int) -> torch.Tensor:
+        _fields(node, ("n",), ("p", "g"), path)
+        name = _typed(node, "n", str, path)
+        parameter = _typed(node, "p", bool, path) if "p" in node else False
+        requires_grad = _typed(node, "g", bool, path) if "g" in node else False
+        stored = self.stored_name(name, path)
+        if stored in self._built:  # a tied tensor: the very same object again
+            return self._built[stored]
+        tensor = self.tensors[stored]
+        try:
+            if parameter:
+                tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            elif requires_grad:
+                tensor.requires_grad_(True)
+        except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
+            raise HeaderError(f"tensor {name!r} at {_format_path(path)}: {exc}") from None
+        self._built[stored] = tensor
+        return tensor
+
+    def stored_name(self, name: str, path: Path) -> str:
+        if name in self.tensors:
+            if name in self.aliases:
+                raise HeaderError(f"{name!r} is both a stored tensor and an alias")
+            return name
+        target = self.aliases.get(name)
+        if target is None:
+            raise HeaderError(
+                f"tree refers to tensor {_safe_repr(name)} at {_format_path(path)}, "
+                "which the file does not hold"
+            )
+        if target not in self.tensors:
+            raise HeaderError(f"alias {name!r} refers to missing tensor {_safe_repr(target)}")
+        return target
+
+    def float_(self, node: dict, path: Path, depth: int) -> float:
+        _fields(node, ("v",), (), path)
+        text = _typed(node, "v", str, path)
+        if text not in _NON_FINITE:
+            raise HeaderError(f"malformed float {_safe_repr(text)} at {_format_path(path)}")
+        return _NON_FINITE[text]
+
+    def int_(self, node: dict, path: Path, depth: int) -> int:
+        _fields(node, ("v",), (), path)
+        text = _typed(node, "v", str, path)
+        if not _HEX_INT.fullmatch(text):
+            raise HeaderError(f"malformed int {_safe_repr(text)} at {_format_path(path)}")
+        return int(text, 16)  # linear time for hex, whatever the length
+
+    def dtype(self, node: dict, path: Path, depth: int) -> torch.dtype:
+        _fields(node, ("v",), (), path)
+        dtype = _dtype_by_name(_typed(node, "v", str, path))
+        if dtype is None:
+            raise HeaderError(f"unknown dtype {_safe_repr(node['v'])} at {_format_path(path)}")
+        return dtype
+
+    def size(self, node: dict, path: Path, depth: int) -> torch.Size:
+        _fields(node, ("v",), (), path)
+        dims = _typed(node, "v", list, path)
+        if not all(type(dim) is int for dim in dims):
+            raise HeaderError(f"malformed torch.Size {_safe_repr(dims)} at {_format_path(path)}")
+        try:
+            return torch.Size(dims)
+        except (OverflowError, RuntimeError) as exc:
+            raise HeaderError(f"malformed torch.Size at {_format_path(path)}: {exc}") from None
+
+    def device(self, node: dict, path: Path, depth: int) -> torch.device:
+        _fields(node, ("v",), (), path)
+        text = _typed(node, "v", str, path)
+        try:
+            return torch.device(text)
+        except (RuntimeError, ValueError) as exc:
+            raise HeaderError(f"malformed device {_safe_repr(text)} at {_format_path(path)}: {exc}") from None
+
+    def bytes_(self, node: dict, path: Path, depth: int) -> bytes:
+        _fields(node, ("v",), (), path)
+        return _base64(_typed(node, "v", str, path), path)
+
+    def pickled(self, node: dict, path: Path, depth: int) -> Any:
+        _fields(node, ("v", "type"), (), path)
+        kind = _typed(node, "type", str, path)
+        data = _base64(_typed(node, "v", str, path), path)
+        if self.weights_only:
+            raise WeightsOnlyError(
+                f"the checkpoint holds a pickled {_safe_repr(kind)} at {_format_path(path)}; "
+                "unpickling can run arbitrary code: pass weights_only=False "
+                "if you trust the file"
+            )
+        return pickle.loads(data)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _fields(node: dict, required: tuple[str, ...], optional: tuple[str, ...], path: Path) -> None:
+    """Check that a tagged node has exactly the keys its tag calls for."""
+    allowed = {"t", *required, *optional}
+    missing = [key for key in required if key not in node]
+    extra = [key for key in node if key not in allowed]
+    if missing or extra:
+        raise HeaderError(
+            f"malformed {node['t']!r} node at {_format_path(path)}: "
+            f"missing {missing}, unexpected {[_safe_repr(key) for key in extra]}"
+        )
+
+
+def _typed(node: dict, key: str, kind: type, path: Path) -> Any:
+    value = node[key]
+    if type(value) is not kind:
+        raise HeaderError(
+            f"malformed {node['t']!r} node at {_format_path(path)}: "
+            f"{key!r} must be a {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _base64(text: str, path: Path) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise HeaderError(f"malformed base64 at {_format_path(path)}: {exc}") from None
+
+
+def _flat_dict(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict:
+    result = dict(tensors)
+    for alias, target in aliases.items():
+        if alias in tensors:
+            raise HeaderError(f"{alias!r} is both a stored tensor and an alias")
+        if target not in tensors:
+            raise HeaderError(f"alias {alias!r} refers to missing tensor {_safe_repr(target)}")
+        result[alias] = tensors[target]
+    return result
+
+
+def unflatten(
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    *,
+    weights_only: bool = True,
+) -> Any:
+    """Rebuild the object that :func:`flatten` split; the tree is untrusted input.
+
+    Args:
+        tree: the description (decoded JSON), or None for a flat dict.
+        tensors: stored name -> tensor, as read from the file.
+        aliases: alias name -> stored name.
+        weights_only: refuse pickled objects (the default, as in ``torch.load``).
+
+    Returns:
+        The object with its Python types; an alias and its target give the
+        very same tensor object. For ``tree=None``: a dict of the tensors in
+        the given order, then the aliases.
+
+    Raises:
+        HeaderError: a malformed node, a reference to a missing tensor, or
+            nesting deeper than :data:`MAX_DEPTH`.
+        WeightsOnlyError: a pickled object while ``weights_only=True`` (also a
+            ``pickle.UnpicklingError``); pass ``weights_only=False`` for a trusted file.
+
+    Example:
+        >>> import torch
+        >>> t = torch.zeros(2)
+        >>> tree = {"t": "dict", "k": [1, "b"], "v": [{"t": "tensor", "n": "x"}, [1.5]]}
+        >>> unflatten(tree, {"x": t}, {})
+        {1: tensor([0., 0.]), 'b': [1.5]}
+    """
+    if tree is None:
+        return _flat_dict(tensors, aliases)
+    try:
+        return _Unflattener(tensors, aliases, weights_only).node(tree, ())
+    except RecursionError:
+        raise HeaderError("tree nested too deeply") from None

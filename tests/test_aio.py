@@ -1,0 +1,357 @@
+"""Conformance suite of the DeepNVMe API, run against every engine available here."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import aio
+from fastckpt.aio import aio_handle, aio_read, aio_write, deepspeed_memcpy
+
+SIZES = [0, 1, 511, 4095, 4096, 4097, (1 << 20) + 3]
+OFFSETS = [0, 1, 4096 + 7]
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed + n))
+
+
+def make_handle(engine: str, **kwargs) -> aio_handle:
+    # Small blocks and several workers so that even 1 MiB ops are split into many requests.
+    settings = dict(block_size=64 * 1024, queue_depth=4, intra_op_parallelism=3)
+    settings.update(kwargs)
+    return aio_handle(**settings, engine=engine)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_awkward_sizes_round_trip(engine, io_dir, nbytes, offset):
+    h = make_handle(engine)
+    path = os.path.join(io_dir, "data.bin")
+    data = random_bytes(nbytes)
+    assert h.sync_pwrite(data, path, offset) == 1
+    assert os.path.getsize(path) == (offset + nbytes if nbytes else 0)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read() == data.numpy().tobytes()
+
+    back = torch.empty_like(data)
+    assert h.async_pread(back, path, offset) == 0
+    assert h.wait() == 1
+    assert torch.equal(back, data)
+
+    # A misaligned destination goes through the bounce buffers.
+    misaligned = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+    assert h.read(misaligned, path, True, offset) == 1
+    assert torch.equal(misaligned, data)
+
+
+@pytest.mark.parametrize("method", ["read", "write", "pread", "pwrite", "sync", "async"])
+def test_every_io_method(engine, tmp_path, method):
+    h = make_handle(engine)
+    path = str(tmp_path / "t.bin")
+    src = torch.randn(50_000)
+    dst = torch.zeros_like(src)
+    if method in ("read", "write"):
+        assert h.write(src, path, True) == 1
+        assert h.read(dst, path, True) == 1
+    elif method == "pwrite":
+        assert h.pwrite(src, path, True, False) == 1
+        assert h.pwrite(src, path, False, True) == 0  # DeepSpeed's positional async flag
+        assert h.wait() == 1
+        assert h.pread(dst, path, False, **{"async": False}) == 1
+    elif method == "pread":
+        h.sync_pwrite(src, path)
+        assert h.pread(dst, path, True, **{"async": True}) == 0
+        assert h.wait() == 1
+    elif method == "sync":
+        assert h.sync_pwrite(src, path) == 1
+        assert h.sync_pread(dst, path) == 1
+    else:
+        assert h.async_pwrite(src, path) == 0
+        assert h.wait() == 1
+        assert h.async_pread(dst, path) == 0
+        assert h.wait() == 1
+    assert torch.equal(src, dst)
+
+
+def test_async_queue_of_several_ops(engine, tmp_path):
+    h = make_handle(engine, overlap_events=True)
+    tensors = [torch.randn(1000 * (i + 1)) for i in range(6)]
+    for i, t in enumerate(tensors):
+        assert h.async_pwrite(t, str(tmp_path / f"{i}.bin")) == 0
+    assert h.wait() == 6
+    assert h.wait() == 0
+    outs = [torch.empty_like(t) for t in tensors]
+    for i, o in enumerate(outs):
+        h.async_pread(o, str(tmp_path / f"{i}.bin"))
+    assert h.wait() == 6
+    for t, o in zip(tensors, outs):
+        assert torch.equal(t, o)
+
+
+def test_fd_based_calls(engine, tmp_path):
+    h = make_handle(engine)
+    path = tmp_path / "fd.bin"
+    a, b = random_bytes(10_000, 1), random_bytes(5_000, 2)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        h.async_pwrite(a, fd=fd, file_offset=0)
+        h.async_pwrite(b, fd=fd, file_offset=10_000)
+        assert h.wait() == 2
+        back = torch.empty(15_000, dtype=torch.uint8)
+        h.async_pread(back, fd=fd, file_offset=0)
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+    assert torch.equal(back, torch.cat([a, b]))
+
+
+def test_write_does_not_truncate(engine, tmp_path):
+    h = make_handle(engine)
+    path = str(tmp_path / "x.bin")
+    h.sync_pwrite(random_bytes(10_000), path)
+    h.sync_pwrite(torch.zeros(10, dtype=torch.uint8), path, 100)
+    assert os.path.getsize(path) == 10_000
+
+
+@pytest.mark.parametrize("kind", ["numpy", "bytearray", "memoryview", "bfloat16"])
+def test_buffer_kinds(engine, tmp_path, kind):
+    h = make_handle(engine)
+    path = str(tmp_path / "b.bin")
+    if kind == "numpy":
+        src, dst = np.arange(3000, dtype=np.int32), np.zeros(3000, dtype=np.int32)
+    elif kind == "bytearray":
+        src, dst = bytearray(os.urandom(7000)), bytearray(7000)
+    elif kind == "memoryview":
+        src, dst = memoryview(os.urandom(7000)), memoryview(bytearray(7000))
+    else:
+        src, dst = torch.randn(3000).to(torch.bfloat16), torch.empty(3000, dtype=torch.bfloat16)
+    h.sync_pwrite(src, path)
+    h.sync_pread(dst, path)
+    if kind == "bfloat16":
+        assert torch.equal(src, dst)
+    else:
+        assert bytes(memoryview(src).cast("B")) == bytes(memoryview(dst).cast("B"))
+
+
+def test_getters_and_defaults():
+    h = aio_handle()
+    assert h.get_block_size() == 1048576
+    assert h.get_queue_depth() == 128
+    assert h.get_single_submit() is False
+    assert h.get_overlap_events() is False
+    assert h.get_intra_op_parallelism() == 1
+    assert h.get_alignment() == 4096
+    g = aio_handle(4096 * 16, 8, True, True, 4, engine="threads")
+    assert (g.get_block_size(), g.get_queue_depth(), g.get_single_submit(), g.get_overlap_events(),
+            g.get_intra_op_parallelism(), g.get_engine()) == (65536, 8, True, True, 4, "threads")
+
+
+@pytest.mark.parametrize("single_submit", [False, True])
+@pytest.mark.parametrize("overlap_events", [False, True])
+def test_submission_modes(engine, tmp_path, single_submit, overlap_events):
+    h = make_handle(engine, single_submit=single_submit, overlap_events=overlap_events)
+    data = random_bytes(3 << 20)
+    h.sync_pwrite(data, str(tmp_path / "m.bin"))
+    back = torch.empty_like(data)
+    h.sync_pread(back, str(tmp_path / "m.bin"))
+    assert torch.equal(back, data)
+
+
+def test_module_functions(tmp_path):
+    path = str(tmp_path / "m.bin")
+    t = torch.randn(4096 + 5)
+    assert aio_write(t, path, 1 << 20, 32, False, True, True) == 0
+    u = torch.empty_like(t)
+    assert aio_read(u, path, 1 << 20, 32, False, True, True) == 0
+    assert torch.equal(t, u)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 5_000_000])
+def test_deepspeed_memcpy(n):
+    src = torch.randn(n)
+    dst = torch.empty_like(src)
+    assert deepspeed_memcpy(dst, src) == 0
+    assert torch.equal(dst, src)
+    assert aio.memcpy is deepspeed_memcpy
+
+
+def test_memcpy_misuse():
+    with pytest.raises(ValueError, match="sizes must match"):
+        deepspeed_memcpy(torch.empty(3), torch.empty(4))
+    with pytest.raises(TypeError, match="dest"):
+        deepspeed_memcpy(b"readonly", bytearray(8))
+
+
+def test_locked_tensors():
+    h = aio_handle()
+    example = torch.empty(0, dtype=torch.float16)
+    t = h.new_cpu_locked_tensor(10_000, example)
+    assert t.dtype == torch.float16 and t.numel() == 10_000 and t.dim() == 1
+    assert t.data_ptr() % 4096 == 0
+    assert h.is_pinned(t)
+    assert not h.is_pinned(torch.empty(10))
+    t.fill_(1.5)
+    assert float(t.sum()) == 15_000
+    assert h.free_cpu_locked_tensor(t) is True
+    assert h.free_cpu_locked_tensor(torch.empty(3)) is False
+    empty = h.new_cpu_locked_tensor(0, example)
+    assert empty.numel() == 0
+
+
+def test_validate_catches_mismatch(tmp_path, monkeypatch):
+    h = aio_handle(engine="threads")
+    path = str(tmp_path / "v.bin")
+    t = torch.arange(1000, dtype=torch.int64)
+    h.write(t, path, True)
+    # Change the file behind the handle's back, then ask for a validated read.
+    with open(path, "r+b") as f:
+        f.seek(17)
+        f.write(b"\xff")
+    u = torch.empty_like(t)
+    h.read(u, path, False)
+    assert not torch.equal(t, u)
+    from fastckpt.aio import _PendingOp  # the validation step itself must catch a torn buffer
+    from fastckpt._buffers import buffer_ref
+    from fastckpt._io import File
+
+    u[0] = 12345
+    op = _PendingOp(lambda: None, File(path), buffer_ref(u, writable=True), 0, False, True)
+    with pytest.raises(fastckpt.ChecksumError, match="first difference at byte 0"):
+        h._finish(op)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_missing_directory(engine, tmp_path):
+    h = make_handle(engine)
+    missing = str(tmp_path / "no" / "such" / "file.bin")
+    with pytest.raises(FileNotFoundError) as info:
+        h.sync_pwrite(torch.zeros(10), missing)
+    assert info.value.filename == missing
+    with pytest.raises(FileNotFoundError):
+        h.async_pread(torch.zeros(10), missing)
+
+
+def test_read_only_file(engine, tmp_path):
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"x" * 100)
+    path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    tmp_path.chmod(0o755)
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError) as info:
+            make_handle(engine).sync_pwrite(torch.zeros(10), str(path))
+        assert info.value.filename == str(path)
+        return
+    # Root ignores file modes: check in a child process that gives up root first.
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.environ["FASTCKPT_CONFIG"] = "/nonexistent/tuned.json"
+            make_handle(engine).sync_pwrite(torch.zeros(10), str(path))
+            code = 1
+        except PermissionError as exc:
+            code = 0 if exc.filename == str(path) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_read_only_file_system_object(engine, tmp_path):
+    # Writing through a descriptor opened read-only fails in the engine itself: EBADF.
+    h = make_handle(engine)
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h.async_pwrite(torch.zeros(10), fd=fd)
+        with pytest.raises(OSError) as info:
+            h.wait()
+        assert info.value.errno is not None
+    finally:
+        os.close(fd)
+
+
+def test_directory_as_file(engine, tmp_path):
+    h = make_handle(engine)
+    with pytest.raises(IsADirectoryError):
+        h.sync_pwrite(torch.zeros(10), str(tmp_path))
+
+
+def test_read_past_eof(engine, tmp_path):
+    h = make_handle(engine)
+    path = str(tmp_path / "short.bin")
+    h.sync_pwrite(torch.zeros(100, dtype=torch.uint8), path)
+    with pytest.raises(ValueError, match="past the end"):
+        h.sync_pread(torch.zeros(101, dtype=torch.uint8), path)
+    with pytest.raises(ValueError, match="past the end"):
+        h.sync_pread(torch.zeros(10, dtype=torch.uint8), path, 95)
+
+
+def test_wait_raises_after_all_finish(engine, tmp_path):
+    h = make_handle(engine)
+    good = [torch.randn(1000) for _ in range(3)]
+    h.async_pwrite(good[0], str(tmp_path / "a.bin"))
+    fd = os.open(tmp_path / "a.bin", os.O_RDONLY | os.O_CREAT)
+    try:
+        h.async_pwrite(good[1], fd=fd)  # fails: read-only descriptor
+        h.async_pwrite(good[2], str(tmp_path / "c.bin"))
+        with pytest.raises(OSError):
+            h.wait()
+    finally:
+        os.close(fd)
+    # The ops around the failure completed.
+    back = torch.empty(1000)
+    h.sync_pread(back, str(tmp_path / "c.bin"))
+    assert torch.equal(back, good[2])
+    assert h.wait() == 0
+
+
+def test_misuse_errors(tmp_path):
+    h = aio_handle()
+    path = str(tmp_path / "m.bin")
+    with pytest.raises(ValueError, match="not contiguous"):
+        h.sync_pwrite(torch.randn(10, 10).t(), path)
+    with pytest.raises(ValueError, match="file_offset"):
+        h.sync_pwrite(torch.randn(10), path, -1)
+    with pytest.raises(TypeError, match="buffer"):
+        h.sync_pwrite("not a buffer", path)
+    with pytest.raises(TypeError, match="read-only"):
+        h.sync_pwrite(torch.zeros(1), path)
+        h.sync_pread(b"immutable", path)
+    with pytest.raises(TypeError, match="async"):
+        h.pread(torch.zeros(1), path, False)
+    with pytest.raises(ValueError, match="queue_depth"):
+        aio_handle(queue_depth=0)
+    with pytest.raises(ValueError, match="engine"):
+        aio_handle(engine="warp-drive")
+
+
+def test_unavailable_engine_is_named(monkeypatch):
+    from fastckpt import _engines as engines_module
+
+    fake = engines_module.EngineInfo("io_uring", False, "io_uring_setup failed: Operation not permitted")
+    monkeypatch.setattr(engines_module, "_probe", lambda name: fake if name == "io_uring" else
+                        engines_module.EngineInfo(name, True))
+    with pytest.raises(fastckpt.EngineUnavailableError, match="Operation not permitted"):
+        aio_handle(engine="io_uring")
+    assert engines_module.resolve_engine("auto") == "libaio"
+
+
+def test_engines_report():
+    info = fastckpt.engines()
+    assert set(info) >= {"io_uring", "libaio", "threads", "gds"}
+    assert info["threads"].available
+    for item in info.values():
+        assert item.available or item.reason
