@@ -15,9 +15,24 @@ Example:
 
 from fastckpt import aio
 from fastckpt._engines import EngineInfo, engines
-from fastckpt.errors import ChecksumError, EngineUnavailableError, FastCkptError, HeaderError
+from fastckpt.errors import (
+    ChecksumError,
+    EngineUnavailableError,
+    FastCkptError,
+    HeaderError,
+    WeightsOnlyError,
+)
+from fastckpt.loader import load
+from fastckpt.reader import CheckpointReader, TensorInfo
+from fastckpt.reader import open_checkpoint as open  # noqa: A001 - the public name, like safe_open
+from fastckpt.saver import save
 
 __all__ = [
+    "save",
+    "load",
+    "open",
+    "CheckpointReader",
+    "TensorInfo",
     "aio",
     "engines",
     "EngineInfo",
@@ -25,5 +40,6 @@ __all__ = [
     "HeaderError",
     "ChecksumError",
     "EngineUnavailableError",
+    "WeightsOnlyError",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from fastckpt._buffers import BufferRef
 from fastckpt.config import IOConfig
 from fastckpt._engines import resolve_engine
 
-__all__ = ["File", "Executor", "DEFAULT_ALIGNMENT"]
+__all__ = ["File", "Executor", "DEFAULT_ALIGNMENT", "shared_executor"]
 
 DEFAULT_ALIGNMENT = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -33,6 +33,7 @@ class File:
         write: open for writing (reading too).
         create: create the file if missing.
         truncate: empty the file first.
+        exclusive: fail if the file exists (with ``create``).
         direct: try O_DIRECT (falls back silently where the file system refuses it).
 
     Example:
@@ -48,6 +49,7 @@ class File:
         write: bool = False,
         create: bool = False,
         truncate: bool = False,
+        exclusive: bool = False,
         direct: bool = True,
     ):
         self.path = os.fspath(path)
@@ -56,12 +58,14 @@ class File:
             flags |= os.O_CREAT
         if truncate:
             flags |= os.O_TRUNC
+        if exclusive:
+            flags |= os.O_EXCL
         self.fd = os.open(self.path, flags, 0o644)
         self.direct_fd = -1
         self._owns_fd = True
         if direct and _O_DIRECT:
             try:
-                self.direct_fd = os.open(self.path, (flags & ~(os.O_CREAT | os.O_TRUNC)) | _O_DIRECT)
+                self.direct_fd = os.open(self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
@@ -217,3 +221,20 @@ class Executor:
 
     def pending(self) -> int:
         return self._native.pending()
+
+
+_shared: dict[IOConfig, Executor] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_executor(config: IOConfig) -> Executor:
+    """A process-wide executor per configuration, so repeated saves and loads reuse workers.
+
+    Callers must wait for their own ops with :meth:`Executor.wait` (never ``wait_all``,
+    which would also wait for other callers' ops).
+    """
+    with _shared_lock:
+        executor = _shared.get(config)
+        if executor is None:
+            executor = _shared[config] = Executor(config)
+        return executor

@@ -16,7 +16,7 @@ import torch
 from fastckpt.errors import HeaderError
 from fastckpt.format import ITEMSIZE
 
-__all__ = ["to_safetensors", "to_torch", "itemsize"]
+__all__ = ["itemsize", "to_safetensors", "to_torch"]
 
 # safetensors name -> torch attribute. Looked up with getattr so that an older
 # torch lacking a float8 or unsigned type simply does not offer that name.

@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["FastCkptError", "HeaderError", "ChecksumError", "EngineUnavailableError"]
+import pickle
+
+__all__ = ["FastCkptError", "HeaderError", "ChecksumError", "EngineUnavailableError", "WeightsOnlyError"]
 
 
 class FastCkptError(Exception):
@@ -42,3 +44,11 @@ class ChecksumError(FastCkptError):
 
 class EngineUnavailableError(FastCkptError):
     """An I/O engine asked for by name cannot run here; the message says why."""
+
+
+class WeightsOnlyError(FastCkptError, pickle.UnpicklingError):
+    """The checkpoint holds a pickled object and ``weights_only=True`` forbids unpickling.
+
+    It is a ``pickle.UnpicklingError``, as ``torch.load(weights_only=True)`` raises, so code
+    written for torch keeps catching it.
+    """

@@ -42,30 +42,31 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from fastckpt.errors import HeaderError
 
 __all__ = [
-    "ITEMSIZE",
-    "HEADER_LIMIT",
-    "METADATA_KEY",
     "DEFAULT_ALIGNMENT",
     "FORMAT_VERSION",
-    "META_PREFIX",
-    "KEY_VERSION",
-    "KEY_CRC32C",
+    "HEADER_LIMIT",
+    "ITEMSIZE",
     "KEY_ALIASES",
+    "KEY_CRC32C",
     "KEY_TREE",
-    "TensorEntry",
-    "Header",
+    "KEY_VERSION",
+    "METADATA_KEY",
+    "META_PREFIX",
     "FastckptMeta",
-    "plan_layout",
-    "encode_header",
-    "parse_header_length",
-    "parse_header",
+    "Header",
+    "TensorEntry",
     "build_metadata",
+    "encode_header",
+    "parse_header",
+    "parse_header_length",
+    "plan_layout",
     "split_metadata",
 ]
 
@@ -107,6 +108,7 @@ KEY_ALIASES = "fastckpt.aliases"
 KEY_TREE = "fastckpt.tree"
 
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+_U64_LIMIT = 2**64
 _CRC_PATTERN = re.compile(r"[0-9a-f]{8}")
 
 
@@ -176,19 +178,17 @@ def _check_alignment(alignment: int) -> None:
         raise ValueError(f"alignment must be a power of two >= 8, got {alignment!r}")
 
 
-def _check_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """(shape as a tuple, byte size) of a tensor to write; ValueError if no reader could read it."""
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
     dims = tuple(shape)
-    for dim in dims:
-        if type(dim) is not int or dim < 0:
-            raise ValueError(f"tensor {name!r}: shape {list(dims)} must hold non-negative ints")
-    return dims
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+    if not all(type(dim) is int and dim >= 0 for dim in dims):
+        raise ValueError(f"tensor {name!r}: shape {list(dims)} must hold non-negative ints")
+    nbytes = _nbytes_u64(list(dims), ITEMSIZE[dtype])
+    if nbytes is None:
+        raise ValueError(f"tensor {name!r}: shape {list(dims)} of {dtype} overflows 64 bits")
+    return dims, nbytes
 
 
 def plan_layout(
@@ -222,10 +222,8 @@ def plan_layout(
         if name in seen:
             raise ValueError(f"duplicate tensor name {name!r}")
         seen.add(name)
-        if dtype not in ITEMSIZE:
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        dims = _check_shape(name, shape)
-        sized.append((name, dtype, dims, _numel(dims) * ITEMSIZE[dtype]))
+        dims, nbytes = _checked_nbytes(name, dtype, shape)
+        sized.append((name, dtype, dims, nbytes))
 
     def order(item: tuple[str, str, tuple[int, ...], int]) -> tuple[bool, int, str]:
         name, dtype, _, nbytes = item
@@ -263,15 +261,13 @@ def _check_contiguous(entries: Sequence[TensorEntry]) -> None:
         if entry.name in seen:
             raise ValueError(f"duplicate tensor name {entry.name!r}")
         seen.add(entry.name)
-        if entry.dtype not in ITEMSIZE:
-            raise ValueError(f"tensor {entry.name!r}: unknown dtype {entry.dtype!r}")
-        dims = _check_shape(entry.name, entry.shape)
+        dims, nbytes = _checked_nbytes(entry.name, entry.dtype, entry.shape)
         if entry.begin != offset:
             raise ValueError(
                 f"tensor {entry.name!r} begins at {entry.begin}, expected {offset}: "
                 "entries must be contiguous and in file order"
             )
-        if entry.nbytes != _numel(dims) * ITEMSIZE[entry.dtype]:
+        if entry.nbytes != nbytes:
             raise ValueError(
                 f"tensor {entry.name!r}: {entry.nbytes} bytes do not match "
                 f"shape {list(dims)} of {entry.dtype}"
@@ -415,7 +411,9 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
     for key, value in raw.items():
         _check_text(key, "__metadata__ key")
         if type(value) is not str:
-            raise HeaderError(f"__metadata__[{_short(key)}] must be a string, got {_json_type(value)}")
+            raise HeaderError(
+                f"__metadata__[{_short(key)}] must be a string, got {_json_type(value)}"
+            )
         _check_text(value, f"__metadata__[{_short(key)}]")
     return raw
 
@@ -433,19 +431,24 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    # Exact int (JSON true is not 1) that fits the reference reader's u64.
+    return type(value) is int and 0 <= value < _U64_LIMIT
 
 
-def _nbytes_up_to(shape: list[int], itemsize: int, limit: int) -> int | None:
-    """shape's byte size, or None once it exceeds ``limit`` (keeps hostile products cheap)."""
-    if 0 in shape:
-        return 0
-    nbytes = itemsize
+def _nbytes_u64(shape: list[int], itemsize: int) -> int | None:
+    """Byte size of ``shape``, or None where the reference reader's u64 arithmetic overflows.
+
+    Multiplying left to right and stopping at 2**64 keeps a hostile shape cheap,
+    and rejects exactly what the reference rejects: ``[2**40, 2**40, 0]``
+    overflows there before the 0 is reached.
+    """
+    numel = 1
     for dim in shape:
-        nbytes *= dim
-        if nbytes > limit:
+        numel *= dim
+        if numel >= _U64_LIMIT:
             return None
-    return nbytes
+    nbytes = numel * itemsize
+    return nbytes if nbytes < _U64_LIMIT else None
 
 
 def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
@@ -464,24 +467,27 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     if type(dtype) is not str or dtype not in ITEMSIZE:
         raise HeaderError(f"{where}: unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
-        raise HeaderError(f"{where}: shape {_short(shape)} must be a list of non-negative integers")
+        raise HeaderError(
+            f"{where}: shape {_short(shape)} must be a list of integers in [0, 2**64)"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise HeaderError(
-            f"{where}: data_offsets {_short(offsets)} must be two non-negative integers"
+            f"{where}: data_offsets {_short(offsets)} must be two integers in [0, 2**64)"
         )
     begin, end = offsets
     if begin > end:
         raise HeaderError(f"{where}: data_offsets [{begin}, {end}] begin after they end")
     if end > data_size:
         raise HeaderError(
-            f"{where}: data_offsets [{begin}, {end}] run past the data section "
-            f"of {data_size} bytes"
+            f"{where}: data_offsets [{begin}, {end}] run past the data section of {data_size} bytes"
         )
-    nbytes = _nbytes_up_to(shape, ITEMSIZE[dtype], end - begin)
+    nbytes = _nbytes_u64(shape, ITEMSIZE[dtype])
+    if nbytes is None:
+        raise HeaderError(f"{where}: shape {_short(shape)} of {dtype} overflows 64 bits")
     if nbytes != end - begin:
         raise HeaderError(
-            f"{where}: shape {_short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) does not fill "
-            f"data_offsets [{begin}, {end}] ({end - begin} bytes)"
+            f"{where}: shape {_short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) "
+            f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
         )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
 

@@ -62,16 +62,17 @@ import math
 import pickle
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from fastckpt import dtypes
-from fastckpt.errors import FastCkptError, HeaderError
+from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format import METADATA_KEY
 
-__all__ = ["Flat", "flatten", "unflatten", "WeightsOnlyError", "MAX_DEPTH"]
+__all__ = ["MAX_DEPTH", "Flat", "WeightsOnlyError", "flatten", "unflatten"]
 
 #: Deepest nesting of containers that flatten writes and unflatten reads.
 #: Each level costs two JSON levels and two Python frames, and both the JSON
@@ -83,14 +84,6 @@ _SMALL_INT = 2**63  # ints in [-2**63, 2**63) are plain JSON numbers
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TOP_LEVEL_NAME = "tensor"  # the name of a tensor saved on its own
-
-
-class WeightsOnlyError(FastCkptError, pickle.UnpicklingError):
-    """The checkpoint holds a pickled object and ``weights_only=True`` forbids unpickling.
-
-    It is a ``pickle.UnpicklingError``, as ``torch.load(weights_only=True)``
-    raises, so code written for torch keeps catching it.
-    """
 
 
 @dataclass(frozen=True)
@@ -196,7 +189,9 @@ def _check_tensor(tensor: torch.Tensor, path: Path) -> None:
     if tensor.is_nested:
         raise TypeError(f"nested tensor at {where}: nested tensors cannot be stored")
     if tensor.layout != torch.strided:
-        raise TypeError(f"{tensor.layout} tensor at {where}: only dense (strided) tensors can be stored")
+        raise TypeError(
+            f"{tensor.layout} tensor at {where}: only dense (strided) tensors can be stored"
+        )
     if tensor.is_quantized:
         raise TypeError(f"quantized tensor at {where}: quantized tensors cannot be stored")
     if tensor.device.type == "meta":
@@ -265,7 +260,9 @@ class _Flattener:
     def node(self, value: Any, path: Path, depth: int = 0, in_key: bool = False) -> Any:
         """The tree node of ``value``, which sits at ``path``."""
         if depth > MAX_DEPTH:
-            raise ValueError(f"object nested deeper than {MAX_DEPTH} levels at {_format_path(path)}")
+            raise ValueError(
+                f"object nested deeper than {MAX_DEPTH} levels at {_format_path(path)}"
+            )
         kind = type(value)
         if value is None:
             return {"t": "none"}
@@ -300,7 +297,7 @@ class _Flattener:
                 return self.mapping(value, path, depth)
             # Elements of a tuple used as a key report the key's path.
             children = [
-                self.node(item, path if in_key else path + (index,), depth + 1, in_key)
+                self.node(item, path if in_key else (*path, index), depth + 1, in_key)
                 for index, item in enumerate(value)
             ]
             return children if type(value) is list else {"t": "tuple", "v": children}
@@ -309,7 +306,7 @@ class _Flattener:
 
     def mapping(self, value: dict, path: Path, depth: int) -> dict:
         keys = [self.node(key, path, depth + 1, in_key=True) for key in value]
-        values = [self.node(item, path + (key,), depth + 1) for key, item in value.items()]
+        values = [self.node(item, (*path, key), depth + 1) for key, item in value.items()]
         if type(value) is dict:
             return {"t": "dict", "k": keys, "v": values}
         node = {"t": "odict", "k": keys, "v": values}
@@ -317,7 +314,7 @@ class _Flattener:
         # Other instance attributes of an OrderedDict are not kept.
         if "_metadata" in vars(value):
             step = _Attribute("_metadata")
-            node["m"] = self.node(value._metadata, path + (step,), depth + 1)
+            node["m"] = self.node(value._metadata, (*path, step), depth + 1)
         return node
 
     def tensor(self, tensor: torch.Tensor, path: Path) -> dict:
@@ -460,7 +457,7 @@ class _Unflattener:
         if kind is str or kind is bool or kind is int or kind is float:
             return node
         if kind is list:
-            return [self.node(child, path + (index,), depth + 1) for index, child in enumerate(node)]
+            return [self.node(child, (*path, index), depth + 1) for index, child in enumerate(node)]
         if kind is dict:
             tag = node.get("t")
             decoder = self._decoders.get(tag) if type(tag) is str else None
@@ -476,7 +473,9 @@ class _Unflattener:
     def tuple_(self, node: dict, path: Path, depth: int) -> tuple:
         _fields(node, ("v",), (), path)
         items = _typed(node, "v", list, path)
-        return tuple(self.node(child, path + (index,), depth + 1) for index, child in enumerate(items))
+        return tuple(
+            self.node(child, (*path, index), depth + 1) for index, child in enumerate(items)
+        )
 
     def mapping(self, node: dict, path: Path, depth: int) -> dict:
         ordered = node["t"] == "odict"
@@ -490,11 +489,14 @@ class _Unflattener:
         for key_node, value_node in zip(keys, values):
             key = self.key(key_node, path, depth + 1)
             if key in result:
-                raise HeaderError(f"duplicate key {_safe_repr(key)} in dict at {_format_path(path)}")
-            result[key] = self.node(value_node, path + (key,), depth + 1)
+                raise HeaderError(
+                    f"duplicate key {_safe_repr(key)} in dict at {_format_path(path)}"
+                )
+            result[key] = self.node(value_node, (*path, key), depth + 1)
         if "m" in node:
             step = _Attribute("_metadata")
-            result._metadata = self.node(node["m"], path + (step,), depth + 1)  # type: ignore[attr-defined]
+            metadata = self.node(node["m"], (*path, step), depth + 1)
+            result._metadata = metadata  # type: ignore[attr-defined]
         return result
 
     def key(self, node: Any, path: Path, depth: int) -> Any:
@@ -565,7 +567,7 @@ class _Unflattener:
             raise HeaderError(f"malformed torch.Size {_safe_repr(dims)} at {_format_path(path)}")
         try:
             return torch.Size(dims)
-        except (OverflowError, RuntimeError) as exc:
+        except (OverflowError, RuntimeError, ValueError) as exc:
             raise HeaderError(f"malformed torch.Size at {_format_path(path)}: {exc}") from None
 
     def device(self, node: dict, path: Path, depth: int) -> torch.device:
@@ -574,7 +576,9 @@ class _Unflattener:
         try:
             return torch.device(text)
         except (RuntimeError, ValueError) as exc:
-            raise HeaderError(f"malformed device {_safe_repr(text)} at {_format_path(path)}: {exc}") from None
+            raise HeaderError(
+                f"malformed device {_safe_repr(text)} at {_format_path(path)}: {exc}"
+            ) from None
 
     def bytes_(self, node: dict, path: Path, depth: int) -> bytes:
         _fields(node, ("v",), (), path)
@@ -590,7 +594,14 @@ class _Unflattener:
                 "unpickling can run arbitrary code: pass weights_only=False "
                 "if you trust the file"
             )
-        return pickle.loads(data)
+        try:
+            return pickle.loads(data)
+        except (ImportError, AttributeError):
+            raise  # the class is missing here: the environment's problem, not the file's
+        except Exception as exc:
+            raise HeaderError(
+                f"cannot unpickle the {_safe_repr(kind)} at {_format_path(path)}: {exc}"
+            ) from exc
 
 
 def _hashable(value: Any) -> bool:
@@ -607,9 +618,10 @@ def _fields(node: dict, required: tuple[str, ...], optional: tuple[str, ...], pa
     missing = [key for key in required if key not in node]
     extra = [key for key in node if key not in allowed]
     if missing or extra:
+        problems = [f"missing {key!r}" for key in missing]
+        problems += [f"unexpected {_safe_repr(key)}" for key in extra[:3]]
         raise HeaderError(
-            f"malformed {node['t']!r} node at {_format_path(path)}: "
-            f"missing {missing}, unexpected {[_safe_repr(key) for key in extra]}"
+            f"malformed {node['t']!r} node at {_format_path(path)}: {', '.join(problems)}"
         )
 
 
@@ -666,6 +678,8 @@ def unflatten(
             nesting deeper than :data:`MAX_DEPTH`.
         WeightsOnlyError: a pickled object while ``weights_only=True`` (also a
             ``pickle.UnpicklingError``); pass ``weights_only=False`` for a trusted file.
+        ImportError, AttributeError: with ``weights_only=False``, a pickled
+            object whose class cannot be found here.
 
     Example:
         >>> import torch

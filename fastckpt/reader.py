@@ -1,0 +1,372 @@
+"""``fastckpt.open``: a lazy reader of fastckpt and safetensors files, and the read path
+that ``fastckpt.load`` uses.
+
+Reads go straight from the file into one page-aligned arena with parallel O_DIRECT; the
+tensors returned are views into it, so nothing is copied after the read. Each byte range is
+placed in the arena at the same offset modulo the page size as in the file, which keeps
+direct I/O possible even for files whose data does not start on an aligned offset.
+Checksums are verified piece by piece while later pieces are still being read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from fastckpt import _C, dtypes, format
+from fastckpt._buffers import BufferRef, aligned_tensor
+from fastckpt._io import Executor, File, shared_executor
+from fastckpt._progress import progress_bar
+from fastckpt.config import resolve_io
+from fastckpt.errors import ChecksumError, HeaderError
+
+__all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
+
+_PAGE = 4096
+# Reads are submitted in pieces of this size so checksums of finished pieces are verified
+# while the rest is read, and progress can be shown.
+_READ_PIECE = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What the header says of one tensor, known without reading it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute file offset of the first byte
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        data = os.pread(fd, n - got, offset + got)
+        if not data:
+            raise HeaderError(f"{path}: file ended after {offset + got} bytes while reading the header")
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks)
+
+
+@dataclasses.dataclass
+class _Run:
+    """Adjacent tensors read as one byte range; ``arena_pos`` is where ``begin`` lands."""
+
+    begin: int
+    end: int
+    entries: list[format.TensorEntry]
+    arena_pos: int = 0
+
+
+def _runs(entries: Iterable[format.TensorEntry]) -> list[_Run]:
+    runs: list[_Run] = []
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if runs and e.begin <= runs[-1].end:
+            runs[-1].end = max(runs[-1].end, e.end)
+            runs[-1].entries.append(e)
+        else:
+            runs.append(_Run(e.begin, e.end, [e]))
+    return runs
+
+
+class CheckpointReader:
+    """A fastckpt/safetensors file opened for lazy reading; like ``safetensors.safe_open``.
+
+    Use :func:`fastckpt.open` to create one.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"w": torch.ones(2, 2), "b": torch.zeros(2)}, "/tmp/fastckpt-open.safetensors")
+        >>> with fastckpt.open("/tmp/fastckpt-open.safetensors") as f:
+        ...     sorted(f.keys()), f.info("w").shape, f.get_tensor("b").tolist()
+        (['b', 'w'], (2, 2), [0.0, 0.0])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        engine: str | None = None,
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        intra_op_parallelism: int | None = None,
+    ):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"f must be a path (str or os.PathLike), got {type(path).__name__}")
+        self.path = os.fspath(path)
+        self.device = torch.device(device)
+        config = resolve_io(
+            self.path,
+            dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
+                 intra_op_parallelism=intra_op_parallelism),
+        )
+        self._file = File(self.path)
+        try:
+            self._executor: Executor = shared_executor(config)
+            self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+        self._prefetched: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- header ---------------------------------------------------------------------------
+    def _read_header(self) -> None:
+        size = self._file.size()
+        first8 = _pread_exact(self._file.fd, min(8, size), 0, self.path) if size else b""
+        try:
+            n = format.parse_header_length(first8, size)
+            self.header = format.parse_header(_pread_exact(self._file.fd, n, 8, self.path), size)
+            self.meta = format.split_metadata(self.header.metadata)
+        except HeaderError as exc:
+            raise HeaderError(f"{self.path}: {exc}") from None
+        entries = self.header.entries
+        for alias, target in self.meta.aliases.items():
+            if target not in entries:
+                raise HeaderError(f"{self.path}: alias {alias!r} points to missing tensor {target!r}")
+            if alias in entries:
+                raise HeaderError(f"{self.path}: alias {alias!r} is also a stored tensor")
+        if self.meta.crcs is not None:
+            unknown = set(self.meta.crcs) - set(entries)
+            if unknown:
+                raise HeaderError(f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}")
+        for entry in entries.values():
+            dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
+
+    # -- what the header says -------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every tensor name: stored tensors in file order, then aliases of tied tensors."""
+        return list(self.header.entries) + list(self.meta.aliases)
+
+    def metadata(self) -> dict[str, str]:
+        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys)."""
+        return dict(self.meta.user)
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the file records a CRC32C per tensor."""
+        return self.meta.crcs is not None
+
+    def _entry(self, name: str) -> format.TensorEntry:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are str, got {type(name).__name__}")
+        target = self.meta.aliases.get(name, name)
+        try:
+            return self.header.entries[target]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def info(self, name: str) -> TensorInfo:
+        """dtype, shape, size and file offset of a tensor, without reading it."""
+        e = self._entry(name)
+        return TensorInfo(name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin)
+
+    # -- reading --------------------------------------------------------------------------
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Reads one tensor (waiting only for what is still in flight if it was prefetched)."""
+        return self.get_tensors([name])[name]
+
+    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
+        """Reads several tensors in one batch of parallel reads."""
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        tensors = self.read(list(names), verify=verify)
+        return {n: tensors[self.meta.aliases.get(n, n)] for n in names}
+
+    def read(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        pin_memory: bool = False,
+        verify: bool = False,
+        progress: bool | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Reads stored tensors (all when ``names`` is None) into one arena; name -> view.
+
+        Aliases in ``names`` are read as their targets; the result is keyed by stored name.
+        """
+        wanted = list(self.header.entries) if names is None else names
+        entries = {}
+        for n in wanted:
+            e = self._entry(n)
+            entries[e.name] = e
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        result: dict[str, torch.Tensor] = {}
+        pending = []
+        for name, e in entries.items():
+            pre = self._prefetched.pop(name, None) if self._prefetched else None
+            if pre is not None:
+                result[name] = pre.result() if hasattr(pre, "result") else pre
+            else:
+                pending.append(e)
+        result.update(self._read_entries(pending, pin_memory=pin_memory, verify=verify, progress=progress))
+        if self.device.type != "cpu":
+            result = self._to_device(result)
+        return result
+
+    def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.to(self.device) for name, t in tensors.items()}
+
+    def _read_entries(
+        self,
+        entries: list[format.TensorEntry],
+        *,
+        pin_memory: bool,
+        verify: bool,
+        progress: bool | None,
+    ) -> dict[str, torch.Tensor]:
+        if not entries:
+            return {}
+        base = self.header.data_offset
+        runs = _runs(entries)
+        pos = 0
+        for run in runs:  # same offset modulo the page as in the file: O_DIRECT stays possible
+            pos = -(-pos // _PAGE) * _PAGE + (base + run.begin) % _PAGE
+            run.arena_pos = pos
+            pos += run.end - run.begin
+        arena = aligned_tensor(pos, lock=pin_memory)
+        arena_ref = BufferRef(arena.data_ptr(), arena.numel(), arena) if pos else None
+
+        ops: list[tuple[int, _Run, int, int]] = []  # (op id, run, piece start, piece end)
+        try:
+            for run in runs:
+                start = run.begin
+                while start < run.end:
+                    stop = min(run.end, _piece_end(base + start) - base)
+                    ref = BufferRef(arena_ref.address + run.arena_pos + (start - run.begin), stop - start, arena)
+                    op = self._executor.submit(self._file, ref, base + start, write=False)
+                    ops.append((op, run, start, stop))
+                    start = stop
+        except BaseException:
+            self._wait_quietly(op for op, *_ in ops)
+            raise
+
+        crcs = self.meta.crcs if verify else None
+        checked: dict[int, int] = {}  # id(run) -> index of the next entry to verify
+        total = sum(r.end - r.begin for r in runs)
+        with progress_bar(total, "loading", enabled=progress) as bar:
+            for i, (op, run, start, stop) in enumerate(ops):
+                try:
+                    self._executor.wait(op)
+                except BaseException:
+                    self._wait_quietly(o for o, *_ in ops[i + 1 :])
+                    raise
+                bar.update(stop - start)
+                if crcs is not None:
+                    self._verify_ready(run, stop, arena_ref.address, crcs, checked)
+
+        return {e.name: self._view(arena, run, e) for run in runs for e in run.entries}
+
+    def _wait_quietly(self, ops: Iterable[int]) -> None:
+        for op in ops:
+            try:
+                self._executor.wait(op)
+            except OSError:
+                pass
+
+    def _verify_ready(self, run: _Run, done_to: int, address: int, crcs: dict[str, int],
+                      checked: dict[int, int]) -> None:
+        """Checks the CRC of every entry of ``run`` that lies wholly before ``done_to``."""
+        index = checked.get(id(run), 0)
+        while index < len(run.entries) and run.entries[index].end <= done_to:
+            e = run.entries[index]
+            expected = crcs.get(e.name)
+            if expected is not None:
+                actual = _C.crc32c(address + run.arena_pos + (e.begin - run.begin), e.nbytes)
+                if actual != expected:
+                    raise ChecksumError(
+                        f"tensor {e.name!r} in {self.path} is damaged: CRC32C {actual:08x}, "
+                        f"expected {expected:08x}",
+                        tensor=e.name,
+                        filename=self.path,
+                    )
+            index += 1
+        checked[id(run)] = index
+
+    @staticmethod
+    def _view(arena: torch.Tensor, run: _Run, e: format.TensorEntry) -> torch.Tensor:
+        dtype = dtypes.to_torch(e.dtype)
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        start = run.arena_pos + (e.begin - run.begin)
+        raw = arena[start : start + e.nbytes]
+        if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
+            raw = raw.clone()  # files from other writers may not align tensors to their dtype
+        return raw.view(dtype).view(e.shape)
+
+    def verify(self, names: Sequence[str] | None = None, *, progress: bool | None = None) -> list[str]:
+        """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
+
+        Raises:
+            ChecksumError: the file has no checksums (it cannot be verified).
+        """
+        if not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        damaged: list[str] = []
+        crcs = self.meta.crcs or {}
+        wanted = list(self.header.entries) if names is None else [self._entry(n).name for n in names]
+        budget = 256 << 20  # read in batches so memory stays bounded on huge files
+        batch: list[str] = []
+        size = 0
+        with progress_bar(sum(self.header.entries[n].nbytes for n in wanted), "verifying", enabled=progress) as bar:
+            for name in wanted + [None]:
+                if name is not None:
+                    batch.append(name)
+                    size += self.header.entries[name].nbytes
+                if batch and (name is None or size >= budget):
+                    tensors = self._read_entries([self.header.entries[n] for n in batch],
+                                                 pin_memory=False, verify=False, progress=False)
+                    for n in batch:
+                        t = tensors[n]
+                        actual = _C.crc32c(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else 0
+                        if crcs.get(n) is not None and actual != crcs[n]:
+                            damaged.append(n)
+                    bar.update(size)
+                    batch, size = [], 0
+        return damaged
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the file (waiting for any prefetch still reading it)."""
+        for pre in list(self._prefetched.values()):
+            if hasattr(pre, "exception"):
+                pre.exception()
+        self._prefetched.clear()
+        self._file.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _piece_end(offset: int) -> int:
+    """The next multiple of the read piece after ``offset``."""
+    return (offset // _READ_PIECE + 1) * _READ_PIECE
+
+
+def open_checkpoint(f: str | os.PathLike[str], *, device: str | torch.device = "cpu", **io: Any) -> CheckpointReader:
+    """Opens a checkpoint for lazy reading (exported as ``fastckpt.open``).
+
+    Args:
+        f: the file's path.
+        device: where :meth:`~CheckpointReader.get_tensor` puts tensors.
+        **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"x": torch.arange(4)}, "/tmp/fastckpt-open2.safetensors")
+        >>> with fastckpt.open("/tmp/fastckpt-open2.safetensors") as r:
+        ...     r.info("x").dtype, r.get_tensor("x").tolist()
+        (torch.int64, [0, 1, 2, 3])
+    """
+    return CheckpointReader(f, device=device, **io)

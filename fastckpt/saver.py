@@ -1,0 +1,335 @@
+"""``fastckpt.save``: stream a state dict into a direct-I/O safetensors file, atomically.
+
+The pipeline: flatten the object into named tensors (:mod:`fastckpt.tree`), plan the
+layout (:mod:`fastckpt.format`), then copy the tensors in file order into staging buffers
+from a bounded pool (:mod:`fastckpt.staging`), computing CRC32C in the same pass, and hand
+each full buffer to the engine while the next one fills: copy and I/O overlap, and the
+extra memory is the pool's budget, whatever the checkpoint's size. The header, which holds
+the checksums, is written last; the file is then committed atomically (:mod:`fastckpt._commit`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from fastckpt import _C
+from fastckpt import dtypes, format, tree
+from fastckpt._buffers import BufferRef
+from fastckpt._commit import AtomicFile, check_destination
+from fastckpt._io import Executor, File, shared_executor
+from fastckpt._progress import progress_bar
+from fastckpt.config import resolve_io
+from fastckpt.staging import StagingBuffer, StagingPool, default_pool, zero_fill
+
+__all__ = ["save", "SavePlan", "plan_save", "StreamWriter"]
+
+
+@dataclasses.dataclass
+class SavePlan:
+    """Everything decided before the first byte is written.
+
+    Attributes:
+        entries: the tensors in file order, with their data-section offsets.
+        tensors: stored name -> tensor (aliases of tied tensors are not repeated).
+        user_metadata, aliases, tree: what goes into ``__metadata__``.
+        checksum: whether CRC32C values are recorded.
+        alignment: the layout's alignment (bytes).
+        header_size: bytes before the data section (fixed before the CRCs are known,
+            because each CRC is stored as exactly 8 hex digits).
+    """
+
+    entries: list[format.TensorEntry]
+    tensors: dict[str, torch.Tensor]
+    user_metadata: dict[str, str] | None
+    aliases: dict[str, str]
+    tree: Any
+    checksum: bool
+    alignment: int
+    header_size: int = 0
+
+    @property
+    def data_size(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def file_size(self) -> int:
+        return self.header_size + self.data_size
+
+    def header(self, crcs: Mapping[str, int] | None) -> bytes:
+        """The encoded header (length prefix, JSON, padding) with these checksums."""
+        metadata = format.build_metadata(
+            self.user_metadata,
+            crcs=dict(crcs) if self.checksum and crcs is not None else None,
+            aliases=self.aliases or None,
+            tree=self.tree,
+        )
+        return format.encode_header(self.entries, metadata, self.alignment)
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"tensor {name!r} is on device {t.device}, which fastckpt cannot save")
+
+
+def plan_save(
+    obj: Any,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    alignment: int = format.DEFAULT_ALIGNMENT,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+) -> SavePlan:
+    """Flattens ``obj`` and plans the file's layout; raises before anything is written.
+
+    Example:
+        >>> import torch
+        >>> plan = plan_save({"w": torch.zeros(2, 3), "b": torch.zeros(3)})
+        >>> [e.name for e in plan.entries], plan.header_size
+        (['b', 'w'], 4096)
+    """
+    if isinstance(alignment, bool) or not isinstance(alignment, int):
+        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+    flat = tree.flatten(obj, allow_pickle=allow_pickle)
+    specs = []
+    for name, t in flat.tensors.items():
+        _check_tensor(name, t)
+        specs.append((name, dtypes.to_safetensors(t.dtype), tuple(t.shape)))
+    entries = format.plan_layout(specs, alignment)
+    plan = SavePlan(
+        entries=entries,
+        tensors=flat.tensors,
+        user_metadata=dict(metadata) if metadata is not None else None,
+        aliases=flat.aliases,
+        tree=flat.tree,
+        checksum=checksum,
+        alignment=alignment,
+    )
+    placeholder = {e.name: 0 for e in entries} if checksum else None
+    plan.header_size = len(plan.header(placeholder))
+    return plan
+
+
+def _byte_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """uint8 tensors covering ``t``'s bytes in row-major order, none larger than ``max_bytes``.
+
+    Contiguous tensors are viewed in place; a non-contiguous one is made contiguous a slab
+    of rows at a time, so the temporary memory stays near ``max_bytes``.
+    """
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        data = t.reshape(-1).view(torch.uint8)
+        for start in range(0, data.numel(), max_bytes):
+            yield data[start : start + max_bytes]
+        return
+    row_bytes = (t.numel() // t.shape[0]) * t.element_size()
+    step = max(1, max_bytes // max(1, row_bytes))
+    for start in range(0, t.shape[0], step):
+        yield from _byte_chunks(t[start : start + step].contiguous(), max_bytes)
+
+
+class StreamWriter:
+    """Copies a plan's tensors through staging buffers into a file, overlapping copy and I/O.
+
+    :meth:`fill` copies every tensor (returning when the last byte is in a staging buffer
+    or on its way to disk); :meth:`finish` waits for the writes and writes the header;
+    :meth:`abort` waits for in-flight writes (so no buffer is reused under I/O) and gives
+    every buffer back. ``fill`` then ``finish`` may run on different threads.
+    """
+
+    def __init__(self, plan: SavePlan, file: File, executor: Executor, pool: StagingPool,
+                 *, progress: bool | None = None):
+        self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
+        self.crcs: dict[str, int] = {}
+        self._inflight: collections.deque[tuple[int, StagingBuffer]] = collections.deque()
+        self._offset = plan.header_size  # file offset of the next buffer
+        self._progress = progress
+
+    # -- buffers ----------------------------------------------------------------------------
+    def _next_buffer(self) -> StagingBuffer:
+        buf = self.pool.try_acquire()
+        if buf is not None:
+            return buf
+        if self._inflight:  # recycle our own oldest buffer once its write is done
+            op_id, buf = self._inflight.popleft()
+            try:
+                self.executor.wait(op_id)
+            except BaseException:
+                self.pool.release(buf)
+                raise
+            return buf
+        return self.pool.acquire()  # held by other saves: wait until one frees up
+
+    def _submit(self, buf: StagingBuffer, nbytes: int) -> None:
+        try:
+            op_id = self.executor.submit(
+                self.file, BufferRef(buf.address, buf.nbytes, buf), self._offset, write=True, nbytes=nbytes
+            )
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        self._inflight.append((op_id, buf))
+        self._offset += nbytes
+
+    # -- phases -----------------------------------------------------------------------------
+    def fill(self) -> None:
+        """Copies every tensor into staging buffers and submits each full buffer."""
+        plan = self.plan
+        piece = self.pool.piece
+        buf: StagingBuffer | None = None
+        used = 0
+        with progress_bar(plan.data_size, "saving", enabled=self._progress) as bar:
+            try:
+                for entry in plan.entries:
+                    crc = 0
+                    for chunk in _byte_chunks(plan.tensors[entry.name], piece):
+                        done, n = 0, chunk.numel()
+                        while done < n:
+                            if buf is None:
+                                buf, used = self._next_buffer(), 0
+                            take = min(n - done, piece - used)
+                            crc = self._copy(chunk[done : done + take], buf, used, crc)
+                            used += take
+                            done += take
+                            if used == piece:
+                                self._submit(buf, used)
+                                buf = None
+                                bar.update(piece)
+                    self.crcs[entry.name] = crc
+                if buf is not None and used:
+                    # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
+                    padded = -(-used // 4096) * 4096
+                    zero_fill(buf, used, padded)
+                    self._submit(buf, padded)
+                    bar.update(used)
+                    buf = None
+            finally:
+                if buf is not None:
+                    self.pool.release(buf)
+
+    def _copy(self, chunk: torch.Tensor, buf: StagingBuffer, at: int, crc: int) -> int:
+        n = chunk.numel()
+        if chunk.device.type == "cpu":
+            if self.plan.checksum:
+                return _C.copy_crc32c(buf.address + at, chunk.data_ptr(), n, crc)
+            _C.memcpy(buf.address + at, chunk.data_ptr(), n)
+            return 0
+        buf.tensor()[at : at + n].copy_(chunk)  # device to host, synchronous
+        return _C.crc32c(buf.address + at, n, crc) if self.plan.checksum else 0
+
+    def finish(self) -> None:
+        """Waits for every data write, then writes the header and trims the padding."""
+        self._drain()
+        header = self.plan.header(self.crcs)
+        if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
+            raise AssertionError("header size changed between planning and writing")
+        _pwrite_all(self.file, header, 0)
+        if self.file.size() != self.plan.file_size:
+            self.file.truncate(self.plan.file_size)
+
+    def abort(self) -> None:
+        """Waits for in-flight writes, ignoring their errors, and returns the buffers."""
+        while self._inflight:
+            op_id, buf = self._inflight.popleft()
+            try:
+                self.executor.wait(op_id)
+            except OSError:
+                pass
+            finally:
+                self.pool.release(buf)
+
+    def _drain(self) -> None:
+        try:
+            while self._inflight:
+                op_id, buf = self._inflight[0]
+                self.executor.wait(op_id)
+                self._inflight.popleft()
+                self.pool.release(buf)
+        except BaseException:
+            self._inflight.popleft()
+            self.pool.release(buf)
+            self.abort()
+            raise
+
+
+def _pwrite_all(file: File, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(file.fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def save(
+    obj: Any,
+    f: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    alignment: int = format.DEFAULT_ALIGNMENT,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+    progress: bool | None = None,
+    staging_bytes: int | None = None,
+    engine: str | None = None,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
+    intra_op_parallelism: int | None = None,
+) -> None:
+    """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
+
+    ``obj`` is a flat ``str -> Tensor`` dict (stored under its own keys, so
+    ``safetensors.torch.load_file(f)`` returns the same dict), or any nesting of dict, list,
+    tuple, None, bool, int, float, str and tensors (``fastckpt.load`` returns it with the
+    same types). Other objects raise ``TypeError`` naming where they sit, unless
+    ``allow_pickle=True``.
+
+    The write is atomic and durable: a temporary file in the same directory is fsynced and
+    renamed over ``f``; on any error it is removed and an existing file at ``f`` is untouched.
+
+    Args:
+        metadata: str -> str pairs stored in the header's ``__metadata__``.
+        alignment: the data section and every tensor whose size is a multiple of it start
+            on multiples of it (a power of two, >= 8).
+        checksum: record a CRC32C per tensor (checked by ``load(verify=True)``).
+        allow_pickle: pickle objects that have no safe encoding (loading them then needs
+            ``weights_only=False``).
+        progress: show a progress bar (default: on a terminal, unless FASTCKPT_NO_PROGRESS).
+        staging_bytes: staging-memory budget (default 256 MiB; see :mod:`fastckpt.config`).
+        engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
+            :mod:`fastckpt.config` for defaults and the tuned configuration).
+
+    Example:
+        >>> import torch, fastckpt
+        >>> model = torch.nn.Linear(4, 2)
+        >>> fastckpt.save({"model": model.state_dict(), "epoch": 3}, "/tmp/fastckpt-doc.safetensors")
+        >>> fastckpt.load("/tmp/fastckpt-doc.safetensors")["epoch"]
+        3
+    """
+    path = check_destination(f)
+    plan = plan_save(obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle)
+    config = resolve_io(
+        os.path.dirname(os.path.abspath(path)),
+        dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
+             intra_op_parallelism=intra_op_parallelism),
+    )
+    write_plan(plan, path, shared_executor(config), default_pool(staging_bytes), progress=progress)
+
+
+def write_plan(plan: SavePlan, path: str, executor: Executor, pool: StagingPool,
+               *, progress: bool | None = None) -> None:
+    """Writes a planned checkpoint to ``path`` with the atomic commit protocol."""
+    with AtomicFile(path) as out:
+        writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
+        try:
+            writer.fill()
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise

@@ -1,0 +1,541 @@
+"""Tests of fastckpt.tree: nested objects <-> named tensors + JSON description."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import warnings
+from collections import OrderedDict, defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastckpt import format as fmt
+from fastckpt.errors import FastCkptError, HeaderError
+from fastckpt.tree import MAX_DEPTH, Flat, WeightsOnlyError, flatten, unflatten
+
+
+class Opaque:
+    """An object the tree cannot describe; module-level so that pickle finds it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is Opaque and other.value == self.value
+
+    def __hash__(self):
+        return hash(repr(self.value))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def store_and_load(flat: Flat) -> tuple[dict, dict, object]:
+    """What a save then a load does to a Flat: fresh tensors, metadata through JSON."""
+    meta = fmt.split_metadata(fmt.build_metadata(aliases=flat.aliases, tree=flat.tree))
+    tensors = {name: t.detach().clone().contiguous() for name, t in flat.tensors.items()}
+    return tensors, meta.aliases, meta.tree
+
+
+def round_trip(obj, **flatten_options):
+    flat = flatten(obj, **flatten_options)
+    tensors, aliases, tree = store_and_load(flat)
+    return unflatten(tree, tensors, aliases, weights_only=not flatten_options.get("allow_pickle"))
+
+
+def assert_same(a, b, where="obj"):
+    """Equal values and identical Python types all the way down."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.requires_grad == b.requires_grad, where
+        assert torch.equal(a.detach(), b.detach()), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for (ka, va), kb in zip(a.items(), b):
+            assert type(ka) is type(kb), f"{where}: key {ka!r}"
+            assert_same(va, b[kb], f"{where}[{ka!r}]")
+        if isinstance(a, OrderedDict):
+            assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{index}]")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        ), where
+    else:
+        assert a == b, where
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_adamw_state_dict_round_trip():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+
+    flat = flatten(state)
+    assert "state/0/exp_avg" in flat.tensors and "state/0/step" in flat.tensors
+    back = round_trip(state)
+    assert_same(state, back)
+    assert type(back["param_groups"][0]["betas"]) is tuple
+    assert back["state"][0]["step"].dim() == 0
+
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(back)
+    assert fresh.param_groups[0]["lr"] == 1e-3
+
+
+def test_module_state_dict_round_trip():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    state = model.state_dict()
+    flat = flatten(state)
+    # Stored under its own keys: a plain safetensors reader sees the same names.
+    assert set(flat.tensors) == set(state)
+    assert flat.tree is not None  # OrderedDict and _metadata need the tree
+    back = round_trip(state)
+    assert type(back) is OrderedDict
+    assert back._metadata == state._metadata
+    assert_same(state, back)
+    torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).load_state_dict(back)
+
+
+def test_flat_dict_has_no_tree():
+    w = torch.randn(3)
+    state = {"w": w, "b": torch.zeros(2), "tied": w}
+    flat = flatten(state)
+    assert flat.tree is None
+    assert list(flat.tensors) == ["w", "b"]
+    assert flat.aliases == {"tied": "w"}
+    back = round_trip(state)
+    assert type(back) is dict and set(back) == set(state)
+    assert back["tied"] is back["w"]
+    assert flatten({}).tree is None and round_trip({}) == {}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        math.nan,
+        math.inf,
+        -math.inf,
+        -0.0,
+        0.0,
+        1.0,
+        1e300,
+        5e-324,
+        0.1,
+        2**63 - 1,
+        -(2**63),
+        2**63,
+        -(2**63) - 1,
+        10**5000,
+        -(7**3000),
+        True,
+        False,
+        None,
+        "",
+        "naïve ✓ \ud800",
+        b"\x00\xffbytes",
+        torch.float8_e4m3fn,
+        torch.complex128,
+        torch.Size([2, 0, 3]),
+        torch.device("cuda", 1),
+        torch.device("cpu"),
+    ],
+    ids=lambda value: type(value).__name__,
+)
+def test_scalars_round_trip(value):
+    for obj in (value, [value], {"k": value}):
+        assert_same(obj, round_trip(obj))
+
+
+def test_containers_keep_their_types():
+    obj = {
+        "list": [1, [2, [3]]],
+        "tuple": (1, (2,), ()),
+        "empty": [{}, [], (), OrderedDict(), {"a": {}}],
+        "odict": OrderedDict([("z", 1), ("a", 2)]),
+        7: "int key",
+        "7": "str key",
+        2.5: "float key",
+        True: "bool key",
+        None: "none key",
+        (1, "a", (None,)): "tuple key",
+        math.inf: "inf key",
+    }
+    back = round_trip(obj)
+    assert_same(obj, back)
+    assert list(back) == list(obj)
+
+
+def test_top_level_scalars_and_tensor():
+    assert round_trip(None) is None
+    assert flatten(None).tree is not None  # None is not the "flat dict" marker
+    t = torch.arange(4)
+    flat = flatten(t)
+    assert list(flat.tensors) == ["tensor"]
+    assert torch.equal(round_trip(t), t)
+    assert round_trip([]) == [] and round_trip(()) == ()
+
+
+def test_parameters_and_requires_grad():
+    p = torch.nn.Parameter(torch.randn(2))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    g = torch.randn(3, requires_grad=True)
+    back = round_trip({"p": p, "frozen": frozen, "g": g, "plain": torch.ones(1)})
+    assert type(back["p"]) is torch.nn.Parameter and back["p"].requires_grad
+    assert type(back["frozen"]) is torch.nn.Parameter and not back["frozen"].requires_grad
+    assert type(back["g"]) is torch.Tensor and back["g"].requires_grad
+    assert not back["plain"].requires_grad
+    assert flatten({"g": g}).tree is not None  # requires_grad needs the tree
+
+
+def test_non_contiguous_tensors_are_kept_as_given():
+    t = torch.arange(12.0).reshape(3, 4).t()
+    flat = flatten({"t": t})
+    assert flat.tensors["t"] is t
+    assert torch.equal(round_trip({"t": t})["t"], t)
+
+
+# --------------------------------------------------------------------------- tied tensors
+
+
+def test_tied_tensors():
+    base = torch.arange(10.0)
+    view = base[2:6]
+    obj = {
+        "a": base,
+        "same_object": base,
+        "same_view": base[:],  # a new object, same storage, offset, shape, stride
+        "view": view,
+        "same_view_again": base[2:6],
+        "overlapping": base[4:8],
+        "transposed": base.reshape(2, 5).t(),
+        "other_dtype": base.view(torch.int32),
+        "nested": {"deep": [view]},
+    }
+    flat = flatten(obj)
+    assert flat.aliases == {
+        "same_object": "a",
+        "same_view": "a",
+        "same_view_again": "view",
+        "nested/deep/0": "view",
+    }
+    assert set(flat.tensors) == {"a", "view", "overlapping", "transposed", "other_dtype"}
+    back = round_trip(obj)
+    assert back["same_object"] is back["a"] and back["same_view"] is back["a"]
+    assert back["nested"]["deep"][0] is back["view"]
+    assert back["same_view_again"].data_ptr() == back["view"].data_ptr()
+    assert back["overlapping"] is not back["view"]
+    assert_same(obj, back)
+
+
+def test_empty_tensors_are_not_tied_by_address():
+    a, b = torch.empty(0), torch.empty(0)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    flat = flatten({"a": a, "b": b, "a2": a})
+    assert set(flat.tensors) == {"a", "b"} and flat.aliases == {"a2": "a"}
+
+
+def test_conjugate_view_is_not_an_alias():
+    z = torch.randn(3, dtype=torch.complex64)
+    flat = flatten({"z": z, "zc": z.conj()})
+    assert set(flat.tensors) == {"z", "zc"}
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_names_follow_paths():
+    t1, t2 = torch.ones(1), torch.zeros(1)
+    flat = flatten({"model": {"fc.weight": t1}, "optimizer": {"state": {0: {"exp_avg": t2}}}})
+    assert list(flat.tensors) == ["model/fc.weight", "optimizer/state/0/exp_avg"]
+
+
+def test_name_collisions_get_suffixes():
+    ts = [torch.full((1,), float(i)) for i in range(6)]
+    obj = {"a/b": ts[0], "a": {"b": ts[1]}, 1: ts[2], "1": ts[3], "a/b~1": ts[4]}
+    flat = flatten(obj)
+    assert list(flat.tensors) == ["a/b", "a/b~1", "1", "1~1", "a/b~1~1"]
+    assert_same(obj, round_trip(obj))
+    # Deterministic: the same object always gets the same names.
+    assert list(flatten(obj).tensors) == list(flat.tensors)
+
+
+def test_reserved_and_invalid_names():
+    t = torch.ones(1)
+    flat = flatten({"__metadata__": t})
+    assert flat.tree is not None and list(flat.tensors) == ["__metadata__~1"]
+    assert_same({"__metadata__": t}, round_trip({"__metadata__": t}))
+    flat = flatten({"bad\udc80": t})
+    (name,) = flat.tensors
+    name.encode("utf-8")  # a valid safetensors key
+    assert flat.tree is not None
+    assert_same({"bad\udc80": t}, round_trip({"bad\udc80": t}))
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_unsupported_object_names_its_path():
+    obj = {"optimizer": {"state": {0: {"x": Opaque(1)}}}}
+    with pytest.raises(TypeError) as info:
+        flatten(obj)
+    message = str(info.value)
+    assert "['optimizer']['state'][0]['x']" in message
+    assert "Opaque" in message and "allow_pickle=True" in message
+    with pytest.raises(TypeError, match="dict key"):
+        flatten({frozenset(): 1})
+    with pytest.raises(TypeError, match="defaultdict"):
+        flatten([defaultdict(int)])
+    with pytest.raises(TypeError, match=r"tensor used as a dict key at \['k'\]"):
+        flatten({"k": {torch.ones(1): 1}})
+
+
+def _quietly(make):
+    """Build a tensor whose constructor warns (beta or deprecated features)."""
+
+    def build():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make()
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torch.zeros(3).to_sparse(), "sparse_coo"),
+        (_quietly(lambda: torch.eye(2).to_sparse_csr()), "sparse_csr"),
+        (
+            _quietly(lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8)),
+            "quantized",
+        ),
+        (lambda: torch.zeros(2, device="meta"), "meta"),
+        (
+            lambda: torch.nested.nested_tensor(
+                [torch.zeros(2), torch.zeros(3)], layout=torch.jagged
+            ),
+            "nested",
+        ),
+        (lambda: torch.zeros(2, dtype=torch.complex128), "complex128"),
+    ],
+)
+def test_unsupported_tensors_name_their_path(make, match):
+    with pytest.raises(TypeError, match=match) as info:
+        flatten({"layers": [{"w": make()}]})
+    assert "['layers'][0]['w']" in str(info.value)
+
+
+def test_cycles_and_depth():
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="contains itself"):
+        flatten({"x": loop})
+    deep: object = torch.ones(1)
+    for _ in range(MAX_DEPTH + 1):
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match="deeper than"):
+        flatten(deep)
+    ok: object = 1
+    for _ in range(MAX_DEPTH):
+        ok = [ok]
+    assert_same(ok, round_trip(ok))
+    shared = [1]  # shared but not cyclic: fine, stored twice
+    assert round_trip([shared, shared]) == [[1], [1]]
+
+
+# --------------------------------------------------------------------------- pickle
+
+
+def test_allow_pickle_round_trip_and_weights_only():
+    obj = {"model": {"w": torch.ones(2)}, "extra": Opaque([1, 2]), Opaque("k"): defaultdict(int)}
+    flat = flatten(obj, allow_pickle=True)
+    tensors, aliases, tree = store_and_load(flat)
+    back = unflatten(tree, tensors, aliases, weights_only=False)
+    assert back["extra"] == Opaque([1, 2]) and back[Opaque("k")] == defaultdict(int)
+    assert torch.equal(back["model"]["w"], torch.ones(2))
+
+    with pytest.raises(WeightsOnlyError) as info:
+        unflatten(tree, tensors, aliases)
+    assert "weights_only=False" in str(info.value) and "['extra']" in str(info.value)
+    assert "Opaque" in str(info.value)
+    assert isinstance(info.value, FastCkptError)
+    assert isinstance(info.value, pickle.UnpicklingError)
+
+
+# --------------------------------------------------------------------------- hostile trees
+
+
+T = {"t": "tensor", "n": "x"}
+MALFORMED = {
+    "null node": [None],
+    "unknown tag": {"t": "bogus"},
+    "tag not str": {"t": ["dict"]},
+    "no tag": {"v": 1},
+    "extra field": {"t": "none", "x": 1},
+    "dict lengths": {"t": "dict", "k": [1, 2], "v": [1]},
+    "dict keys not list": {"t": "dict", "k": "ab", "v": [1, 2]},
+    "unhashable key": {"t": "dict", "k": [[1]], "v": [1]},
+    "tensor key": {"t": "dict", "k": [T], "v": [1]},
+    "duplicate key": {"t": "dict", "k": [1, 1], "v": [1, 2]},
+    "missing tensor": {"t": "tensor", "n": "nope"},
+    "tensor name not str": {"t": "tensor", "n": 5},
+    "tensor flag not bool": {"t": "tensor", "n": "x", "p": 1},
+    "grad on int tensor": {"t": "tensor", "n": "i", "g": True},
+    "alias to nowhere": {"t": "tensor", "n": "dangling"},
+    "alias and stored": {"t": "tensor", "n": "both"},
+    "float text": {"t": "float", "v": "1.5"},
+    "int decimal": {"t": "int", "v": "12"},
+    "int junk": {"t": "int", "v": "0x1_0"},
+    "dtype unknown": {"t": "dtype", "v": "float33"},
+    "dtype module": {"t": "dtype", "v": "_dynamo"},
+    "size floats": {"t": "size", "v": [1.5]},
+    "device junk": {"t": "device", "v": "gpu:x"},
+    "bytes junk": {"t": "bytes", "v": "!!"},
+    "pickle junk": {"t": "pickle", "v": "!!", "type": "x"},
+    "pickle no type": {"t": "pickle", "v": ""},
+    "pickle corrupt": {"t": "pickle", "v": "AA==", "type": "x"},
+    "pickle truncated": {"t": "pickle", "v": "gAR9", "type": "x"},
+    "odict metadata junk": {"t": "odict", "k": [], "v": [], "m": {"t": "?"}},
+    "deep lists": None,  # built below
+}
+
+
+def _deep(depth):
+    node: object = 1
+    for _ in range(depth):
+        node = [node]
+    return node
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_trees_raise_header_error(name):
+    tree = _deep(10_000) if name == "deep lists" else MALFORMED[name]
+    tensors = {"x": torch.ones(1), "i": torch.arange(2), "both": torch.ones(1)}
+    aliases = {"dangling": "gone", "both": "x"}
+    with pytest.raises(HeaderError):
+        unflatten(tree, tensors, aliases, weights_only=False)
+
+
+def test_deep_dicts_raise_header_error():
+    node: object = 1
+    for _ in range(MAX_DEPTH + 5):
+        node = {"t": "dict", "k": ["a"], "v": [node]}
+    with pytest.raises(HeaderError, match="deeper than"):
+        unflatten(node, {}, {})
+
+
+def test_flat_unflatten_checks_aliases():
+    x = torch.ones(1)
+    back = unflatten(None, {"x": x}, {"y": "x"})
+    assert list(back) == ["x", "y"] and back["y"] is x
+    with pytest.raises(HeaderError, match="missing"):
+        unflatten(None, {"x": x}, {"y": "z"})
+    with pytest.raises(HeaderError, match="both"):
+        unflatten(None, {"x": x}, {"x": "x"})
+
+
+def test_unreferenced_tensors_are_ignored():
+    assert unflatten([1], {"x": torch.ones(1)}, {}) == [1]
+
+
+tags = st.sampled_from(
+    [
+        "none",
+        "tuple",
+        "dict",
+        "odict",
+        "tensor",
+        "float",
+        "int",
+        "dtype",
+        "size",
+        "device",
+        "bytes",
+        "pickle",
+        "?",
+    ]
+)
+field_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from(["x", "i", "nan", "-0x1f", "float32", "cpu", "AA==", "gAR9lC4=", "cuda:-1"]),
+    st.text(max_size=4),
+)
+json_trees = st.recursive(
+    field_values,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.fixed_dictionaries(
+            {"t": tags},
+            optional={
+                "v": children,
+                "k": children,
+                "n": children,
+                "m": children,
+                "p": children,
+                "g": children,
+                "type": children,
+            },
+        ),
+    ),
+    max_leaves=10,
+)
+
+
+@given(json_trees, st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_fuzz_trees_raise_only_header_error(tree, weights_only):
+    tensors = {"x": torch.ones(1), "i": torch.arange(2)}
+    try:
+        unflatten(tree, tensors, {"y": "x"}, weights_only=weights_only)
+    except HeaderError:
+        pass
+    except WeightsOnlyError:
+        assert weights_only
+
+
+# --------------------------------------------------------------------------- property
+
+
+keys = st.one_of(
+    st.text(max_size=4), st.integers(-5, 5), st.booleans(), st.none(), st.floats(allow_nan=False)
+)
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(),
+    st.text(max_size=5),
+    st.binary(max_size=4),
+    st.builds(lambda n, f: torch.full((n,), f), st.integers(0, 3), st.floats(-10, 10)),
+)
+objects = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(keys, children, max_size=3),
+        st.dictionaries(st.text(max_size=3), children, max_size=3).map(OrderedDict),
+    ),
+    max_leaves=12,
+)
+
+
+@given(objects)
+@settings(max_examples=150, deadline=None)
+def test_random_objects_round_trip(obj):
+    assert_same(obj, round_trip(obj))
