@@ -23,6 +23,8 @@ std::map<uintptr_t, size_t>& locked_ranges() {  // start -> length, of locked bu
   return ranges;
 }
 
+constexpr size_t kHugePage = 2u << 20;
+
 size_t page_size() {
   static const size_t size = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return size;
@@ -33,10 +35,26 @@ size_t page_size() {
 AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbytes) {
   if (nbytes == 0) return;
   mapped_ = (nbytes + page_size() - 1) / page_size() * page_size();
-  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Large buffers start on a huge-page boundary and ask for transparent huge pages: first
+  // touching memory one 4 KiB page at a time costs seconds per GiB on some virtual machines.
+  const bool huge = mapped_ >= 2 * kHugePage;
+  const size_t reserve = huge ? mapped_ + kHugePage : mapped_;
+  void* p = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     throw IoError(errno, "allocating " + std::to_string(nbytes) + " bytes of aligned memory");
-  data_ = static_cast<char*>(p);
+  char* start = static_cast<char*>(p);
+  if (huge) {
+    char* aligned = reinterpret_cast<char*>(
+        (reinterpret_cast<uintptr_t>(start) + kHugePage - 1) / kHugePage * kHugePage);
+    if (aligned > start) munmap(start, static_cast<size_t>(aligned - start));
+    size_t tail = reserve - static_cast<size_t>(aligned - start) - mapped_;
+    if (tail) munmap(aligned + mapped_, tail);
+    start = aligned;
+#ifdef MADV_HUGEPAGE
+    madvise(start, mapped_, MADV_HUGEPAGE);  // advisory: ignore failure
+#endif
+  }
+  data_ = start;
   if (!lock) return;
   if (mlock(data_, mapped_) == 0) {
     locked_ = true;

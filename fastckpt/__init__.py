@@ -15,6 +15,7 @@ Example:
 
 from fastckpt import aio
 from fastckpt._engines import EngineInfo, engines
+from fastckpt.background import LoadFuture, SaveFuture, async_load, async_save, release_staging, wait_all
 from fastckpt.errors import (
     ChecksumError,
     EngineUnavailableError,
@@ -31,6 +32,12 @@ __all__ = [
     "save",
     "load",
     "open",
+    "async_save",
+    "async_load",
+    "SaveFuture",
+    "LoadFuture",
+    "wait_all",
+    "release_staging",
     "CheckpointReader",
     "TensorInfo",
     "aio",

@@ -114,7 +114,7 @@ class CheckpointReader:
         except BaseException:
             self._file.close()
             raise
-        self._prefetched: dict[str, Any] = {}
+        self._prefetched: dict[str, _PendingRead] = {}
         self._lock = threading.Lock()
 
     # -- header ---------------------------------------------------------------------------
@@ -200,14 +200,15 @@ class CheckpointReader:
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         result: dict[str, torch.Tensor] = {}
-        pending = []
+        to_read = []
         for name, e in entries.items():
-            pre = self._prefetched.pop(name, None) if self._prefetched else None
-            if pre is not None:
-                result[name] = pre.result() if hasattr(pre, "result") else pre
+            with self._lock:
+                prefetched = self._prefetched.pop(name, None)
+            if prefetched is not None:
+                result[name] = prefetched.collect(progress=False)[name]
             else:
-                pending.append(e)
-        result.update(self._read_entries(pending, pin_memory=pin_memory, verify=verify, progress=progress))
+                to_read.append(e)
+        result.update(self._read_entries(to_read, pin_memory=pin_memory, verify=verify, progress=progress))
         if self.device.type != "cpu":
             result = self._to_device(result)
         return result
@@ -223,84 +224,35 @@ class CheckpointReader:
         verify: bool,
         progress: bool | None,
     ) -> dict[str, torch.Tensor]:
-        if not entries:
-            return {}
-        base = self.header.data_offset
-        runs = _runs(entries)
-        pos = 0
-        for run in runs:  # same offset modulo the page as in the file: O_DIRECT stays possible
-            pos = -(-pos // _PAGE) * _PAGE + (base + run.begin) % _PAGE
-            run.arena_pos = pos
-            pos += run.end - run.begin
-        arena = aligned_tensor(pos, lock=pin_memory)
-        arena_ref = BufferRef(arena.data_ptr(), arena.numel(), arena) if pos else None
+        return _PendingRead(self, entries, pin_memory=pin_memory, verify=verify).collect(progress=progress)
 
-        ops: list[tuple[int, _Run, int, int]] = []  # (op id, run, piece start, piece end)
-        try:
-            for run in runs:
-                start = run.begin
-                while start < run.end:
-                    stop = min(run.end, _piece_end(base + start) - base)
-                    ref = BufferRef(arena_ref.address + run.arena_pos + (start - run.begin), stop - start, arena)
-                    op = self._executor.submit(self._file, ref, base + start, write=False)
-                    ops.append((op, run, start, stop))
-                    start = stop
-        except BaseException:
-            self._wait_quietly(op for op, *_ in ops)
-            raise
+    def prefetch(self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False) -> None:
+        """Starts reading these tensors in the background and returns at once.
 
-        crcs = self.meta.crcs if verify else None
-        checked: dict[int, int] = {}  # id(run) -> index of the next entry to verify
-        total = sum(r.end - r.begin for r in runs)
-        with progress_bar(total, "loading", enabled=progress) as bar:
-            for i, (op, run, start, stop) in enumerate(ops):
-                try:
-                    self._executor.wait(op)
-                except BaseException:
-                    self._wait_quietly(o for o, *_ in ops[i + 1 :])
-                    raise
-                bar.update(stop - start)
-                if crcs is not None:
-                    self._verify_ready(run, stop, arena_ref.address, crcs, checked)
+        A later :meth:`get_tensor`/:meth:`get_tensors` of a prefetched name waits only for
+        what is still in flight. Errors surface there.
 
-        return {e.name: self._view(arena, run, e) for run in runs for e in run.entries}
-
-    def _wait_quietly(self, ops: Iterable[int]) -> None:
-        for op in ops:
-            try:
-                self._executor.wait(op)
-            except OSError:
-                pass
-
-    def _verify_ready(self, run: _Run, done_to: int, address: int, crcs: dict[str, int],
-                      checked: dict[int, int]) -> None:
-        """Checks the CRC of every entry of ``run`` that lies wholly before ``done_to``."""
-        index = checked.get(id(run), 0)
-        while index < len(run.entries) and run.entries[index].end <= done_to:
-            e = run.entries[index]
-            expected = crcs.get(e.name)
-            if expected is not None:
-                actual = _C.crc32c(address + run.arena_pos + (e.begin - run.begin), e.nbytes)
-                if actual != expected:
-                    raise ChecksumError(
-                        f"tensor {e.name!r} in {self.path} is damaged: CRC32C {actual:08x}, "
-                        f"expected {expected:08x}",
-                        tensor=e.name,
-                        filename=self.path,
-                    )
-            index += 1
-        checked[id(run)] = index
-
-    @staticmethod
-    def _view(arena: torch.Tensor, run: _Run, e: format.TensorEntry) -> torch.Tensor:
-        dtype = dtypes.to_torch(e.dtype)
-        if e.nbytes == 0:
-            return torch.empty(e.shape, dtype=dtype)
-        start = run.arena_pos + (e.begin - run.begin)
-        raw = arena[start : start + e.nbytes]
-        if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
-            raw = raw.clone()  # files from other writers may not align tensors to their dtype
-        return raw.view(dtype).view(e.shape)
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"a": torch.ones(3), "b": torch.zeros(3)}, "/tmp/fastckpt-pre.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-pre.safetensors") as r:
+            ...     r.prefetch(["b"])
+            ...     r.get_tensor("b").tolist()
+            [0.0, 0.0, 0.0]
+        """
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        entries = {}
+        for n in names:
+            e = self._entry(n)
+            if e.name not in self._prefetched:
+                entries[e.name] = e
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        pending = _PendingRead(self, list(entries.values()), pin_memory=pin_memory, verify=verify)
+        with self._lock:
+            for name in entries:
+                self._prefetched[name] = pending
 
     def verify(self, names: Sequence[str] | None = None, *, progress: bool | None = None) -> list[str]:
         """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
@@ -336,10 +288,10 @@ class CheckpointReader:
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
         """Closes the file (waiting for any prefetch still reading it)."""
-        for pre in list(self._prefetched.values()):
-            if hasattr(pre, "exception"):
-                pre.exception()
-        self._prefetched.clear()
+        with self._lock:
+            pending, self._prefetched = list(self._prefetched.values()), {}
+        for p in pending:
+            p.cancel()
         self._file.close()
 
     def __enter__(self) -> "CheckpointReader":
@@ -347,6 +299,110 @@ class CheckpointReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _PendingRead:
+    """Reads of some tensors, submitted at creation into one arena.
+
+    :meth:`collect` waits for them (verifying checksums piece by piece as pieces complete)
+    and returns ``name -> tensor`` views of the arena. It may be called from several threads
+    and more than once: the first call does the work, later ones return its result or error.
+    """
+
+    def __init__(self, reader: CheckpointReader, entries: list[format.TensorEntry], *,
+                 pin_memory: bool, verify: bool):
+        self.reader = reader
+        self.verify = verify
+        self._lock = threading.Lock()
+        self._result: dict[str, torch.Tensor] | None = None
+        self._error: BaseException | None = None
+        base = reader.header.data_offset
+        self.runs = _runs(entries)
+        pos = 0
+        for run in self.runs:  # same offset modulo the page as in the file: O_DIRECT stays possible
+            pos = -(-pos // _PAGE) * _PAGE + (base + run.begin) % _PAGE
+            run.arena_pos = pos
+            pos += run.end - run.begin
+        self.arena = aligned_tensor(pos, lock=pin_memory)
+        address = self.arena.data_ptr()
+        self.ops: list[tuple[int, _Run, int, int]] = []  # (op id, run, piece start, piece end)
+        executor, file = reader._executor, reader._file
+        try:
+            for run in self.runs:
+                start = run.begin
+                while start < run.end:
+                    stop = min(run.end, _piece_end(base + start) - base)
+                    ref = BufferRef(address + run.arena_pos + (start - run.begin), stop - start, self.arena)
+                    self.ops.append((executor.submit(file, ref, base + start, write=False), run, start, stop))
+                    start = stop
+        except BaseException:
+            self.cancel()
+            raise
+
+    def collect(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        with self._lock:
+            if self._result is None and self._error is None:
+                try:
+                    self._result = self._wait_and_view(progress)
+                except BaseException as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+    def cancel(self) -> None:
+        """Waits for every op without raising (no read may outlive the arena's owner)."""
+        for op, *_ in self.ops:
+            try:
+                self.reader._executor.wait(op)
+            except OSError:
+                pass
+
+    def _wait_and_view(self, progress: bool | None) -> dict[str, torch.Tensor]:
+        crcs = self.reader.meta.crcs if self.verify else None
+        checked: dict[int, int] = {}  # id(run) -> index of the next entry to verify
+        total = sum(r.end - r.begin for r in self.runs)
+        with progress_bar(total, "loading", enabled=progress) as bar:
+            for i, (op, run, start, stop) in enumerate(self.ops):
+                try:
+                    self.reader._executor.wait(op)
+                except BaseException:
+                    self.ops = self.ops[i + 1 :]
+                    self.cancel()
+                    raise
+                bar.update(stop - start)
+                if crcs is not None:
+                    self._verify_ready(run, stop, crcs, checked)
+        return {e.name: self._view(run, e) for run in self.runs for e in run.entries}
+
+    def _verify_ready(self, run: _Run, done_to: int, crcs: dict[str, int], checked: dict[int, int]) -> None:
+        """Checks the CRC of every entry of ``run`` that lies wholly before ``done_to``."""
+        index = checked.get(id(run), 0)
+        while index < len(run.entries) and run.entries[index].end <= done_to:
+            e = run.entries[index]
+            expected = crcs.get(e.name)
+            if expected is not None:
+                address = self.arena.data_ptr() + run.arena_pos + (e.begin - run.begin)
+                actual = _C.crc32c(address, e.nbytes)
+                if actual != expected:
+                    path = self.reader.path
+                    raise ChecksumError(
+                        f"tensor {e.name!r} in {path} is damaged: CRC32C {actual:08x}, expected {expected:08x}",
+                        tensor=e.name,
+                        filename=path,
+                    )
+            index += 1
+        checked[id(run)] = index
+
+    def _view(self, run: _Run, e: format.TensorEntry) -> torch.Tensor:
+        dtype = dtypes.to_torch(e.dtype)
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        start = run.arena_pos + (e.begin - run.begin)
+        raw = self.arena[start : start + e.nbytes]
+        if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
+            raw = raw.clone()  # files from other writers may not align tensors to their dtype
+        return raw.view(dtype).view(e.shape)
 
 
 def _piece_end(offset: int) -> int:

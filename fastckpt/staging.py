@@ -100,6 +100,12 @@ class StagingPool:
             self._free.append(buf)
             self._cond.notify()
 
+    def grow_to(self, budget: int) -> None:
+        """Raises the capacity so that ``budget`` bytes fit (never lowers it)."""
+        with self._cond:
+            self.capacity = max(self.capacity, -(-budget // self.piece))
+            self._cond.notify_all()
+
     def in_use(self) -> int:
         with self._cond:
             return self._allocated - len(self._free)

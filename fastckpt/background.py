@@ -1,0 +1,346 @@
+"""Checkpoint I/O that overlaps training: ``async_save``, ``async_load`` and their futures.
+
+``async_save`` returns once the tensors are copied ("snapshotted") into page-locked staging
+memory, so the caller may change them at once; the disk writes, checksums and the atomic
+commit go on in the background, and the returned :class:`SaveFuture` reports how it ended.
+
+Memory cost: a snapshot needs staging memory the size of the checkpoint to return without
+waiting for the disk. By default the asynchronous staging pool grows to the largest
+checkpoint saved this way and keeps it (page-locked) for the next save, so a training loop
+pays for allocation and locking once. ``staging_bytes=`` (or ``FASTCKPT_ASYNC_STAGING_BYTES``)
+caps it; a snapshot larger than the cap makes ``async_save`` wait for the disk to free
+buffers instead of failing or growing. :func:`release_staging` frees idle buffers.
+
+Errors are never lost: ``result()`` re-raises them; a failed save whose error nobody
+retrieved is logged (logger ``"fastckpt"``) when its future is garbage-collected or at
+exit; and the interpreter does not exit before pending saves have committed.
+
+Example:
+    >>> import torch, fastckpt
+    >>> state = {"w": torch.randn(100)}
+    >>> future = fastckpt.async_save(state, "/tmp/fastckpt-async.safetensors")
+    >>> state["w"].zero_()  # safe: the snapshot is already taken
+    tensor(...)
+    >>> future.result()
+    >>> float(fastckpt.load("/tmp/fastckpt-async.safetensors")["w"].abs().sum()) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import threading
+import traceback
+import weakref
+from typing import Any, Callable
+
+from fastckpt._commit import AtomicFile, check_destination
+from fastckpt._io import shared_executor
+from fastckpt.config import parse_size, resolve_io
+from fastckpt.saver import StreamWriter, plan_save
+from fastckpt.staging import StagingPool
+
+__all__ = ["async_save", "async_load", "SaveFuture", "LoadFuture", "wait_all", "release_staging"]
+
+_log = logging.getLogger("fastckpt")
+DEFAULT_MAX_PENDING = 2
+
+
+class _CheckpointFuture:
+    """A future with ``done``, ``result``, ``exception``, ``add_done_callback`` and ``wait``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._retrieved = False
+
+    def done(self) -> bool:
+        """Whether the operation has finished, successfully or not."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits and returns the result; re-raises the operation's error.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        self._retrieved = True
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{type(self).__name__} for {self.path} not done after {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits and returns the operation's error, or None if it succeeded."""
+        self._retrieved = True
+        try:
+            return self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{type(self).__name__} for {self.path} not done after {timeout} s") from None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until done (without raising the operation's error); returns ``done()``."""
+        concurrent.futures.wait([self._future], timeout)
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[["_CheckpointFuture"], Any]) -> None:
+        """Calls ``fn(self)`` when done (at once if already done), from the finishing thread."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        if error is None:
+            self._future.set_result(value)
+        else:
+            self._future.set_exception(error)
+
+    def __del__(self) -> None:
+        f = getattr(self, "_future", None)
+        if f is not None and f.done() and not self._retrieved and f.exception() is not None:
+            _report_lost(self, f.exception())
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._future.exception() else "done")
+        return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
+class SaveFuture(_CheckpointFuture):
+    """The outcome of :func:`async_save`: ``result()`` returns None once the file is committed."""
+
+
+class LoadFuture(_CheckpointFuture):
+    """The outcome of :func:`async_load`: ``result()`` is what ``fastckpt.load`` returns."""
+
+
+def _report_lost(future: _CheckpointFuture, error: BaseException) -> None:
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    _log.error("%s failed and its error was never retrieved:\n%s", future, text)
+
+
+# -- bookkeeping of pending saves -------------------------------------------------------------
+
+_state_lock = threading.Lock()
+_pending: "weakref.WeakSet[SaveFuture]" = weakref.WeakSet()
+_strong_pending: set[SaveFuture] = set()  # kept alive until done, even when the caller drops them
+_last_commit: SaveFuture | None = None  # commits happen in call order
+_in_flight = 0
+_in_flight_cond = threading.Condition(_state_lock)
+_pool: StagingPool | None = None
+
+
+def _async_pool(budget: int | None, needed: int) -> StagingPool:
+    """The asynchronous staging pool, grown to ``needed`` bytes unless a budget caps it."""
+    global _pool
+    if budget is None and os.environ.get("FASTCKPT_ASYNC_STAGING_BYTES"):
+        budget = parse_size(os.environ["FASTCKPT_ASYNC_STAGING_BYTES"])
+    with _state_lock:
+        if _pool is None:
+            _pool = StagingPool(max(budget or 0, 64 << 20))
+        target = needed if budget is None else budget
+        _pool.grow_to(max(target, 2 * _pool.piece))
+        return _pool
+
+
+def release_staging() -> None:
+    """Frees the idle buffers of the asynchronous staging pool (they come back on demand).
+
+    Example:
+        >>> import fastckpt
+        >>> fastckpt.release_staging()
+    """
+    with _state_lock:
+        if _pool is not None:
+            _pool.trim()
+
+
+def wait_all(timeout: float | None = None) -> None:
+    """Waits for every pending ``async_save``; raises the first error among them.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> _ = fastckpt.async_save({"x": torch.ones(1)}, "/tmp/fastckpt-wait.safetensors")
+        >>> fastckpt.wait_all()
+    """
+    with _state_lock:
+        futures = list(_pending)
+    first: BaseException | None = None
+    for f in futures:
+        f.wait(timeout)
+        if not f.done():
+            raise TimeoutError(f"{f} not done after {timeout} s")
+        error = f.exception()
+        if error is not None and first is None:
+            first = error
+    if first is not None:
+        raise first
+
+
+def _begin(future: SaveFuture, max_pending: int) -> None:
+    global _in_flight
+    with _in_flight_cond:
+        while _in_flight >= max_pending:
+            _in_flight_cond.wait()
+        _in_flight += 1
+        _pending.add(future)
+        _strong_pending.add(future)
+
+
+def _end(future: SaveFuture) -> None:
+    global _in_flight
+    with _in_flight_cond:
+        _in_flight -= 1
+        _strong_pending.discard(future)
+        _in_flight_cond.notify_all()
+
+
+def async_save(
+    obj: Any,
+    f: str | os.PathLike[str],
+    *,
+    snapshot: bool = True,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    staging_bytes: int | None = None,
+    metadata: Any = None,
+    alignment: int = 4096,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+    engine: str | None = None,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
+    intra_op_parallelism: int | None = None,
+) -> SaveFuture:
+    """Saves like :func:`fastckpt.save`, returning once the tensors are snapshotted.
+
+    Args:
+        snapshot: copy the tensors into staging memory before returning (the default). With
+            ``snapshot=False`` nothing is copied up front and the background thread reads
+            the tensors while writing: the caller must not modify them until the future is
+            done, or the file may hold a mix of old and new values (DeepNVMe's contract).
+        max_pending: at most this many saves in flight; a further call waits for the oldest.
+        staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size).
+        Other arguments: as :func:`fastckpt.save`.
+
+    Returns:
+        A :class:`SaveFuture`; every error (an unsupported object, an unwritable directory,
+        a full disk) is raised by its ``result()``. Back-to-back saves commit in call order.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> futures = [fastckpt.async_save({"step": torch.tensor(i)}, f"/tmp/fastckpt-s{i}.safetensors")
+        ...            for i in range(3)]
+        >>> [f.result() for f in futures]
+        [None, None, None]
+    """
+    global _last_commit
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+    future = SaveFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
+    _begin(future, max_pending)
+    try:
+        path = check_destination(f)
+        plan = plan_save(obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle)
+        config = resolve_io(os.path.dirname(os.path.abspath(path)),
+                            dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
+                                 intra_op_parallelism=intra_op_parallelism))
+        executor = shared_executor(config)
+        pool = _async_pool(staging_bytes, plan.data_size)
+        out = AtomicFile(path)
+    except BaseException as exc:  # reported through the future, like every later error
+        _fail_early(future, exc)
+        return future
+    writer = StreamWriter(plan, out.file, executor, pool, progress=False)
+    if snapshot:
+        try:
+            writer.fill()  # returns once every byte is in staging memory or on disk
+        except BaseException as exc:
+            writer.abort()
+            out.abort()
+            _fail_early(future, exc)
+            return future
+        work = writer.finish
+    else:
+        def work() -> None:
+            writer.fill()
+            writer.finish()
+    with _state_lock:
+        previous, _last_commit = _last_commit, future
+    thread = threading.Thread(
+        target=_finish_in_order, args=(future, previous, work, writer, out),
+        name=f"fastckpt-save:{os.path.basename(path)}", daemon=False,
+    )
+    thread.start()
+    return future
+
+
+def _fail_early(future: SaveFuture, error: BaseException) -> None:
+    """Settles a save that failed before anything was queued (it takes no place in the order)."""
+    _end(future)
+    future._set(None, error)
+
+
+def _finish_in_order(future: SaveFuture, previous: SaveFuture | None, work: Callable[[], None],
+                     writer: StreamWriter, out: AtomicFile) -> None:
+    """Runs the rest of a save, commits after the previous save, settles the future."""
+    error: BaseException | None = None
+    try:
+        try:
+            work()
+        except BaseException as exc:
+            error = exc
+        if previous is not None:
+            previous.wait()  # commit in call order: never rename before an earlier save
+        if error is None:
+            try:
+                out.commit()
+            except BaseException as exc:
+                error = exc
+        if error is not None:
+            writer.abort()
+            out.abort()
+    finally:
+        _end(future)
+        future._set(None, error)
+
+
+def async_load(f: str | os.PathLike[str], **load_options: Any) -> LoadFuture:
+    """Starts ``fastckpt.load(f, **load_options)`` in the background; returns a :class:`LoadFuture`.
+
+    For prefetching the next checkpoint, or the next layer's tensors (``keys=[...]``),
+    while computing.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"x": torch.arange(3)}, "/tmp/fastckpt-al.safetensors")
+        >>> fastckpt.async_load("/tmp/fastckpt-al.safetensors").result()["x"].tolist()
+        [0, 1, 2]
+    """
+    from fastckpt.loader import load
+
+    future = LoadFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
+
+    def run() -> None:
+        try:
+            value = load(f, **load_options)
+        except BaseException as exc:
+            future._set(None, exc)
+        else:
+            future._set(value)
+
+    threading.Thread(target=run, name="fastckpt-load", daemon=False).start()
+    return future
+
+
+def _report_at_exit() -> None:
+    """At exit (after pending save threads have finished), report errors nobody retrieved."""
+    with _state_lock:
+        futures = list(_pending)
+    for f in futures:
+        if f.done() and not f._retrieved and f._future.exception() is not None:
+            f._retrieved = True
+            _report_lost(f, f._future.exception())
+
+
+# atexit handlers run after the interpreter has joined the (non-daemon) save threads.
+atexit.register(_report_at_exit)
