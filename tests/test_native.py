@@ -1,0 +1,105 @@
+"""The native module: its stub matches it, and its primitives are right."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastckpt import _C
+from fastckpt._buffers import aligned_array
+
+STUB = Path(_C.__file__).resolve().parent / "_C.pyi"
+if not STUB.exists():  # editable installs keep the stub in the source tree
+    STUB = Path(__file__).resolve().parent.parent / "fastckpt" / "_C.pyi"
+
+
+def _stub_names() -> dict[str, set[str]]:
+    tree = ast.parse(STUB.read_text())
+    names: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            names[node.name] = set()
+        elif isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+    return names
+
+
+def test_stub_matches_module():
+    stub = _stub_names()
+    public = {n for n in dir(_C) if not n.startswith("_")}
+    # cuFile bindings are described with the GDS support; everything else must be in the stub.
+    described = {n for n in public if not n.lower().startswith("cufile")}
+    assert set(stub) >= described, f"missing from _C.pyi: {sorted(described - set(stub))}"
+    for name, members in stub.items():
+        assert hasattr(_C, name), f"_C.pyi describes {name}, which _C does not have"
+        for member in members - {"__init__"}:
+            assert hasattr(getattr(_C, name), member), f"_C.{name} has no {member}"
+
+
+def test_stub_signatures_match_docstrings():
+    # pybind11 puts the real signature in each function's docstring.
+    tree = ast.parse(STUB.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            doc = inspect.getdoc(getattr(_C, node.name)) or ""
+            params = [a.arg for a in node.args.args]
+            native = re.findall(r"(\w+): ", doc.split("->")[0])
+            assert native == params, (node.name, native, params)
+
+
+def crc32c_reference(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1000, 65537])
+def test_crc32c_matches_reference(n):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    addr = data.__array_interface__["data"][0]
+    expected = crc32c_reference(data.tobytes())
+    assert _C.crc32c(addr, n) == expected
+    # Extending piece by piece gives the same value.
+    half = n // 2
+    assert _C.crc32c(addr + half, n - half, _C.crc32c(addr, half)) == expected
+    dst = np.zeros(n, dtype=np.uint8)
+    assert _C.copy_crc32c(dst.__array_interface__["data"][0], addr, n) == expected
+    assert bytes(dst) == data.tobytes()
+
+
+def test_crc32c_known_value():
+    data = np.frombuffer(b"123456789", dtype=np.uint8)
+    assert _C.crc32c(data.__array_interface__["data"][0], 9) == 0xE3069283
+    assert zlib.crc32(b"123456789") != 0xE3069283  # not plain CRC32
+
+
+def test_aligned_buffer_and_locking():
+    buf = _C.AlignedBuffer(10_000, lock=True)
+    assert buf.address % 4096 == 0 and buf.nbytes == 10_000
+    assert buf.locked == _C.is_locked(buf.address)
+    assert not _C.is_locked(aligned_array(4096).__array_interface__["data"][0])
+    view = memoryview(buf)
+    assert view.nbytes == 10_000 and not view.readonly
+    big = _C.AlignedBuffer(8 << 20)
+    assert big.address % (2 << 20) == 0  # huge-page aligned
+
+
+def test_parallel_memcpy():
+    src = np.arange(3_000_000, dtype=np.int64)
+    dst = np.zeros_like(src)
+    _C.memcpy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.nbytes, 4)
+    assert np.array_equal(src, dst)
+
+
+def test_unknown_engine_name():
+    with pytest.raises(ValueError):
+        _C.engine_status("floppy")
