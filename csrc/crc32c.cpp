@@ -1,6 +1,5 @@
 #include "crc32c.h"
 
-#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -80,20 +79,6 @@ uint32_t crc_raw(uint32_t c, const unsigned char* p, size_t n) {
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   return ~crc_raw(~crc, static_cast<const unsigned char*>(data), n);
-}
-
-uint32_t copy_crc32c(void* dst, const void* src, size_t n, uint32_t crc) {
-  // Checksum each piece right after copying it, while it is still in cache.
-  constexpr size_t kPiece = 64 * 1024;
-  uint32_t c = ~crc;
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto* s = static_cast<const unsigned char*>(src);
-  for (size_t off = 0; off < n; off += kPiece) {
-    size_t len = std::min(kPiece, n - off);
-    std::memcpy(d + off, s + off, len);
-    c = crc_raw(c, d + off, len);
-  }
-  return ~c;
 }
 
 bool crc32c_hardware() { return g_hardware; }

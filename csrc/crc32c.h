@@ -8,8 +8,6 @@ namespace fastckpt {
 
 // Extends `crc` (the CRC32C of earlier bytes; 0 to start) with n bytes at data.
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);
-// memcpy(dst, src, n) and the CRC32C of those bytes, in one pass over cache-sized pieces.
-uint32_t copy_crc32c(void* dst, const void* src, size_t n, uint32_t crc);
 bool crc32c_hardware();
 
 }  // namespace fastckpt

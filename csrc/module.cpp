@@ -122,13 +122,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("address"), py::arg("nbytes"), py::arg("value") = 0,
       py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "copy_crc32c",
-      [](uintptr_t dst, uintptr_t src, size_t nbytes, uint32_t value) {
-        return copy_crc32c(as_ptr(dst), as_ptr(src), nbytes, value);
-      },
-      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("value") = 0,
-      py::call_guard<py::gil_scoped_release>());
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("dio_alignment", &dio_alignment, py::arg("fd"));
 

@@ -2,9 +2,11 @@
 
 The pipeline: flatten the object into named tensors (:mod:`fastckpt.tree`), plan the
 layout (:mod:`fastckpt.format`), then copy the tensors in file order into staging buffers
-from a bounded pool (:mod:`fastckpt.staging`), computing CRC32C in the same pass, and hand
-each full buffer to the engine while the next one fills: copy and I/O overlap, and the
-extra memory is the pool's budget, whatever the checkpoint's size. The header, which holds
+from a bounded pool (:mod:`fastckpt.staging`) and hand each full buffer to the engine while
+the next one fills: copy and I/O overlap, and the extra memory is the pool's budget,
+whatever the checkpoint's size. Each tensor is read from its source once; its CRC32C is
+computed from the staging buffer (hardware instruction where present) while or after that
+buffer is written. The header, which holds
 the checksums, is written last; the file is then committed atomically (:mod:`fastckpt._commit`).
 """
 
@@ -143,15 +145,23 @@ class StreamWriter:
     or on its way to disk); :meth:`finish` waits for the writes and writes the header;
     :meth:`abort` waits for in-flight writes (so no buffer is reused under I/O) and gives
     every buffer back. ``fill`` then ``finish`` may run on different threads.
+
+    Checksums are computed from each staging buffer when it is retired (after its write,
+    before reuse), in buffer order: the copy itself stays a plain multi-threaded memcpy, so
+    an asynchronous save's snapshot costs about what copying the state costs.
     """
 
     def __init__(self, plan: SavePlan, file: File, executor: Executor, pool: StagingPool,
                  *, progress: bool | None = None):
         self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
-        self.crcs: dict[str, int] = {}
-        self._inflight: collections.deque[tuple[int, StagingBuffer]] = collections.deque()
+        self.crcs: dict[str, int] = {e.name: 0 for e in plan.entries}
+        # (op id, buffer, [(tensor name, offset in buffer, length)]) in submission order
+        self._inflight: collections.deque[tuple[int, StagingBuffer, list[tuple[str, int, int]]]] = (
+            collections.deque()
+        )
         self._offset = plan.header_size  # file offset of the next buffer
         self._progress = progress
+        self._threads = os.cpu_count() or 1
 
     # -- buffers ----------------------------------------------------------------------------
     def _next_buffer(self) -> StagingBuffer:
@@ -159,16 +169,25 @@ class StreamWriter:
         if buf is not None:
             return buf
         if self._inflight:  # recycle our own oldest buffer once its write is done
-            op_id, buf = self._inflight.popleft()
-            try:
-                self.executor.wait(op_id)
-            except BaseException:
-                self.pool.release(buf)
-                raise
-            return buf
+            return self._retire_oldest(release=False)
         return self.pool.acquire()  # held by other saves: wait until one frees up
 
-    def _submit(self, buf: StagingBuffer, nbytes: int) -> None:
+    def _retire_oldest(self, *, release: bool) -> StagingBuffer:
+        """Waits for the oldest write, checksums its buffer, then releases or returns it."""
+        op_id, buf, segments = self._inflight.popleft()
+        try:
+            self.executor.wait(op_id)
+            if self.plan.checksum:
+                for name, at, n in segments:
+                    self.crcs[name] = _C.crc32c(buf.address + at, n, self.crcs[name])
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        if release:
+            self.pool.release(buf)
+        return buf
+
+    def _submit(self, buf: StagingBuffer, nbytes: int, segments: list[tuple[str, int, int]]) -> None:
         try:
             op_id = self.executor.submit(
                 self.file, BufferRef(buf.address, buf.nbytes, buf), self._offset, write=True, nbytes=nbytes
@@ -176,7 +195,7 @@ class StreamWriter:
         except BaseException:
             self.pool.release(buf)
             raise
-        self._inflight.append((op_id, buf))
+        self._inflight.append((op_id, buf, segments))
         self._offset += nbytes
 
     # -- phases -----------------------------------------------------------------------------
@@ -185,49 +204,51 @@ class StreamWriter:
         plan = self.plan
         piece = self.pool.piece
         buf: StagingBuffer | None = None
+        segments: list[tuple[str, int, int]] = []
         used = 0
         with progress_bar(plan.data_size, "saving", enabled=self._progress) as bar:
             try:
                 for entry in plan.entries:
-                    crc = 0
                     for chunk in _byte_chunks(plan.tensors[entry.name], piece):
                         done, n = 0, chunk.numel()
                         while done < n:
                             if buf is None:
-                                buf, used = self._next_buffer(), 0
+                                buf, used, segments = self._next_buffer(), 0, []
                             take = min(n - done, piece - used)
-                            crc = self._copy(chunk[done : done + take], buf, used, crc)
+                            self._copy(chunk[done : done + take], buf, used)
+                            segments.append((entry.name, used, take))
                             used += take
                             done += take
                             if used == piece:
-                                self._submit(buf, used)
-                                buf = None
+                                full, buf = buf, None
+                                self._submit(full, used, segments)
                                 bar.update(piece)
-                    self.crcs[entry.name] = crc
                 if buf is not None and used:
                     # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
                     padded = -(-used // 4096) * 4096
                     zero_fill(buf, used, padded)
-                    self._submit(buf, padded)
+                    last, buf = buf, None
+                    self._submit(last, padded, segments)
                     bar.update(used)
-                    buf = None
             finally:
                 if buf is not None:
                     self.pool.release(buf)
 
-    def _copy(self, chunk: torch.Tensor, buf: StagingBuffer, at: int, crc: int) -> int:
+    def _copy(self, chunk: torch.Tensor, buf: StagingBuffer, at: int) -> None:
         n = chunk.numel()
         if chunk.device.type == "cpu":
-            if self.plan.checksum:
-                return _C.copy_crc32c(buf.address + at, chunk.data_ptr(), n, crc)
-            _C.memcpy(buf.address + at, chunk.data_ptr(), n)
-            return 0
-        buf.tensor()[at : at + n].copy_(chunk)  # device to host, synchronous
-        return _C.crc32c(buf.address + at, n, crc) if self.plan.checksum else 0
+            _C.memcpy(buf.address + at, chunk.data_ptr(), n, self._threads)
+        else:
+            buf.tensor()[at : at + n].copy_(chunk)  # device to host, synchronous
 
     def finish(self) -> None:
         """Waits for every data write, then writes the header and trims the padding."""
-        self._drain()
+        try:
+            while self._inflight:
+                self._retire_oldest(release=True)
+        except BaseException:
+            self.abort()
+            raise
         header = self.plan.header(self.crcs)
         if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
             raise AssertionError("header size changed between planning and writing")
@@ -238,26 +259,13 @@ class StreamWriter:
     def abort(self) -> None:
         """Waits for in-flight writes, ignoring their errors, and returns the buffers."""
         while self._inflight:
-            op_id, buf = self._inflight.popleft()
+            op_id, buf, _ = self._inflight.popleft()
             try:
                 self.executor.wait(op_id)
             except OSError:
                 pass
             finally:
                 self.pool.release(buf)
-
-    def _drain(self) -> None:
-        try:
-            while self._inflight:
-                op_id, buf = self._inflight[0]
-                self.executor.wait(op_id)
-                self._inflight.popleft()
-                self.pool.release(buf)
-        except BaseException:
-            self._inflight.popleft()
-            self.pool.release(buf)
-            self.abort()
-            raise
 
 
 def _pwrite_all(file: File, data: bytes, offset: int) -> None:

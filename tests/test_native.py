@@ -71,9 +71,6 @@ def test_crc32c_matches_reference(n):
     # Extending piece by piece gives the same value.
     half = n // 2
     assert _C.crc32c(addr + half, n - half, _C.crc32c(addr, half)) == expected
-    dst = np.zeros(n, dtype=np.uint8)
-    assert _C.copy_crc32c(dst.__array_interface__["data"][0], addr, n) == expected
-    assert bytes(dst) == data.tobytes()
 
 
 def test_crc32c_known_value():
