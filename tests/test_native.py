@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import inspect
 import re
 import zlib
@@ -100,3 +101,41 @@ def test_parallel_memcpy():
 def test_unknown_engine_name():
     with pytest.raises(ValueError):
         _C.engine_status("floppy")
+
+
+def test_links_only_the_c_and_cxx_runtimes():
+    import shutil
+    import subprocess
+
+    if shutil.which("ldd") is None:
+        pytest.skip("no ldd")
+    out = subprocess.run(["ldd", _C.__file__], capture_output=True, text=True, check=True).stdout
+    allowed = ("linux-vdso", "libstdc++", "libgcc_s", "libc.", "ld-linux", "libm.", "libpthread", "libdl")
+    for line in out.splitlines():
+        name = os.path.basename(line.strip().split()[0])
+        assert name.startswith(allowed), f"_C links {name}"
+
+
+def test_blocking_calls_release_the_gil(tmp_path):
+    import threading
+
+    import torch
+
+    from fastckpt.aio import aio_handle
+
+    h = aio_handle(engine="threads", queue_depth=2, block_size=1 << 20)
+    data = torch.zeros(256 << 20, dtype=torch.uint8)
+    done = threading.Event()
+    ticks = 0
+
+    def io() -> None:
+        h.sync_pwrite(data, str(tmp_path / "gil.bin"))
+        h.sync_pread(data, str(tmp_path / "gil.bin"))
+        done.set()
+
+    worker = threading.Thread(target=io)
+    worker.start()
+    while not done.is_set():
+        ticks += 1  # runs only while the I/O thread does not hold the GIL
+    worker.join()
+    assert ticks > 10_000
