@@ -162,16 +162,27 @@ class Executor:
     def __init__(self, config: IOConfig):
         self.config = config
         self.engine = resolve_engine(config.engine)
+        self._start()
+
+    def _start(self) -> None:
         self._native = _C.Executor(
             self.engine,
-            config.block_size,
-            config.queue_depth,
-            config.single_submit,
-            config.overlap_events,
-            config.intra_op_parallelism,
+            self.config.block_size,
+            self.config.queue_depth,
+            self.config.single_submit,
+            self.config.overlap_events,
+            self.config.intra_op_parallelism,
         )
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._keepalive: dict[int, tuple[Any, ...]] = {}
+
+    def _check_process(self) -> None:
+        """After fork() the worker threads are gone (only the forking thread survives):
+        a child process (a DataLoader worker, say) gets fresh ones."""
+        if self._pid != os.getpid():
+            _orphaned.append(self._native)  # destroying it would join threads that do not exist
+            self._start()
 
     def submit(
         self,
@@ -188,6 +199,7 @@ class Executor:
         if offset < 0:
             raise ValueError(f"file_offset must not be negative, got {offset}")
         length = ref.nbytes if nbytes is None else nbytes
+        self._check_process()
         op_id = self._native.submit(
             file.direct_fd,
             file.fd,
@@ -225,6 +237,16 @@ class Executor:
 
 _shared: dict[IOConfig, Executor] = {}
 _shared_lock = threading.Lock()
+_orphaned: list[Any] = []  # native executors inherited through fork(), never destroyed
+
+
+def _after_fork_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()  # another thread may have held it at fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shared_executor(config: IOConfig) -> Executor:

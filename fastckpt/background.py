@@ -143,6 +143,20 @@ def _async_pool(budget: int | None, needed: int) -> StagingPool:
         return _pool
 
 
+def _after_fork_in_child() -> None:
+    # Saves pending in the parent are the parent's: the child starts with none.
+    global _state_lock, _in_flight_cond, _pool, _last_commit, _in_flight, _pending
+    _state_lock = threading.Lock()
+    _in_flight_cond = threading.Condition(_state_lock)
+    _pool, _last_commit, _in_flight = None, None, 0
+    _pending = weakref.WeakSet()
+    _strong_pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def release_staging() -> None:
     """Frees the idle buffers of the asynchronous staging pool (they come back on demand).
 

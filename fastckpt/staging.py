@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -129,6 +130,17 @@ def default_pool(budget: int | None = None) -> StagingPool:
         if pool is None:
             pool = _pools[budget] = StagingPool(budget)
         return pool
+
+
+def _after_fork_in_child() -> None:
+    # Buffers handed out in the parent belong to threads that did not survive fork().
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    _pools.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def zero_fill(buf: StagingBuffer, begin: int, end: int) -> None:

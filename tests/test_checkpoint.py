@@ -477,3 +477,22 @@ def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         fastckpt.load(tmp_path / "missing.safetensors")
     assert info.value.filename == str(tmp_path / "missing.safetensors")
+
+
+def test_works_in_a_forked_child(tmp_path):
+    # DataLoader workers are forked: the child must get its own I/O threads, not hang.
+    fastckpt.save({"a": torch.ones(1000)}, tmp_path / "parent.safetensors")
+    fastckpt.async_save({"a": torch.ones(10)}, tmp_path / "parent2.safetensors").result()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            back = fastckpt.load(tmp_path / "parent.safetensors")
+            fastckpt.save({"b": back["a"] * 2}, tmp_path / "child.safetensors")
+            fastckpt.async_save({"c": torch.zeros(3)}, tmp_path / "child2.safetensors").result()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(fastckpt.load(tmp_path / "child.safetensors")["b"][0]) == 2.0
