@@ -208,16 +208,22 @@ struct CudaDriver {
 };
 
 CudaDriver cuda_driver() {
-  CudaDriver d;
+  static std::mutex mu;
+  static CudaDriver found;
+  static bool have = false;
+  std::lock_guard<std::mutex> lock(mu);
+  if (have) return found;
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (!lib) {
-    dlerror();  // clear
-    return d;
+    dlerror();  // clear; looked up again next time (torch may load libcuda later)
+    return CudaDriver{};
   }
-  d.ctx_get_current = symbol<CtxGetCurrentFn>(lib, "cuCtxGetCurrent");
-  d.ctx_set_current = symbol<CtxSetCurrentFn>(lib, "cuCtxSetCurrent");
-  d.get_error_name = symbol<GetErrorNameFn>(lib, "cuGetErrorName");
-  return d;  // the reference dlopen added is kept: libcuda stays loaded for the process anyway
+  // The reference dlopen added is kept: libcuda stays loaded for the process anyway.
+  found.ctx_get_current = symbol<CtxGetCurrentFn>(lib, "cuCtxGetCurrent");
+  found.ctx_set_current = symbol<CtxSetCurrentFn>(lib, "cuCtxSetCurrent");
+  found.get_error_name = symbol<GetErrorNameFn>(lib, "cuGetErrorName");
+  have = true;
+  return found;
 }
 
 std::string describe_status(int code, int cuda_error) {
@@ -227,14 +233,17 @@ std::string describe_status(int code, int cuda_error) {
     text += "; CUDA error " + std::to_string(cuda_error);
     CudaDriver d = cuda_driver();
     const char* name = nullptr;
-    if (d.get_error_name && d.get_error_name(cuda_error, &name) == 0 && name) text += std::string(" ") + name;
+    if (d.get_error_name && d.get_error_name(cuda_error, &name) == 0 && name) {
+      text += std::string(" ") + name;
+    }
   }
   return text + ")";
 }
 
 void check(const CUfileStatus& st, const std::string& what, const std::string& path = "") {
   if (st.err == 0) return;
-  throw CuFileError(what + " failed: " + describe_status(st.err, st.cu_err), st.err, st.cu_err, path);
+  throw CuFileError(what + " failed: " + describe_status(st.err, st.cu_err), st.err, st.cu_err,
+                    path);
 }
 
 std::string describe_io(bool write, uint64_t nbytes, uint64_t offset) {
@@ -261,7 +270,8 @@ void transfer_range(const Api& a, CUfileHandle fh, char* base, uint64_t buf_offs
     const uint64_t at = file_offset + done;
     if (r == 0) {
       throw IoError(write ? EIO : ENODATA,
-                    describe_io(write, nbytes - done, at) + (write ? " made no progress" : " hit the end of the file"),
+                    describe_io(write, nbytes - done, at) +
+                        (write ? " made no progress" : " hit the end of the file"),
                     path);
     }
     if (r == -1) {
@@ -273,8 +283,9 @@ void transfer_range(const Api& a, CUfileHandle fh, char* base, uint64_t buf_offs
     if (code < kCuFileBase) {  // a negated errno, which some releases return instead of -1
       throw IoError(code, describe_io(write, nbytes - done, at) + " failed", path);
     }
-    throw CuFileError(describe_io(write, nbytes - done, at) + " failed: " + describe_status(code, 0), code, 0,
-                      path);
+    throw CuFileError(
+        describe_io(write, nbytes - done, at) + " failed: " + describe_status(code, 0), code, 0,
+        path);
   }
 }
 
@@ -297,7 +308,8 @@ std::string cufile_status_description(int code) {
   return s ? s->description : "unknown cuFile status";
 }
 
-std::pair<bool, std::string> cufile_load(const std::vector<std::string>& candidates, bool search_default) {
+std::pair<bool, std::string> cufile_load(const std::vector<std::string>& candidates,
+                                         bool search_default) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (Api* a = g_api.load()) return {true, a->path};
   std::vector<std::string> failures;
@@ -324,12 +336,12 @@ std::pair<bool, std::string> cufile_load(const std::vector<std::string>& candida
     return true;
   };
   if (attempt("libcufile.so.0", RTLD_NOW | RTLD_NOLOAD)) return {true, g_api.load()->path};
-  for (const auto& path : candidates)
-    if (attempt(path, RTLD_NOW | RTLD_LOCAL)) return {true, g_api.load()->path};
   if (search_default) {
     for (const char* name : {"libcufile.so.0", "libcufile.so"})
       if (attempt(name, RTLD_NOW | RTLD_LOCAL)) return {true, g_api.load()->path};
   }
+  for (const auto& path : candidates)
+    if (attempt(path, RTLD_NOW | RTLD_LOCAL)) return {true, g_api.load()->path};
   std::string reason = "libcufile could not be loaded";
   if (failures.empty()) reason += ": no candidate to try";
   for (size_t i = 0; i < failures.size(); ++i) reason += (i ? "; " : ": ") + failures[i];
@@ -354,7 +366,9 @@ void cufile_driver_open() {
 void cufile_driver_close() {
   const Api& a = api();
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_driver_refs == 0) throw std::logic_error("cufile_driver_close() without a matching cufile_driver_open()");
+  if (g_driver_refs == 0) {
+    throw std::logic_error("cufile_driver_close() without a matching cufile_driver_open()");
+  }
   if (--g_driver_refs == 0 && g_driver_owned) {
     g_driver_owned = false;
     check(a.driver_close(), "cuFileDriverClose");
@@ -366,9 +380,10 @@ void cufile_transfer(uintptr_t handle, uintptr_t base, uint64_t nbytes, uint64_t
   if (nbytes == 0) return;
   if (handle == 0) throw std::invalid_argument("handle: not a registered cuFile handle");
   if (base == 0) throw std::invalid_argument("address: null pointer");
-  if (nbytes > static_cast<uint64_t>(INT64_MAX) || file_offset > static_cast<uint64_t>(INT64_MAX) - nbytes ||
-      buf_offset > static_cast<uint64_t>(INT64_MAX) - nbytes)
+  constexpr uint64_t kMaxOff = static_cast<uint64_t>(INT64_MAX);  // off_t
+  if (nbytes > kMaxOff || file_offset > kMaxOff - nbytes || buf_offset > kMaxOff - nbytes) {
     throw std::invalid_argument("nbytes/file_offset/buf_offset: out of range");
+  }
   const Api& a = api();
   auto* fh = reinterpret_cast<CUfileHandle>(handle);
   char* ptr = reinterpret_cast<char*>(base);
@@ -376,7 +391,8 @@ void cufile_transfer(uintptr_t handle, uintptr_t base, uint64_t nbytes, uint64_t
   // Parts start on page multiples of the file (the first excepted) and are at least
   // kMinPart long, so small transfers stay on the calling thread.
   constexpr uint64_t kPage = 4096, kMinPart = uint64_t{1} << 20;
-  const uint64_t parts = std::max<uint64_t>(1, std::min<uint64_t>(threads, (nbytes + kMinPart - 1) / kMinPart));
+  const uint64_t parts =
+      std::max<uint64_t>(1, std::min<uint64_t>(threads, (nbytes + kMinPart - 1) / kMinPart));
   std::vector<uint64_t> cuts{0};
   const uint64_t per = (nbytes + parts - 1) / parts;
   for (uint64_t k = 1; k < parts; ++k) {
@@ -482,8 +498,9 @@ void bind_cufile(py::module_& m) {
 
   m.def("cufile_load", &cufile_load, py::arg("candidates") = std::vector<std::string>{},
         py::arg("search_default") = true,
-        "Loads libcufile once per process: a copy already loaded, then each candidate path, then "
-        "libcufile.so.0/libcufile.so from the linker's search path. Returns (loaded, path or reason).",
+        "Loads libcufile once per process: a copy already loaded, then (with search_default) "
+        "libcufile.so.0/libcufile.so from the linker's search path, then each candidate path. "
+        "Returns (loaded, path or the reasons every attempt failed).",
         py::call_guard<py::gil_scoped_release>());
   m.def("cufile_library", []() -> std::string {
     Api* a = g_api.load();
@@ -536,9 +553,11 @@ void bind_cufile(py::module_& m) {
   m.def(
       "cufile_buf_register",
       [](uintptr_t address, size_t nbytes, int flags) {
-        check(api().buf_register(reinterpret_cast<const void*>(address), nbytes, flags), "cuFileBufRegister");
+        check(api().buf_register(reinterpret_cast<const void*>(address), nbytes, flags),
+              "cuFileBufRegister");
       },
-      py::arg("address"), py::arg("nbytes"), py::arg("flags") = 0, py::call_guard<py::gil_scoped_release>());
+      py::arg("address"), py::arg("nbytes"), py::arg("flags") = 0,
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "cufile_buf_deregister",
       [](uintptr_t address) {
@@ -547,8 +566,8 @@ void bind_cufile(py::module_& m) {
       py::arg("address"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "cufile_read",
-      [](uintptr_t handle, uintptr_t address, uint64_t nbytes, uint64_t file_offset, uint64_t buf_offset,
-         unsigned threads, const std::string& path) {
+      [](uintptr_t handle, uintptr_t address, uint64_t nbytes, uint64_t file_offset,
+         uint64_t buf_offset, unsigned threads, const std::string& path) {
         cufile_transfer(handle, address, nbytes, file_offset, buf_offset, false, threads, path);
       },
       py::arg("handle"), py::arg("address"), py::arg("nbytes"), py::arg("file_offset"),
@@ -557,8 +576,8 @@ void bind_cufile(py::module_& m) {
       "Reads nbytes at file_offset into address + buf_offset (all of them, or raises).");
   m.def(
       "cufile_write",
-      [](uintptr_t handle, uintptr_t address, uint64_t nbytes, uint64_t file_offset, uint64_t buf_offset,
-         unsigned threads, const std::string& path) {
+      [](uintptr_t handle, uintptr_t address, uint64_t nbytes, uint64_t file_offset,
+         uint64_t buf_offset, unsigned threads, const std::string& path) {
         cufile_transfer(handle, address, nbytes, file_offset, buf_offset, true, threads, path);
       },
       py::arg("handle"), py::arg("address"), py::arg("nbytes"), py::arg("file_offset"),

@@ -41,9 +41,10 @@ std::string cufile_status_name(int code);
 std::string cufile_status_description(int code);
 
 // Loads libcufile once per process. Tries, in order: a copy already loaded in the process,
-// each path of `candidates`, then (when `search_default`) "libcufile.so.0" and
-// "libcufile.so" through the dynamic linker's search path. Returns (loaded, path or the
-// reasons every attempt failed). Never throws.
+// then (when `search_default`) "libcufile.so.0" and "libcufile.so" through the dynamic
+// linker's search path, then each path of `candidates` (the Python side passes the
+// nvidia-cufile wheels' copies). Returns (loaded, path or the reasons every attempt
+// failed). Never throws.
 std::pair<bool, std::string> cufile_load(const std::vector<std::string>& candidates,
                                          bool search_default);
 

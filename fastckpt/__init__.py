@@ -5,7 +5,8 @@ Two faces:
 - :func:`save`, :func:`load` and :func:`open`: a drop-in for ``torch.save``/``torch.load``
   writing safetensors-compatible files laid out for direct I/O.
 - :mod:`fastckpt.aio`: the DeepNVMe API (``aio_handle``, ``aio_read``, ``aio_write``,
-  ``deepspeed_memcpy``) over a native engine (io_uring, Linux AIO or a thread pool).
+  ``deepspeed_memcpy``, ``gds_handle``) over a native engine (io_uring, Linux AIO, a
+  thread pool, or cuFile for GPUDirect Storage).
 
 Example:
     >>> import fastckpt
@@ -23,6 +24,7 @@ from fastckpt.errors import (
     HeaderError,
     WeightsOnlyError,
 )
+from fastckpt.gds import CuFileError
 from fastckpt.loader import load
 from fastckpt.reader import CheckpointReader, TensorInfo
 from fastckpt.reader import open_checkpoint as open  # noqa: A001 - the public name, like safe_open
@@ -48,5 +50,6 @@ __all__ = [
     "ChecksumError",
     "EngineUnavailableError",
     "WeightsOnlyError",
+    "CuFileError",
 ]
 __version__ = "0.1.0"

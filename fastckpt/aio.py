@@ -48,6 +48,7 @@ __all__ = [
     "aio_read",
     "aio_write",
     "deepspeed_memcpy",
+    "gds_handle",
     "memcpy",
 ]
 
@@ -410,3 +411,7 @@ def deepspeed_memcpy(dest: Any, src: Any) -> int:
 
 
 memcpy = deepspeed_memcpy
+
+
+# gds_handle builds on aio_handle, so it is imported once aio_handle exists.
+from fastckpt.gds import gds_handle  # noqa: E402

@@ -170,7 +170,8 @@ def release_staging() -> None:
 
 
 def wait_all(timeout: float | None = None) -> None:
-    """Waits for every pending ``async_save``; raises the first error among them.
+    """Waits for every pending ``async_save``; raises the first error among them that was not
+    already retrieved with ``result()``/``exception()`` (that error then counts as retrieved).
 
     Example:
         >>> import torch, fastckpt
@@ -184,9 +185,12 @@ def wait_all(timeout: float | None = None) -> None:
         f.wait(timeout)
         if not f.done():
             raise TimeoutError(f"{f} not done after {timeout} s")
-        error = f.exception()
-        if error is not None and first is None:
-            first = error
+        with _state_lock:
+            _pending.discard(f)
+        if not f._retrieved:
+            error = f.exception()  # marks it retrieved: reported here, not again when collected
+            if error is not None and first is None:
+                first = error
     if first is not None:
         raise first
 

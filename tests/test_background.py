@@ -66,6 +66,18 @@ def test_unwritable_directory(tmp_path):
     future = fastckpt.async_save({"a": torch.ones(1)}, blocker / "x.safetensors")
     with pytest.raises(NotADirectoryError):
         future.result()
+    fastckpt.wait_all()  # the error was retrieved: it is not raised a second time
+
+
+def test_wait_all_raises_an_error_nobody_retrieved(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    future = fastckpt.async_save({"a": torch.ones(1)}, blocker / "x.safetensors")
+    future.wait()
+    with pytest.raises(NotADirectoryError):
+        fastckpt.wait_all()
+    fastckpt.wait_all()  # reported once
+    assert isinstance(future.exception(), NotADirectoryError)
 
 
 def test_back_to_back_saves_commit_in_call_order(tmp_path):

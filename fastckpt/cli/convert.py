@@ -1,0 +1,238 @@
+"""``fastckpt convert SRC DST``: torch and safetensors files to the fastckpt layout, and back.
+
+- SRC a torch file (``.pt``/``.pth``/``.bin``, zip or legacy format) is loaded with
+  ``torch.load(weights_only=True)``, which refuses arbitrary pickled objects;
+  ``--allow-pickle`` lifts that (with a warning: unpickling runs code from the file).
+- SRC a safetensors or fastckpt file is read with ``fastckpt.load`` (nested objects come
+  back as saved); its metadata is kept.
+- DST ending in ``.pt``, ``.pth`` or ``.bin`` is written with ``torch.save``; any other name
+  gets the fastckpt layout (a safetensors file aligned for direct I/O, with checksums).
+
+DST is written atomically (a temporary file renamed over it) and never overwritten
+unless ``--force`` is given.
+
+Example (shell)::
+
+    $ fastckpt convert pytorch_model.bin model.safetensors
+    $ fastckpt convert model.safetensors model.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+from fastckpt.cli._common import FAILURE, USAGE, CliError, format_bytes, warn
+
+__all__ = ["TORCH_SUFFIXES", "add_parser", "run", "source_kind"]
+
+#: Destination suffixes written with ``torch.save``.
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers ``convert`` on the ``fastckpt`` parser."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert torch .pt/.bin and safetensors files to the fastckpt layout (or to .pt)",
+        description=(
+            "Converts SRC (a torch .pt/.pth/.bin file, or a safetensors/fastckpt file) to DST. DST "
+            "ending in .pt, .pth or .bin is written with torch.save; any other DST gets the fastckpt "
+            "layout (safetensors-compatible, aligned for direct I/O, with CRC32C checksums). "
+            "Metadata is kept. Torch files are loaded with weights_only=True."
+        ),
+    )
+    parser.add_argument("src", metavar="SRC", help="the file to convert")
+    parser.add_argument("dst", metavar="DST", help="the file to write")
+    parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    parser.add_argument(
+        "--allow-pickle",
+        dest="allow_pickle",
+        action="store_true",
+        help="load torch files with weights_only=False and keep arbitrary Python "
+        "objects (pickled into the fastckpt metadata). Unpickling runs code from "
+        "the file: only for files you trust",
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def source_kind(path: str | os.PathLike[str]) -> str:
+    """``"safetensors"`` or ``"torch"``, from the file's content (not its name).
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> torch.save({"a": torch.zeros(1)}, p)
+        >>> source_kind(p)
+        'torch'
+    """
+    from fastckpt.cli.inspect import read_header
+    from fastckpt.errors import HeaderError
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":  # torch's zip format
+        return "torch"
+    try:
+        read_header(path)
+    except HeaderError:
+        return "torch"  # legacy pickle format, or not a checkpoint: torch.load will say
+    return "safetensors"
+
+
+def _load_torch(src: str, allow_pickle: bool) -> Any:
+    import torch
+
+    if allow_pickle:
+        warn(
+            f"--allow-pickle: unpickling {src} with weights_only=False runs any code it holds; "
+            "use it only on files you trust"
+        )
+        return torch.load(src, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(
+            f"{src}: refused to unpickle objects other than tensors and plain containers "
+            f"({first}); if you trust the file, pass --allow-pickle"
+        ) from None
+    except RuntimeError as exc:
+        raise CliError(f"{src}: not a torch or safetensors file ({exc})") from None
+
+
+def _user_metadata(src: str) -> dict[str, str]:
+    from fastckpt.cli.inspect import read_header
+    from fastckpt.format import split_metadata
+
+    return split_metadata(read_header(src).metadata).user
+
+
+def _own_storages(obj: Any) -> Any:
+    """Gives every tensor of ``obj`` its own storage, in place; tensors that shared memory
+    (tied weights) keep sharing their copy.
+
+    ``fastckpt.load`` returns views into one buffer, and ``torch.save`` refuses views of one
+    storage with different dtypes.
+    """
+    import torch
+
+    copies: dict[tuple[Any, ...], Any] = {}
+
+    def own(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
+            if key not in copies:
+                copy = value.detach().clone()
+                if isinstance(value, torch.nn.Parameter):
+                    copy = torch.nn.Parameter(copy, requires_grad=value.requires_grad)
+                else:
+                    copy.requires_grad_(value.requires_grad)
+                copies[key] = copy
+            return copies[key]
+        if isinstance(value, dict):
+            for k in list(value):
+                value[k] = own(value[k])
+            return value
+        if isinstance(value, list):
+            value[:] = [own(v) for v in value]
+            return value
+        if type(value) is tuple:
+            return tuple(own(v) for v in value)
+        return value
+
+    return own(obj)
+
+
+def _torch_save_atomic(obj: Any, dst: str) -> None:
+    import tempfile
+
+    import torch
+
+    directory = os.path.dirname(os.path.abspath(dst))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dst) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``fastckpt convert``; 1 when DST exists without ``--force`` or the source is refused."""
+    import fastckpt
+
+    src, dst = args.src, args.dst
+    if not os.path.isfile(src):
+        raise CliError(
+            f"no such file: {src}" if not os.path.exists(src) else f"not a file: {src}", USAGE
+        )
+    if os.path.isdir(dst):
+        raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
+    if os.path.exists(dst):
+        if os.path.samefile(src, dst):
+            raise CliError("SRC and DST are the same file", USAGE)
+        if not args.force:
+            raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
+        raise CliError(f"the directory of {dst} does not exist", USAGE)
+
+    started = time.perf_counter()
+    kind = source_kind(src)
+    metadata: dict[str, str] = {}
+    if kind == "torch":
+        obj = _load_torch(src, args.allow_pickle)
+    else:
+        metadata = _user_metadata(src)
+        if args.allow_pickle:
+            warn(
+                f"--allow-pickle: objects pickled in {src} are unpickled, which runs any code "
+                "they hold; use it only on files you trust"
+            )
+        try:
+            obj = fastckpt.load(src, weights_only=not args.allow_pickle)
+        except pickle.UnpicklingError as exc:
+            raise CliError(f"{exc}; if you trust the file, pass --allow-pickle") from None
+
+    to_torch = Path(dst).suffix.lower() in TORCH_SUFFIXES
+    if to_torch:
+        dropped = sorted(k for k in metadata if k != "format")
+        if dropped:
+            warn(f"torch files have no place for metadata; not kept: {', '.join(dropped)}")
+        _torch_save_atomic(_own_storages(obj) if kind == "safetensors" else obj, dst)
+        written = f"torch file, {format_bytes(os.path.getsize(dst))}"
+    else:
+        try:
+            fastckpt.save(obj, dst, metadata=metadata or None, allow_pickle=args.allow_pickle)
+        except TypeError as exc:
+            hint = "" if args.allow_pickle else "; --allow-pickle keeps such objects (pickled)"
+            raise CliError(
+                f"{src}: cannot store this object in the fastckpt layout: {exc}{hint}"
+            ) from None
+        from fastckpt.cli.inspect import describe_file
+
+        info = describe_file(dst)
+        written = (
+            f"fastckpt layout, {info['tensor_count']} tensors, "
+            f"{format_bytes(info['total_bytes'])}, checksums {'on' if info['checksums'] else 'off'}"
+        )
+    seconds = time.perf_counter() - started
+    print(f"Converted {src} ({kind}) -> {dst} ({written}) in {seconds:.1f} s")
+    return 0

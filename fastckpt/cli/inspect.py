@@ -1,0 +1,219 @@
+"""``fastckpt inspect FILE|DIR``: what a safetensors/fastckpt file holds and how it is laid out.
+
+For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
+the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
+CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file).
+A directory means every ``*.safetensors`` file directly inside it. ``--json`` prints a
+JSON list with one object per file instead. Only headers are read, never tensor data.
+
+Example (shell)::
+
+    $ fastckpt inspect model.safetensors
+    $ fastckpt inspect --json checkpoints/ | jq '.[].total_bytes'
+
+Example (Python):
+    >>> import json, os, tempfile
+    >>> from fastckpt.format import build_metadata, encode_header, plan_layout
+    >>> path = os.path.join(tempfile.mkdtemp(), "tiny.safetensors")
+    >>> entries = plan_layout([("w", "F32", (2, 2))])
+    >>> with open(path, "wb") as f:
+    ...     _ = f.write(encode_header(entries, build_metadata({"step": "3"})) + bytes(16))
+    >>> info = describe_file(path)
+    >>> info["tensors"][0]["offset"], info["tensors"][0]["alignment"], info["metadata"]
+    (4096, 4096, {'format': 'pt', 'step': '3'})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
+
+__all__ = ["add_parser", "describe_file", "offset_alignment", "read_header", "run"]
+
+_MAX_ALIGNMENT = 4096
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers ``inspect`` on the ``fastckpt`` parser."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list the tensors, layout, metadata and checksums of checkpoint files",
+        description=(
+            "Prints a table of the tensors of a safetensors/fastckpt file (name, dtype, shape, "
+            "bytes, file offset, alignment of the offset), the totals, the user metadata and "
+            "whether checksums are present. A directory means every *.safetensors file in it. "
+            "Exit status 1 when a file is not a valid safetensors file."
+        ),
+    )
+    parser.add_argument("paths", nargs="+", metavar="FILE|DIR", help="files or directories")
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON list, one object per file"
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def offset_alignment(offset: int) -> int:
+    """The largest power of two dividing ``offset``, capped at 4096 (0 counts as 4096).
+
+    Example:
+        >>> offset_alignment(4096 * 3), offset_alignment(4100), offset_alignment(0)
+        (4096, 4, 4096)
+    """
+    if offset == 0:
+        return _MAX_ALIGNMENT
+    return min(offset & -offset, _MAX_ALIGNMENT)
+
+
+def read_header(path: str | os.PathLike[str]) -> Any:
+    """Reads and validates the header of a safetensors file (not its data).
+
+    Returns:
+        a :class:`fastckpt.format.Header`.
+
+    Raises:
+        fastckpt.HeaderError: not a valid safetensors file (the message says why).
+        OSError: the file cannot be read.
+
+    Example:
+        >>> read_header("/no/such.safetensors")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: [Errno 2] No such file or directory: '/no/such.safetensors'
+    """
+    from fastckpt.format import parse_header, parse_header_length
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = parse_header_length(f.read(8), size)
+        return parse_header(f.read(length), size)
+
+
+def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything ``inspect`` reports about one file, as a JSON-able dict.
+
+    Keys: ``path``, ``file_size``, ``header_bytes``, ``data_offset``, ``tensors`` (a list of
+    ``name, dtype, shape, bytes, offset, alignment``), ``tensor_count``, ``total_bytes``,
+    ``aligned_4096`` (tensors starting on a 4096-byte boundary), ``metadata`` (the user's),
+    ``checksums`` (bool), ``checksummed`` (how many tensors), ``aliases``, ``nested``,
+    ``fastckpt_version`` (None for files other writers made).
+
+    Raises:
+        fastckpt.HeaderError, OSError: as :func:`read_header`.
+    """
+    from fastckpt.format import split_metadata
+
+    header = read_header(path)
+    meta = split_metadata(header.metadata)
+    tensors = []
+    for entry in header.entries.values():
+        offset = header.data_offset + entry.begin
+        tensors.append(
+            {
+                "name": entry.name,
+                "dtype": entry.dtype,
+                "shape": list(entry.shape),
+                "bytes": entry.nbytes,
+                "offset": offset,
+                "alignment": offset_alignment(offset),
+            }
+        )
+    crcs = meta.crcs or {}
+    return {
+        "path": os.fspath(path),
+        "file_size": header.data_offset + header.data_size,
+        "header_bytes": header.data_offset - 8,
+        "data_offset": header.data_offset,
+        "tensors": tensors,
+        "tensor_count": len(tensors),
+        "total_bytes": header.data_size,
+        "aligned_4096": sum(1 for t in tensors if t["alignment"] == _MAX_ALIGNMENT),
+        "metadata": meta.user,
+        "checksums": meta.crcs is not None,
+        "checksummed": sum(1 for t in tensors if t["name"] in crcs),
+        "aliases": meta.aliases,
+        "nested": meta.tree is not None,
+        "fastckpt_version": meta.version,
+    }
+
+
+def _print_file(info: dict[str, Any]) -> None:
+    version = info["fastckpt_version"]
+    made_by = f"fastckpt format {version}" if version else "not written by fastckpt"
+    print(
+        f"{info['path']}: {info['tensor_count']} tensors, {format_bytes(info['total_bytes'])} "
+        f"of data, header {info['header_bytes']} bytes (data at offset {info['data_offset']}), "
+        f"{made_by}"
+    )
+    rows = [("name", "dtype", "shape", "bytes", "offset", "align")]
+    for t in info["tensors"]:
+        shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        rows.append(
+            (t["name"], t["dtype"], shape, str(t["bytes"]), str(t["offset"]), str(t["alignment"]))
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    for n, row in enumerate(rows):
+        left = "  ".join(row[i].ljust(widths[i]) for i in range(3))
+        right = "  ".join(row[i].rjust(widths[i]) for i in range(3, 6))
+        print(f"  {left}  {right}")
+        if n == 0:
+            print("  " + "-" * (sum(widths) + 10))
+    print(
+        f"  total: {info['tensor_count']} tensors, {info['total_bytes']} bytes "
+        f"({format_bytes(info['total_bytes'])}); {info['aligned_4096']} start on a 4096-byte "
+        f"boundary; file {info['file_size']} bytes"
+    )
+    if info["checksums"]:
+        print(f"  checksums: CRC32C for {info['checksummed']} of {info['tensor_count']} tensors")
+    else:
+        print(
+            "  checksums: none (`fastckpt verify` cannot check this file; "
+            "`fastckpt convert` it to add them)"
+        )
+    if info["aliases"]:
+        shared = ", ".join(f"{a} -> {b}" for a, b in info["aliases"].items())
+        print(f"  shared tensors: {shared}")
+    if info["nested"]:
+        print("  structure: a nested object (fastckpt.load rebuilds it)")
+    if info["metadata"]:
+        print("  metadata:")
+        for key, value in info["metadata"].items():
+            shown = value if len(value) <= 200 else value[:197] + "..."
+            print(f"    {key}: {shown}")
+    else:
+        print("  metadata: none")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``fastckpt inspect``; exit status 1 when any file could not be read."""
+    from fastckpt.errors import HeaderError
+
+    files = [f for target in args.paths for f in checkpoint_files(target)]
+    status = 0
+    described: list[dict[str, Any]] = []
+    for n, path in enumerate(files):
+        try:
+            info = describe_file(path)
+        except (HeaderError, OSError) as exc:
+            status = FAILURE
+            message = (
+                f"{exc.strerror} ({exc.filename})"
+                if isinstance(exc, OSError) and exc.strerror
+                else str(exc)
+            )
+            info = {"path": os.fspath(path), "error": message}
+            if not args.json:
+                print(f"{path}: error: {message}", flush=True)
+        else:
+            if not args.json:
+                if n:
+                    print()
+                _print_file(info)
+        described.append(info)
+    if args.json:
+        print(json.dumps(described, indent=2))
+    return status

@@ -1,0 +1,228 @@
+"""`fastckpt tune`, run as a user runs it: in a subprocess, on tiny sizes and sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastckpt.config import IO_KEYS, filesystem_key
+
+# Non-default values everywhere, so that a handle showing them proves the tuning was used.
+TINY_SWEEP = {
+    "engine": ["threads"],
+    "block_size": ["64K"],
+    "queue_depth": [4, 8],
+    "intra_op_parallelism": [3],
+    "single_submit": [True],
+    "overlap_events": [False],
+}
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, FASTCKPT_NO_PROGRESS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "fastckpt", *map(str, args)],
+        capture_output=True,
+        check=False,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def printed_config(stdout: str) -> dict:
+    """The JSON block tune prints: from a line '{' to the next line '}'."""
+    lines = stdout.splitlines()
+    start = lines.index("{")
+    end = lines.index("}", start)
+    return json.loads("\n".join(lines[start : end + 1]))
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(TINY_SWEEP))
+    return path
+
+
+def test_tune_saves_a_configuration_that_new_handles_use(tmp_path, sweep_file):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    logs = tmp_path / "logs"
+    result = run_cli(
+        "tune",
+        "--nvme_dir",
+        nvme,
+        "--io_size",
+        "1M",
+        "--sweep_config",
+        sweep_file,
+        "--log_dir",
+        logs,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Best performance (GB/sec): read =" in out and "write =" in out
+    assert "Cold reads:" in out
+    config = printed_config(out)
+    assert list(config) == list(IO_KEYS)
+    assert set(config) == {
+        "block_size",
+        "queue_depth",
+        "single_submit",
+        "overlap_events",
+        "intra_op_parallelism",
+        "engine",
+    }
+    assert config["block_size"] == 65536 and config["queue_depth"] in (4, 8)
+    assert config["single_submit"] is True and config["overlap_events"] is False
+    assert config["intra_op_parallelism"] == 3 and config["engine"] == "threads"
+
+    # Saved where FASTCKPT_CONFIG says, keyed by the file system measured.
+    saved_path = os.environ["FASTCKPT_CONFIG"]
+    assert saved_path in out
+    saved = json.loads(Path(saved_path).read_text())["filesystems"]
+    assert saved[filesystem_key(nvme)]["config"] == config
+
+    # The test files are gone; the log has one JSON line per measurement.
+    assert list(nvme.iterdir()) == []
+    (log,) = logs.iterdir()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(1 for r in records if r["phase"] == "sweep") == 2
+    assert all(len(r["read_gbps"]) >= 1 and len(r["write_gbps"]) >= 1 for r in records)
+
+    # A new process: aio_handle() with no arguments picks the tuning up; explicit
+    # arguments still win.
+    probe = (
+        "import json; from fastckpt.aio import aio_handle; h = aio_handle(); "
+        "print(json.dumps([h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), "
+        "h.get_overlap_events(), h.get_intra_op_parallelism(), h.get_engine(), "
+        "aio_handle(queue_depth=16).get_queue_depth()]))"
+    )
+    probed = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        check=False,
+        text=True,
+        cwd=nvme,
+        timeout=60,
+    )
+    assert probed.returncode == 0, probed.stderr
+    assert json.loads(probed.stdout) == [config[k] for k in IO_KEYS] + [16]
+
+
+# The cases below call the same main() as the console script, in-process: a subprocess
+# per case would spend most of its time importing torch.
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    from fastckpt.cli import main
+
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_tune_reads_only_with_engine_flag(tmp_path, capsys, sweep_file):
+    status, out, err = run_main(
+        capsys,
+        "tune",
+        "--nvme_dir",
+        tmp_path,
+        "--io_size",
+        "256K",
+        "--sweep_config",
+        sweep_file,
+        "--no_write",
+        "--engine",
+        "threads",
+        "--verbose",
+        "--loops",
+        "2",
+    )
+    assert status == 0, err
+    assert "read =" in out and "write =" not in out
+    assert "qd=4" in out and "qd=8" in out  # --verbose lines
+    assert printed_config(out)["engine"] == "threads"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fastckpt-tune")]
+
+
+def test_tune_plot(tmp_path, capsys, sweep_file):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    status, _, err = run_main(
+        capsys,
+        "tune",
+        "--nvme_dir",
+        tmp_path,
+        "--io_size",
+        "256K",
+        "--sweep_config",
+        sweep_file,
+        "--plot",
+        png,
+    )
+    assert status == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_plot_without_matplotlib(tmp_path, capsys, monkeypatch, sweep_file):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    status, _, err = run_main(
+        capsys,
+        "tune",
+        "--nvme_dir",
+        tmp_path,
+        "--io_size",
+        "256K",
+        "--sweep_config",
+        sweep_file,
+        "--plot",
+        tmp_path / "x.png",
+    )
+    assert status == 2
+    assert "pip install matplotlib" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--nvme_dir", "{tmp}", "--no_read", "--no_write"],
+        ["--nvme_dir", "{tmp}/missing"],
+        ["--nvme_dir", "{tmp}", "--engine", "warp_drive"],
+        ["--nvme_dir", "{tmp}", "--engine", "threads,warp_drive"],
+        ["--nvme_dir", "{tmp}", "--io_size", "lots"],
+        ["--nvme_dir", "{tmp}", "--loops", "0"],
+        ["--nvme_dir", "{tmp}", "--sweep_config", "{tmp}/unknown_key.json"],
+        ["--nvme_dir", "{tmp}", "--sweep_config", "{tmp}/bad_value.json"],
+        ["--nvme_dir", "{tmp}", "--sweep_config", "{tmp}/missing.json"],
+    ],
+)
+def test_tune_usage_errors(tmp_path, capsys, args):
+    from fastckpt.cli import main
+
+    (tmp_path / "unknown_key.json").write_text(json.dumps({"num_threads": [1, 2]}))
+    (tmp_path / "bad_value.json").write_text(json.dumps({"queue_depth": [0]}))
+    assert main(["tune", *[a.format(tmp=tmp_path) for a in args]]) == 2
+    assert "error" in capsys.readouterr().err
+    assert not os.path.exists(os.environ["FASTCKPT_CONFIG"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fastckpt")]
+
+
+def test_tune_gpu_without_cuda(tmp_path, capsys):
+    import torch
+
+    from fastckpt.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for flag in ("--gpu", "--gds"):
+        assert main(["tune", "--nvme_dir", str(tmp_path), flag]) == 2
+        assert "CUDA" in capsys.readouterr().err
