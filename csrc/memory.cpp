@@ -35,8 +35,10 @@ size_t page_size() {
 AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbytes) {
   if (nbytes == 0) return;
   mapped_ = (nbytes + page_size() - 1) / page_size() * page_size();
-  // Large buffers start on a huge-page boundary and ask for transparent huge pages: first
-  // touching memory one 4 KiB page at a time costs seconds per GiB on some virtual machines.
+  // Large buffers start on a huge-page boundary, so a system whose transparent huge pages are
+  // "always" on can back them with huge pages. We do not madvise(MADV_HUGEPAGE) them: where
+  // huge pages are "madvise"-only, faults then compact memory synchronously, which measured
+  // 0.8-1.2 GB/s of first touch against 1.5-1.7 GB/s for plain pages on our 2-core VM.
   const bool huge = mapped_ >= 2 * kHugePage;
   const size_t reserve = huge ? mapped_ + kHugePage : mapped_;
   void* p = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -50,9 +52,6 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
     size_t tail = reserve - static_cast<size_t>(aligned - start) - mapped_;
     if (tail) munmap(aligned + mapped_, tail);
     start = aligned;
-#ifdef MADV_HUGEPAGE
-    madvise(start, mapped_, MADV_HUGEPAGE);  // advisory: ignore failure
-#endif
   }
   data_ = start;
   if (!lock) return;

@@ -48,8 +48,10 @@ __all__ = [
     "DEPTH",
     "PIPELINES",
     "copy_device_to_host_async",
+    "device_arena",
     "pin_host_tensor",
     "read_into_device",
+    "require_cuda",
     "submit_device_io",
     "unpin_host_tensor",
     "use_gds",
@@ -65,6 +67,9 @@ PIPELINES = 4
 
 GDS_ENV = "FASTCKPT_GDS"
 
+#: ``on_host(file_offset, address, nbytes)``: sees each piece of a read in host memory.
+OnHost = Callable[[int, int, int], None]
+
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -79,8 +84,13 @@ def _pipelines() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def _torch_cuda() -> Any:
-    """torch, after checking CUDA can run (RuntimeError saying why not)."""
+def require_cuda() -> Any:
+    """torch, after checking CUDA can run (RuntimeError saying why not).
+
+    Example (needs a CUDA GPU)::
+
+        torch = require_cuda()
+    """
     import torch
 
     if not torch.cuda.is_available():
@@ -91,6 +101,12 @@ def _torch_cuda() -> Any:
         )
         raise RuntimeError(f"cannot move CUDA tensor data: CUDA is not available ({why})")
     return torch
+
+
+def device_arena(nbytes: int, device: Any) -> Any:
+    """``nbytes`` of uninitialized uint8 memory on a CUDA device (one allocation)."""
+    torch = require_cuda()
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _check_device_bytes(tensor: Any, argname: str) -> None:
@@ -169,6 +185,7 @@ def _file_to_device(
     chunk: int,
     depth: int,
     ready: Any,
+    on_host: OnHost | None = None,
 ) -> None:
     import torch
 
@@ -202,6 +219,8 @@ def _file_to_device(
                     event = torch.cuda.Event()
                     event.record(stream)
                 copied[i % count] = event
+                if on_host is not None:  # reads the buffer while the copy to the GPU runs
+                    on_host(pos, buf.data_ptr() + lead, n)
                 # Refill the buffer of the previous piece once its copy is done; the copy just
                 # queued overlaps the reads already in flight.
                 refill = i - 1 + count
@@ -286,7 +305,7 @@ def submit_device_io(
     """
     tensor = ref.owner
     _check_device_bytes(tensor, "buffer")
-    torch = _torch_cuda()
+    torch = require_cuda()
     flat = _as_bytes(tensor)
     if flat.numel() != ref.nbytes:
         raise ValueError(
@@ -368,7 +387,7 @@ def _device_transfer_args(
     ):
         raise ValueError(f"staging_bytes must be an int of at least 1 MiB, got {staging_bytes!r}")
     _check_device_bytes(tensor, argname)
-    torch = _torch_cuda()
+    torch = require_cuda()
     flat = _as_bytes(tensor)
     if nbytes is None:
         nbytes = flat.numel()
@@ -397,6 +416,7 @@ def read_into_device(
     staging_bytes: int,
     gds: bool | None = None,
     max_parts: int = 0,
+    on_host: OnHost | None = None,
 ) -> None:
     """Reads ``nbytes`` of ``file`` at ``file_offset`` into the start of a contiguous CUDA
     tensor (a uint8 arena, or the bytes of any dtype); blocks until the bytes are there
@@ -406,6 +426,9 @@ def read_into_device(
     overlapping host-to-device copies), or straight into device memory with cuFile when
     :func:`use_gds` says so (``gds=True``: GDS or an error; ``None``: ``FASTCKPT_GDS``).
     ``max_parts`` caps the threads each disk read is split over (0: the executor's).
+    ``on_host(file_offset, address, nbytes)``, if given, is called with every piece in file
+    order while it is in host memory (to checksum it); with GDS the bytes never are, so the
+    pieces are copied back from the GPU through ``staging_bytes`` of pinned memory for it.
 
     Raises:
         TypeError/ValueError: a bad argument (named).
@@ -438,6 +461,8 @@ def read_into_device(
 
         threads = max_parts or executor.config.intra_op_parallelism
         gds_module.transfer(file, dst, file_offset, write=False, threads=threads)
+        if on_host is not None:
+            _replay_from_device(torch, dst, file_offset, staging_bytes, on_host)
         return
     chunk, depth = _ring(staging_bytes)
     _file_to_device(
@@ -449,7 +474,18 @@ def read_into_device(
         chunk=chunk,
         depth=depth,
         ready=_ready_event(torch, dst),
+        on_host=on_host,
     )
+
+
+def _replay_from_device(torch: Any, src: Any, file_offset: int, staging_bytes: int, on_host: OnHost) -> None:
+    """Copies ``src`` back to pinned host memory piece by piece and shows each to ``on_host``."""
+    chunk, _ = _ring(staging_bytes)
+    host = _pinned(torch, min(chunk, src.numel()))
+    for at in range(0, src.numel(), chunk):
+        n = min(chunk, src.numel() - at)
+        host[:n].copy_(src[at : at + n])  # synchronous: the bytes are there when it returns
+        on_host(file_offset + at, host.data_ptr(), n)
 
 
 def write_from_device(
@@ -515,7 +551,7 @@ def copy_device_to_host_async(src: Any, dst: Any, stream: Any = None) -> Any:
     flat = _as_bytes(src)
     if dst.numel() < flat.numel():
         raise ValueError(f"dst: {dst.numel()} bytes cannot hold src's {flat.numel()}")
-    torch = _torch_cuda()
+    torch = require_cuda()
     if stream is None:
         stream = torch.cuda.Stream(src.device)
     stream.wait_stream(torch.cuda.current_stream(src.device))
@@ -533,7 +569,7 @@ def pin_host_tensor(tensor: Any) -> None:
     Raises ``RuntimeError`` naming the CUDA error."""
     if tensor.is_cuda or not tensor.is_contiguous():
         raise TypeError("tensor: expected a contiguous host (CPU) tensor")
-    torch = _torch_cuda()
+    torch = require_cuda()
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return
@@ -544,7 +580,7 @@ def pin_host_tensor(tensor: Any) -> None:
 
 def unpin_host_tensor(tensor: Any) -> None:
     """Undoes :func:`pin_host_tensor`."""
-    torch = _torch_cuda()
+    torch = require_cuda()
     if tensor.numel() == 0:
         return
     err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

@@ -63,6 +63,7 @@ def load(
     keys: Sequence[str] | None = None,
     verify: bool | None = None,
     progress: bool | None = None,
+    gds: bool | None = None,
     engine: str | None = None,
     block_size: int | None = None,
     queue_depth: int | None = None,
@@ -86,6 +87,10 @@ def load(
         verify: check every tensor's CRC32C (``ChecksumError`` names a damaged one). Default:
             on when the file has checksums.
         progress: show a progress bar (default: on a terminal).
+        gds: loading to CUDA, read with GPUDirect Storage straight into GPU memory
+            (``True``: GDS or ``EngineUnavailableError``; default: when ``FASTCKPT_GDS=1``
+            and GDS runs here). Otherwise disk reads into page-locked staging buffers
+            overlap the copies to the GPU.
 
     Raises:
         FileNotFoundError: no such file (an ``OSError`` with errno and filename).
@@ -104,8 +109,15 @@ def load(
     target = resolve_device(map_location, device)
     if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
         raise TypeError("keys must be a list of tensor names")
+    on_cuda = isinstance(target, torch.device) and target.type == "cuda"
     with CheckpointReader(
-        f, engine=engine, block_size=block_size, queue_depth=queue_depth, intra_op_parallelism=intra_op_parallelism
+        f,
+        device=target if on_cuda else "cpu",
+        gds=gds,
+        engine=engine,
+        block_size=block_size,
+        queue_depth=queue_depth,
+        intra_op_parallelism=intra_op_parallelism,
     ) as reader:
         check = reader.has_checksums and (VERIFY_DEFAULT if verify is None else verify)
         if verify and not reader.has_checksums:
@@ -114,7 +126,7 @@ def load(
             raise ChecksumError(f"{reader.path} has no checksums to verify", filename=reader.path)
         stored = reader.read(None if keys is None else list(keys), pin_memory=pin_memory, verify=check,
                              progress=progress)
-        if isinstance(target, torch.device) and target.type != "cpu":
+        if isinstance(target, torch.device) and target.type not in ("cpu", "cuda"):
             stored = _to_device(stored, target)
         elif callable(target) and not isinstance(target, torch.device):
             stored = {name: _apply_callable(target, t) for name, t in stored.items()}
@@ -125,10 +137,6 @@ def load(
 
 
 def _to_device(tensors: dict[str, torch.Tensor], target: torch.device) -> dict[str, torch.Tensor]:
-    if target.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"cannot load to {target}: CUDA is not available (torch.cuda.is_available() is False)")
-        return {name: t.to(target, non_blocking=True) for name, t in tensors.items()}
     if target.type == "meta":
         return {name: t.to("meta") for name, t in tensors.items()}
     raise ValueError(f"device {target} is not supported (use 'cpu' or 'cuda[:N]')")

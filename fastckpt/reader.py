@@ -17,11 +17,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from fastckpt import _C, dtypes, format
+from fastckpt import _C, cuda, dtypes, format
 from fastckpt._buffers import BufferRef, aligned_tensor
 from fastckpt._io import Executor, File, shared_executor
 from fastckpt._progress import progress_bar
-from fastckpt.config import resolve_io
+from fastckpt._verify import StreamingVerifier
+from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
@@ -30,6 +31,8 @@ _PAGE = 4096
 # Reads are submitted in pieces of this size so checksums of finished pieces are verified
 # while the rest is read, and progress can be shown.
 _READ_PIECE = 64 << 20
+# Where runs of tensors start in a GPU arena, modulo which their data offsets are kept.
+_DEVICE_ALIGN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,7 @@ class CheckpointReader:
         path: str | os.PathLike[str],
         *,
         device: str | torch.device = "cpu",
+        gds: bool | None = None,
         engine: str | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
@@ -102,11 +106,17 @@ class CheckpointReader:
             raise TypeError(f"f must be a path (str or os.PathLike), got {type(path).__name__}")
         self.path = os.fspath(path)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            cuda.require_cuda()  # say so now, before any reading
+        elif self.device.type not in ("cpu", "meta"):
+            raise ValueError(f"device {self.device} is not supported (use 'cpu' or 'cuda[:N]')")
+        self.gds = gds
         config = resolve_io(
             self.path,
             dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
                  intra_op_parallelism=intra_op_parallelism),
         )
+        self._staging_bytes = staging_bytes()
         self._file = File(self.path)
         try:
             self._executor: Executor = shared_executor(config)
@@ -208,13 +218,56 @@ class CheckpointReader:
                 result[name] = prefetched.collect(progress=False)[name]
             else:
                 to_read.append(e)
-        result.update(self._read_entries(to_read, pin_memory=pin_memory, verify=verify, progress=progress))
         if self.device.type != "cpu":
-            result = self._to_device(result)
+            result = {name: t.to(self.device) for name, t in result.items()}
+        if self.device.type == "cuda":
+            result.update(self._read_to_device(to_read, verify=verify, progress=progress))
+            return result
+        fresh = self._read_entries(to_read, pin_memory=pin_memory, verify=verify, progress=progress)
+        if self.device.type != "cpu":
+            fresh = {name: t.to(self.device) for name, t in fresh.items()}
+        result.update(fresh)
         return result
 
-    def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: t.to(self.device) for name, t in tensors.items()}
+    def _read_to_device(
+        self, entries: list[format.TensorEntry], *, verify: bool, progress: bool | None
+    ) -> dict[str, torch.Tensor]:
+        """Reads tensors into one arena on this reader's CUDA device; name -> view.
+
+        Disk reads into page-locked staging buffers overlap the copies to the GPU (or cuFile
+        reads straight into the arena with GDS); checksums are verified from the host copy.
+        """
+        runs = _runs(entries)
+        pos = 0
+        for run in runs:  # keep each run's offset modulo 256 so tensors stay aligned to dtype
+            pos = -(-pos // _DEVICE_ALIGN) * _DEVICE_ALIGN + run.begin % _DEVICE_ALIGN
+            run.arena_pos = pos
+            pos += run.end - run.begin
+        arena = cuda.device_arena(pos, self.device)
+        crcs = self.meta.crcs if verify else None
+        base = self.header.data_offset
+        with progress_bar(sum(r.end - r.begin for r in runs), "loading", enabled=progress) as bar:
+            for run in runs:
+                verifier = StreamingVerifier(run.entries, crcs, self.path) if crcs else None
+
+                def on_host(offset: int, address: int, nbytes: int, verifier=verifier) -> None:
+                    if verifier is not None:
+                        verifier.feed(offset - base, address, nbytes)
+                    bar.update(nbytes)
+
+                cuda.read_into_device(
+                    self._executor,
+                    self._file,
+                    base + run.begin,
+                    run.end - run.begin,
+                    arena[run.arena_pos : run.arena_pos + (run.end - run.begin)],
+                    staging_bytes=self._staging_bytes,
+                    gds=self.gds,
+                    on_host=on_host,
+                )
+                if verifier is not None:
+                    verifier.finish()
+        return {e.name: _view(arena, run.arena_pos + (e.begin - run.begin), e) for run in runs for e in run.entries}
 
     def _read_entries(
         self,
@@ -360,49 +413,37 @@ class _PendingRead:
 
     def _wait_and_view(self, progress: bool | None) -> dict[str, torch.Tensor]:
         crcs = self.reader.meta.crcs if self.verify else None
-        checked: dict[int, int] = {}  # id(run) -> index of the next entry to verify
+        verifiers = {id(run): StreamingVerifier(run.entries, crcs, self.reader.path) for run in self.runs} if crcs else {}
+        address = self.arena.data_ptr()
         total = sum(r.end - r.begin for r in self.runs)
         with progress_bar(total, "loading", enabled=progress) as bar:
             for i, (op, run, start, stop) in enumerate(self.ops):
                 try:
                     self.reader._executor.wait(op)
+                    if verifiers:
+                        verifiers[id(run)].feed(start, address + run.arena_pos + (start - run.begin), stop - start)
                 except BaseException:
                     self.ops = self.ops[i + 1 :]
-                    self.cancel()
+                    self.cancel()  # no read may outlive this failure unwaited
                     raise
                 bar.update(stop - start)
-                if crcs is not None:
-                    self._verify_ready(run, stop, crcs, checked)
+        for verifier in verifiers.values():
+            verifier.finish()
         return {e.name: self._view(run, e) for run in self.runs for e in run.entries}
 
-    def _verify_ready(self, run: _Run, done_to: int, crcs: dict[str, int], checked: dict[int, int]) -> None:
-        """Checks the CRC of every entry of ``run`` that lies wholly before ``done_to``."""
-        index = checked.get(id(run), 0)
-        while index < len(run.entries) and run.entries[index].end <= done_to:
-            e = run.entries[index]
-            expected = crcs.get(e.name)
-            if expected is not None:
-                address = self.arena.data_ptr() + run.arena_pos + (e.begin - run.begin)
-                actual = _C.crc32c(address, e.nbytes)
-                if actual != expected:
-                    path = self.reader.path
-                    raise ChecksumError(
-                        f"tensor {e.name!r} in {path} is damaged: CRC32C {actual:08x}, expected {expected:08x}",
-                        tensor=e.name,
-                        filename=path,
-                    )
-            index += 1
-        checked[id(run)] = index
-
     def _view(self, run: _Run, e: format.TensorEntry) -> torch.Tensor:
-        dtype = dtypes.to_torch(e.dtype)
-        if e.nbytes == 0:
-            return torch.empty(e.shape, dtype=dtype)
-        start = run.arena_pos + (e.begin - run.begin)
-        raw = self.arena[start : start + e.nbytes]
-        if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
-            raw = raw.clone()  # files from other writers may not align tensors to their dtype
-        return raw.view(dtype).view(e.shape)
+        return _view(self.arena, run.arena_pos + (e.begin - run.begin), e)
+
+
+def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
+    """The tensor of ``e`` whose bytes start at ``arena[start]``, as a view where possible."""
+    dtype = dtypes.to_torch(e.dtype)
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dtype, device=arena.device)
+    raw = arena[start : start + e.nbytes]
+    if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
+        raw = raw.clone()  # files from other writers may not align tensors to their dtype
+    return raw.view(dtype).view(e.shape)
 
 
 def _piece_end(offset: int) -> int:
@@ -410,12 +451,17 @@ def _piece_end(offset: int) -> int:
     return (offset // _READ_PIECE + 1) * _READ_PIECE
 
 
-def open_checkpoint(f: str | os.PathLike[str], *, device: str | torch.device = "cpu", **io: Any) -> CheckpointReader:
+def open_checkpoint(
+    f: str | os.PathLike[str], *, device: str | torch.device = "cpu", gds: bool | None = None, **io: Any
+) -> CheckpointReader:
     """Opens a checkpoint for lazy reading (exported as ``fastckpt.open``).
 
     Args:
         f: the file's path.
-        device: where :meth:`~CheckpointReader.get_tensor` puts tensors.
+        device: where :meth:`~CheckpointReader.get_tensor` puts tensors: ``"cpu"`` or
+            ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
+        gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or
+            ``EngineUnavailableError``; ``None``: when ``FASTCKPT_GDS=1`` and GDS runs here).
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``.
 
     Example:
@@ -425,4 +471,4 @@ def open_checkpoint(f: str | os.PathLike[str], *, device: str | torch.device = "
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
-    return CheckpointReader(f, device=device, **io)
+    return CheckpointReader(f, device=device, gds=gds, **io)

@@ -357,7 +357,7 @@ def host_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
     monkeypatch.setattr(cuda, "_pinned", lambda torch_, n: torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(cuda, "_torch_cuda", lambda: torch)
+    monkeypatch.setattr(cuda, "require_cuda", lambda: torch)
     monkeypatch.setattr(cuda, "_check_device_bytes", lambda tensor, argname: None)
 
 
@@ -442,3 +442,138 @@ def test_submit_device_io_runs_in_the_background_and_reports(host_cuda, tmp_path
             too_far()
     with pytest.raises(ValueError, match="reference covers"):
         cuda.submit_device_io(ex, None, BufferRef(back.data_ptr(), 5, back, True), 0, write=False)
+
+
+# ------------------------------------------------ checkpoints to and from CUDA
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(300, 257, generator=g),  # spans several 64 KiB staging pieces
+        "norm": torch.randn(257, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(7),
+        "empty": torch.empty(0, 3),
+        "mask": torch.rand(33, generator=g) > 0.5,
+    }
+
+
+@pytest.fixture
+def device_load_on_host(host_cuda, monkeypatch):
+    """The CUDA load path with host memory as the "device" and small staging pieces."""
+    import fastckpt.reader
+
+    monkeypatch.setattr(cuda, "device_arena", lambda n, device: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(fastckpt.reader, "staging_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(cuda, "_ring", lambda staging: (64 << 10, 3))
+
+
+def test_cuda_load_pipeline_bookkeeping(device_load_on_host, tmp_path):
+    import fastckpt
+
+    state = _state()
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.save({"model": state, "epoch": 3}, path)
+    back = fastckpt.load(path, device="cuda")
+    assert back["epoch"] == 3
+    for name, t in state.items():
+        assert torch.equal(back["model"][name], t), name
+        assert back["model"][name].dtype == t.dtype
+    # all the tensors are views of one arena, one allocation
+    bases = {back["model"][n].untyped_storage().data_ptr() for n in ("embed", "norm", "step")}
+    assert len(bases) == 1
+    subset = fastckpt.load(path, map_location="cuda", keys=["model/norm"])
+    assert torch.equal(subset["model/norm"], state["norm"])
+    with fastckpt.open(path, device="cuda") as reader:
+        assert torch.equal(reader.get_tensor("model/embed"), state["embed"])
+
+
+def test_cuda_load_verifies_from_the_staging_buffers(device_load_on_host, tmp_path):
+    import fastckpt
+    from fastckpt.errors import ChecksumError
+
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.save(_state(), path)
+    with fastckpt.open(path) as reader:
+        at = reader.info("embed").offset + 100_000  # inside the third 64 KiB piece
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match="'embed'") as info:
+        fastckpt.load(path, device="cuda")
+    assert info.value.tensor == "embed"
+    back = fastckpt.load(path, device="cuda", verify=False)  # the damage is read as is
+    assert not torch.equal(back["embed"], _state()["embed"])
+
+
+def test_cuda_load_without_cuda_says_so(tmp_path):
+    import fastckpt
+
+    if CUDA:
+        pytest.skip("CUDA is available here")
+    path = tmp_path / "c.safetensors"
+    fastckpt.save({"x": torch.ones(2)}, path)
+    for call in (
+        lambda: fastckpt.load(path, device="cuda:0"),
+        lambda: fastckpt.open(path, device="cuda"),
+        lambda: fastckpt.async_load(path, map_location="cuda").result(),
+    ):
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            call()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("verify", [True, False])
+def test_cuda_load_round_trip(tmp_path, verify):
+    import fastckpt
+
+    state = _state(1)
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.save({"model": state, "lr": 0.5}, path)
+    back = fastckpt.load(path, device="cuda", verify=verify)
+    assert back["lr"] == 0.5
+    for name, t in state.items():
+        assert back["model"][name].is_cuda
+        assert torch.equal(back["model"][name].cpu(), t), name
+    with fastckpt.open(path, device="cuda:0") as reader:
+        reader.prefetch(["model/norm"])
+        assert torch.equal(reader.get_tensor("model/norm").cpu(), state["norm"])
+        assert reader.get_tensor("model/embed").device.type == "cuda"
+    loaded = fastckpt.async_load(path, map_location="cuda").result()
+    assert torch.equal(loaded["model"]["embed"].cpu(), state["embed"])
+
+
+@pytest.mark.cuda
+def test_cuda_save_round_trip_and_async_snapshot(tmp_path):
+    import fastckpt
+
+    state = {k: v.cuda() for k, v in _state(2).items()}
+    path = tmp_path / "from_gpu.safetensors"
+    fastckpt.save(state, path)
+    back = fastckpt.load(path)
+    for name, t in state.items():
+        assert torch.equal(back[name], t.cpu()), name
+    future = fastckpt.async_save(state, tmp_path / "async.safetensors")
+    expected = state["embed"].cpu()
+    state["embed"].add_(1)  # after the snapshot: must not reach the file
+    future.result()
+    assert torch.equal(fastckpt.load(tmp_path / "async.safetensors")["embed"], expected)
+
+
+@pytest.mark.cuda
+def test_cuda_load_with_gds_where_it_runs(tmp_path):
+    import fastckpt
+    from fastckpt import gds
+
+    path = tmp_path / "g.safetensors"
+    state = _state(3)
+    fastckpt.save(state, path)
+    if not gds.engine_info().available:
+        with pytest.raises(EngineUnavailableError):
+            fastckpt.load(path, device="cuda", gds=True)
+        return
+    back = fastckpt.load(path, device="cuda", gds=True)
+    for name, t in state.items():
+        assert torch.equal(back[name].cpu(), t), name
