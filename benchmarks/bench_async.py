@@ -97,14 +97,23 @@ def child(args: argparse.Namespace) -> None:
         for t in threads:
             t.join()
         final_wait = time.perf_counter() - t0
-    _common.report({"mode": args.mode, "blocked": blocked, "final_wait": final_wait, "compute": compute,
-                    **m.as_dict()})
+    _common.report(
+        {
+            "mode": args.mode,
+            "blocked": blocked,
+            "final_wait": final_wait,
+            "compute": compute,
+            **m.as_dict(),
+        }
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", type=_common.parse_size, default=_common.parse_size("2G"))
-    p.add_argument("--dir", default=None, help="directory on the disk to test (default: ../bench-async-tmp)")
+    p.add_argument(
+        "--dir", default=None, help="directory on the disk to test (default: ../bench-async-tmp)"
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--matmul", type=int, default=1536)
@@ -126,16 +135,34 @@ def main() -> None:
     try:
         for r in range(args.repeats):
             for mode in modes:  # interleaved, so disk noise hits every mode alike
-                argv = [sys.executable, __file__, "--child", mode, "--dir", str(directory),
-                        "--size", str(args.size), "--steps", str(args.steps), "--every", str(args.every),
-                        "--matmul", str(args.matmul), "--matmuls-per-step", str(args.matmuls_per_step)]
+                argv = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--dir",
+                    str(directory),
+                    "--size",
+                    str(args.size),
+                    "--steps",
+                    str(args.steps),
+                    "--every",
+                    str(args.every),
+                    "--matmul",
+                    str(args.matmul),
+                    "--matmuls-per-step",
+                    str(args.matmuls_per_step),
+                ]
                 res = _common.run_child(argv, timeout=1200)
                 if "error" in res:
                     print(f"{mode}: {res['error']}", file=sys.stderr)
                     continue
                 results[mode].append(res)
-                print(f"round {r + 1} {mode}: total {res['seconds']:.2f} s, blocked "
-                      f"{sum(res['blocked']):.2f} s", file=sys.stderr)
+                print(
+                    f"round {r + 1} {mode}: total {res['seconds']:.2f} s, blocked "
+                    f"{sum(res['blocked']):.2f} s",
+                    file=sys.stderr,
+                )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -145,30 +172,40 @@ def main() -> None:
         if not runs:
             continue
         rows[mode] = {
-            "block_per_ckpt": med(med(r["blocked"]) for r in runs if r["blocked"]) if mode != "none" else 0.0,
+            "block_per_ckpt": med(med(r["blocked"]) for r in runs if r["blocked"])
+            if mode != "none"
+            else 0.0,
             "total": med(r["seconds"] for r in runs),
             "final_wait": med(r["final_wait"] for r in runs),
             "compute": med(r["compute"] for r in runs),
             "peak_rss": med(r["peak_rss"] for r in runs),
         }
     ckpts = args.steps // args.every
-    print(f"\n{_common.human_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
-          f"steps ({ckpts} checkpoints), medians of {args.repeats} runs\n")
+    print(
+        f"\n{_common.human_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
+        f"steps ({ckpts} checkpoints), medians of {args.repeats} runs\n"
+    )
     print("| mode | blocks per checkpoint (s) | loop total (s) | peak RSS (MiB) |")
     print("|---|---:|---:|---:|")
     for mode, row in rows.items():
-        print(f"| {mode} | {row['block_per_ckpt']:.3f} | {row['total']:.2f} | {row['peak_rss'] / 2**20:.0f} |")
+        print(
+            f"| {mode} | {row['block_per_ckpt']:.3f} | {row['total']:.2f} | {row['peak_rss'] / 2**20:.0f} |"
+        )
     if {"none", "copy", "save", "async_save"} <= set(rows):
         base, copy, save, asy = rows["none"], rows["copy"], rows["save"], rows["async_save"]
         interval = base["compute"] / ckpts
         hidden_not = ckpts * max(0.0, save["block_per_ckpt"] - interval)
         ideal = base["total"] + ckpts * asy["block_per_ckpt"] + hidden_not
         ratio_block = asy["block_per_ckpt"] / copy["block_per_ckpt"]
-        print(f"\nasync_save blocks {ratio_block:.2f}x a plain copy into allocated memory "
-              f"(target <= 1.25x: {'met' if ratio_block <= 1.25 else 'NOT met'})")
-        print(f"async_save loop {asy['total']:.2f} s vs ideal {ideal:.2f} s = baseline {base['total']:.2f} + "
-              f"snapshots {ckpts * asy['block_per_ckpt']:.2f} + disk time that cannot overlap {hidden_not:.2f} "
-              f"-> {asy['total'] / ideal:.3f}x (target <= 1.10x: {'met' if asy['total'] <= 1.1 * ideal else 'NOT met'})")
+        print(
+            f"\nasync_save blocks {ratio_block:.2f}x a plain copy into allocated memory "
+            f"(target <= 1.25x: {'met' if ratio_block <= 1.25 else 'NOT met'})"
+        )
+        print(
+            f"async_save loop {asy['total']:.2f} s vs ideal {ideal:.2f} s = baseline {base['total']:.2f} + "
+            f"snapshots {ckpts * asy['block_per_ckpt']:.2f} + disk time that cannot overlap {hidden_not:.2f} "
+            f"-> {asy['total'] / ideal:.3f}x (target <= 1.10x: {'met' if asy['total'] <= 1.1 * ideal else 'NOT met'})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "raw": results}, indent=2))
 

@@ -51,7 +51,7 @@ REPO = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import _common as C
+import _common as C  # noqa: E402 - found through the sys.path entry above
 
 FILES = {
     "fastckpt": "fastckpt.safetensors",

@@ -43,7 +43,8 @@ uint32_t crc_software(uint32_t c, const unsigned char* p, size_t n) {
 }
 
 #ifdef FASTCKPT_X86
-__attribute__((target("sse4.2"))) uint32_t crc_hardware(uint32_t c, const unsigned char* p, size_t n) {
+__attribute__((target("sse4.2"))) uint32_t crc_hardware(uint32_t c, const unsigned char* p,
+                                                        size_t n) {
   uint64_t c64 = c;
   while (n >= 8) {
     uint64_t v;

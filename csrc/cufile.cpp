@@ -2,17 +2,16 @@
 // uses, and turns every status into an exception carrying the status code's name.
 #include "cufile.h"
 
-#include <pybind11/stl.h>
-
 #include <Python.h>
 #include <dlfcn.h>
+#include <pybind11/stl.h>
 #include <sys/types.h>
 
 #include <algorithm>
-#include <climits>
-#include <cstdint>
 #include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -77,11 +76,13 @@ const StatusInfo kStatuses[] = {
      "see CUFILE_ENV_PATH_JSON, to run in compatibility mode without it)"},
     {5002, "CU_FILE_DRIVER_INVALID_PROPS", "invalid driver property"},
     {5003, "CU_FILE_DRIVER_UNSUPPORTED_LIMIT", "driver property out of range"},
-    {5004, "CU_FILE_DRIVER_VERSION_MISMATCH", "nvidia-fs driver and libcufile versions do not match"},
+    {5004, "CU_FILE_DRIVER_VERSION_MISMATCH",
+     "nvidia-fs driver and libcufile versions do not match"},
     {5005, "CU_FILE_DRIVER_VERSION_READ_ERROR", "could not read the nvidia-fs driver version"},
     {5006, "CU_FILE_DRIVER_CLOSING", "the cuFile driver is shutting down"},
     {5007, "CU_FILE_PLATFORM_NOT_SUPPORTED", "GPUDirect Storage is not supported on this platform"},
-    {5008, "CU_FILE_IO_NOT_SUPPORTED", "GPUDirect Storage is not supported for this file or file system"},
+    {5008, "CU_FILE_IO_NOT_SUPPORTED",
+     "GPUDirect Storage is not supported for this file or file system"},
     {5009, "CU_FILE_DEVICE_NOT_SUPPORTED", "GPUDirect Storage is not supported on this GPU"},
     {5010, "CU_FILE_NVFS_DRIVER_ERROR", "nvidia-fs driver ioctl failed"},
     {5011, "CU_FILE_CUDA_DRIVER_ERROR", "CUDA driver call failed"},
@@ -92,7 +93,8 @@ const StatusInfo kStatuses[] = {
     {5016, "CU_FILE_INVALID_MAPPING_SIZE", "access beyond the maximum pinned size"},
     {5017, "CU_FILE_INVALID_MAPPING_RANGE", "access beyond the registered range"},
     {5018, "CU_FILE_INVALID_FILE_TYPE", "not a regular file of a supported type"},
-    {5019, "CU_FILE_INVALID_FILE_OPEN_FLAG", "file opened with unsupported flags (GDS needs O_DIRECT)"},
+    {5019, "CU_FILE_INVALID_FILE_OPEN_FLAG",
+     "file opened with unsupported flags (GDS needs O_DIRECT)"},
     {5020, "CU_FILE_DIO_NOT_SET", "file descriptor is not opened with O_DIRECT"},
     {5021, "CU_FILE_EXPECTED_FILE_MODE", "unexpected file mode"},
     {5022, "CU_FILE_INVALID_VALUE", "invalid argument"},
@@ -105,7 +107,8 @@ const StatusInfo kStatuses[] = {
     {5029, "CU_FILE_DEVICE_NOT_FOUND", "GPU not found"},
     {5030, "CU_FILE_INTERNAL_ERROR", "internal cuFile error"},
     {5031, "CU_FILE_GETNEWFD_FAILED", "could not obtain a new file descriptor"},
-    {5033, "CU_FILE_NVFS_SETUP_ERROR", "cuFile initialization failed (is a CUDA driver installed?)"},
+    {5033, "CU_FILE_NVFS_SETUP_ERROR",
+     "cuFile initialization failed (is a CUDA driver installed?)"},
     {5034, "CU_FILE_IO_DISABLED", "GPUDirect Storage disabled by configuration for this file"},
     {5035, "CU_FILE_BATCH_SUBMIT_FAILED", "batch submission failed"},
     {5036, "CU_FILE_GPU_MEMORY_PINNING_FAILED", "not enough GPU memory (BAR1) to pin the buffer"},
@@ -142,12 +145,12 @@ struct Api {
   BufDeregisterFn buf_deregister = nullptr;
   ReadFn read = nullptr;
   WriteFn write = nullptr;
-  GetVersionFn get_version = nullptr;          // optional (GDS >= 1.1)
+  GetVersionFn get_version = nullptr;               // optional (GDS >= 1.1)
   GetParameterBoolFn get_parameter_bool = nullptr;  // optional (GDS >= 1.9)
-  UseCountFn use_count = nullptr;              // optional
+  UseCountFn use_count = nullptr;                   // optional
 };
 
-std::mutex g_mu;                  // guards loading and the driver's reference count
+std::mutex g_mu;                   // guards loading and the driver's reference count
 std::atomic<Api*> g_api{nullptr};  // set once, never freed: libcufile is never unloaded
 int g_driver_refs = 0;
 bool g_driver_owned = false;  // false when someone else in the process had opened it
@@ -502,18 +505,24 @@ void bind_cufile(py::module_& m) {
         "libcufile.so.0/libcufile.so from the linker's search path, then each candidate path. "
         "Returns (loaded, path or the reasons every attempt failed).",
         py::call_guard<py::gil_scoped_release>());
-  m.def("cufile_library", []() -> std::string {
-    Api* a = g_api.load();
-    return a ? a->path : "";
-  }, "Path of the loaded libcufile, or '' when none is.");
+  m.def(
+      "cufile_library",
+      []() -> std::string {
+        Api* a = g_api.load();
+        return a ? a->path : "";
+      },
+      "Path of the loaded libcufile, or '' when none is.");
   m.def("cufile_status_name", &cufile_status_name, py::arg("code"));
   m.def("cufile_status_description", &cufile_status_description, py::arg("code"));
-  m.def("cufile_version", []() -> std::optional<int> {
-    const Api& a = api();
-    int version = 0;
-    if (!a.get_version || a.get_version(&version).err != 0) return std::nullopt;
-    return version;
-  }, "cuFileGetVersion(), or None where the library lacks it.");
+  m.def(
+      "cufile_version",
+      []() -> std::optional<int> {
+        const Api& a = api();
+        int version = 0;
+        if (!a.get_version || a.get_version(&version).err != 0) return std::nullopt;
+        return version;
+      },
+      "cuFileGetVersion(), or None where the library lacks it.");
   m.def("cufile_get_bool_parameter", &get_bool_parameter, py::arg("parameter"),
         "cuFileGetParameterBool(parameter) (1: allow_compat_mode, 2: force_compat_mode), or None "
         "where the library lacks it or refuses.");

@@ -6,11 +6,12 @@
 // short transfers and turning errors into exceptions is the executor's job, so that every
 // engine gets the same checks.
 #pragma once
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <sys/uio.h>
 #include <utility>
 #include <vector>
 
@@ -22,7 +23,7 @@ struct Request {
   uint64_t len = 0;     // bytes still to move in this submission
   uint64_t offset = 0;  // file offset of buf[0]
   bool write = false;
-  struct iovec iov {};  // scratch for engines that submit vectored requests
+  struct iovec iov{};     // scratch for engines that submit vectored requests
   void* owner = nullptr;  // the executor's bookkeeping
 };
 

@@ -1,11 +1,12 @@
 // Linux native AIO through <linux/aio_abi.h> and raw syscalls: the interface DeepNVMe
 // uses, without libaio at build or run time.
-#include <cerrno>
-#include <cstring>
-#include <ctime>
 #include <linux/aio_abi.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
 
 #include "engine.h"
 #include "io_error.h"
@@ -65,7 +66,8 @@ class LibaioEngine final : public Engine {
     out.insert(out.end(), refused_.begin(), refused_.end());
     refused_.clear();
     while (got < min_complete) {
-      long n = sys_io_getevents(ctx_, static_cast<long>(min_complete - got), depth_, events_.data());
+      long n =
+          sys_io_getevents(ctx_, static_cast<long>(min_complete - got), depth_, events_.data());
       if (n < 0) {
         if (errno == EINTR) continue;
         throw IoError(errno, "io_getevents");
@@ -97,6 +99,8 @@ EngineStatus probe_libaio() {
   return {true, ""};
 }
 
-std::unique_ptr<Engine> make_libaio(unsigned depth) { return std::make_unique<LibaioEngine>(depth); }
+std::unique_ptr<Engine> make_libaio(unsigned depth) {
+  return std::make_unique<LibaioEngine>(depth);
+}
 
 }  // namespace fastckpt

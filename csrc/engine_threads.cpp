@@ -1,12 +1,13 @@
 // A pool of threads doing plain pread/pwrite: works everywhere, including where the
 // kernel's asynchronous interfaces are disabled (containers, gVisor).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
-#include <unistd.h>
 
 #include "engine.h"
 #include "io_error.h"
@@ -85,7 +86,9 @@ class ThreadsEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_threads(unsigned depth) { return std::make_unique<ThreadsEngine>(depth); }
+std::unique_ptr<Engine> make_threads(unsigned depth) {
+  return std::make_unique<ThreadsEngine>(depth);
+}
 
 EngineKind parse_engine_kind(const std::string& name) {
   if (name == "io_uring") return EngineKind::io_uring;
@@ -96,18 +99,24 @@ EngineKind parse_engine_kind(const std::string& name) {
 
 const char* engine_kind_name(EngineKind kind) {
   switch (kind) {
-    case EngineKind::io_uring: return "io_uring";
-    case EngineKind::libaio: return "libaio";
-    case EngineKind::threads: return "threads";
+    case EngineKind::io_uring:
+      return "io_uring";
+    case EngineKind::libaio:
+      return "libaio";
+    case EngineKind::threads:
+      return "threads";
   }
   return "?";
 }
 
 std::unique_ptr<Engine> make_engine(EngineKind kind, unsigned depth) {
   switch (kind) {
-    case EngineKind::io_uring: return make_io_uring(depth);
-    case EngineKind::libaio: return make_libaio(depth);
-    case EngineKind::threads: return make_threads(depth);
+    case EngineKind::io_uring:
+      return make_io_uring(depth);
+    case EngineKind::libaio:
+      return make_libaio(depth);
+    case EngineKind::threads:
+      return make_threads(depth);
   }
   throw std::invalid_argument("bad engine kind");
 }

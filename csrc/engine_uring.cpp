@@ -1,12 +1,13 @@
 // io_uring through the kernel's own interface (<linux/io_uring.h> + syscall), as fio
 // does: no liburing at build or run time. READV/WRITEV are used because they exist since
 // the first io_uring kernel (5.1); the iovec lives in the Request.
-#include <cerrno>
-#include <cstring>
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "engine.h"
 #include "io_error.h"
@@ -19,14 +20,18 @@ int sys_setup(unsigned entries, io_uring_params* p) {
 }
 
 int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags) {
-  return static_cast<int>(syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags,
-                                  nullptr, 0));
+  return static_cast<int>(
+      syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, nullptr, 0));
 }
 
 template <typename T>
-T load_acquire(const T* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+T load_acquire(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
 template <typename T>
-void store_release(T* p, T v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+void store_release(T* p, T v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
 
 class UringEngine final : public Engine {
  public:

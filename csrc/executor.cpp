@@ -33,9 +33,9 @@ uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
 
 struct Slot {
   Request req;
-  uint64_t rel = 0;   // position of the chunk within the op
-  uint64_t len = 0;   // chunk length
-  uint64_t done = 0;  // bytes already moved
+  uint64_t rel = 0;         // position of the chunk within the op
+  uint64_t len = 0;         // chunk length
+  uint64_t done = 0;        // bytes already moved
   bool direct = false;      // through the O_DIRECT descriptor
   bool use_bounce = false;  // staged through `bounce` (memory not aligned)
   char* bounce = nullptr;   // owned by the slot, allocated on first use
@@ -79,8 +79,9 @@ uint64_t Executor::submit(const OpSpec& spec) {
   std::vector<Task> tasks;
   uint64_t begin = 0;
   for (unsigned k = 1; k <= parts && begin < spec.len; ++k) {
-    uint64_t end = k == parts ? spec.len
-                              : std::min(spec.len, round_up(spec.offset + k * share, a) - spec.offset);
+    uint64_t end = k == parts
+                       ? spec.len
+                       : std::min(spec.len, round_up(spec.offset + k * share, a) - spec.offset);
     if (end <= begin) continue;
     tasks.push_back({op, begin, end});
     begin = end;

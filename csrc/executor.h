@@ -32,9 +32,9 @@ struct OpSpec {
   uint64_t len = 0;
   uint64_t offset = 0;
   bool write = false;
-  std::string path;        // for error messages
+  std::string path;           // for error messages
   uint64_t alignment = 4096;  // O_DIRECT granularity of offsets, lengths and memory
-  unsigned max_parts = 0;  // 0: the executor's parallelism
+  unsigned max_parts = 0;     // 0: the executor's parallelism
 };
 
 struct ExecutorConfig {

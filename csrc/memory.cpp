@@ -1,15 +1,16 @@
 #include "memory.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fcntl.h>
 #include <map>
 #include <mutex>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include "io_error.h"
@@ -46,8 +47,8 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
     throw IoError(errno, "allocating " + std::to_string(nbytes) + " bytes of aligned memory");
   char* start = static_cast<char*>(p);
   if (huge) {
-    char* aligned = reinterpret_cast<char*>(
-        (reinterpret_cast<uintptr_t>(start) + kHugePage - 1) / kHugePage * kHugePage);
+    char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) /
+                                            kHugePage * kHugePage);
     if (aligned > start) munmap(start, static_cast<size_t>(aligned - start));
     size_t tail = reserve - static_cast<size_t>(aligned - start) - mapped_;
     if (tail) munmap(aligned + mapped_, tail);
@@ -90,7 +91,8 @@ bool is_locked(const void* ptr) {
 void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
   // Below a few MiB, thread start-up costs more than it saves.
   constexpr size_t kMinPerThread = 4u << 20;
-  threads = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
+  threads =
+      static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
   if (threads <= 1) {
     std::memcpy(dst, src, n);
     return;
@@ -101,7 +103,8 @@ void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
     size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
     if (begin < end)
       pool.emplace_back([=] {
-        std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
+        std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                    end - begin);
       });
   }
   std::memcpy(dst, src, std::min(n, share));

@@ -1,10 +1,9 @@
 // fastckpt._C: the private native core. It takes raw pointers, lengths, offsets and file
 // descriptors only; the Python side keeps the memory alive until each op completes.
 // Every call that can block releases the GIL.
+#include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
-#include <Python.h>
 
 #include "crc32c.h"
 #include "cufile.h"
@@ -23,9 +22,14 @@ char* as_ptr(uintptr_t address) { return reinterpret_cast<char*>(address); }
 std::pair<bool, std::string> engine_status(const std::string& name) {
   EngineStatus st{true, ""};
   switch (parse_engine_kind(name)) {
-    case EngineKind::io_uring: st = probe_io_uring(); break;
-    case EngineKind::libaio: st = probe_libaio(); break;
-    case EngineKind::threads: break;
+    case EngineKind::io_uring:
+      st = probe_io_uring();
+      break;
+    case EngineKind::libaio:
+      st = probe_libaio();
+      break;
+    case EngineKind::threads:
+      break;
   }
   return {st.available, st.reason};
 }
@@ -98,8 +102,8 @@ PYBIND11_MODULE(_C, m) {
              return new AlignedBuffer(nbytes, lock, strict);
            }),
            py::arg("nbytes"), py::arg("lock") = false, py::arg("strict") = false)
-      .def_property_readonly("address",
-                             [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly(
+          "address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::size)
       .def_property_readonly("locked", &AlignedBuffer::locked)
       .def_buffer([](AlignedBuffer& b) {
@@ -107,7 +111,9 @@ PYBIND11_MODULE(_C, m) {
                                {static_cast<py::ssize_t>(b.size())}, {1});
       });
 
-  m.def("is_locked", [](uintptr_t address) { return is_locked(as_ptr(address)); }, py::arg("address"));
+  m.def(
+      "is_locked", [](uintptr_t address) { return is_locked(as_ptr(address)); },
+      py::arg("address"));
   m.def(
       "memcpy",
       [](uintptr_t dst, uintptr_t src, size_t nbytes, unsigned threads) {

@@ -16,7 +16,14 @@ Example:
 
 from fastckpt import aio
 from fastckpt._engines import EngineInfo, engines
-from fastckpt.background import LoadFuture, SaveFuture, async_load, async_save, release_staging, wait_all
+from fastckpt.background import (
+    LoadFuture,
+    SaveFuture,
+    async_load,
+    async_save,
+    release_staging,
+    wait_all,
+)
 from fastckpt.errors import (
     ChecksumError,
     EngineUnavailableError,

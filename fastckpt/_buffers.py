@@ -28,7 +28,9 @@ def _is_torch_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
-def buffer_ref(obj: Any, *, writable: bool, argname: str = "buffer", allow_cuda: bool = False) -> BufferRef:
+def buffer_ref(
+    obj: Any, *, writable: bool, argname: str = "buffer", allow_cuda: bool = False
+) -> BufferRef:
     """The memory of a contiguous tensor, numpy array or buffer-protocol object.
 
     Args:
@@ -52,7 +54,9 @@ def buffer_ref(obj: Any, *, writable: bool, argname: str = "buffer", allow_cuda:
         if obj.device.type not in ("cpu", "cuda"):
             raise TypeError(f"{argname}: tensors on device {obj.device} are not supported")
         if obj.layout.__repr__() != "torch.strided":
-            raise TypeError(f"{argname}: only dense (strided) tensors are supported, got {obj.layout}")
+            raise TypeError(
+                f"{argname}: only dense (strided) tensors are supported, got {obj.layout}"
+            )
         if not obj.is_contiguous():
             raise ValueError(f"{argname}: the tensor is not contiguous; call .contiguous() first")
         return BufferRef(obj.data_ptr(), obj.numel() * obj.element_size(), obj, bool(obj.is_cuda))
@@ -85,7 +89,9 @@ def aligned_array(nbytes: int, *, lock: bool = False, strict: bool = False) -> n
     return np.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=np.uint8)
 
 
-def aligned_tensor(nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False) -> Any:
+def aligned_tensor(
+    nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False
+) -> Any:
     """A page-aligned 1-D torch tensor of ``nbytes`` bytes viewed as ``dtype`` (uint8 by default).
 
     The memory is freed when the last tensor viewing it is garbage collected.

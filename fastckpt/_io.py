@@ -15,8 +15,8 @@ from typing import Any
 
 from fastckpt import _C
 from fastckpt._buffers import BufferRef
-from fastckpt.config import IOConfig
 from fastckpt._engines import resolve_engine
+from fastckpt.config import IOConfig
 
 __all__ = ["File", "Executor", "DEFAULT_ALIGNMENT", "shared_executor"]
 
@@ -65,7 +65,9 @@ class File:
         self._owns_fd = True
         if direct and _O_DIRECT:
             try:
-                self.direct_fd = os.open(self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT)
+                self.direct_fd = os.open(
+                    self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT
+                )
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)

@@ -35,7 +35,9 @@ def progress_enabled(enabled: bool | None = None) -> bool:
 
 
 @contextmanager
-def progress_bar(total: int, desc: str, *, enabled: bool | None = None, unit: str = "B") -> Iterator[Any]:
+def progress_bar(
+    total: int, desc: str, *, enabled: bool | None = None, unit: str = "B"
+) -> Iterator[Any]:
     """A bar counting to ``total`` (bytes by default); a no-op object when bars are off."""
     if not progress_enabled(enabled):
         yield _Silent()
@@ -43,6 +45,13 @@ def progress_bar(total: int, desc: str, *, enabled: bool | None = None, unit: st
     from tqdm import tqdm
 
     scale = unit == "B"
-    with tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
-              leave=False, file=sys.stderr) as bar:
+    with tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=scale,
+        unit_divisor=1024 if scale else 1000,
+        leave=False,
+        file=sys.stderr,
+    ) as bar:
         yield bar

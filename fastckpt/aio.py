@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from fastckpt import _C
 from fastckpt._buffers import BufferRef, aligned_tensor, buffer_ref
-from fastckpt._io import File, Executor
+from fastckpt._io import Executor, File
 from fastckpt.config import IOConfig, resolve_io
 from fastckpt.errors import ChecksumError
 
@@ -82,8 +82,15 @@ class _PendingOp:
 
     __slots__ = ("wait_fn", "file", "ref", "offset", "write", "validate")
 
-    def __init__(self, wait_fn: Callable[[], None], file: File, ref: BufferRef, offset: int,
-                 write: bool, validate: bool):
+    def __init__(
+        self,
+        wait_fn: Callable[[], None],
+        file: File,
+        ref: BufferRef,
+        offset: int,
+        write: bool,
+        validate: bool,
+    ):
         self.wait_fn, self.file, self.ref = wait_fn, file, ref
         self.offset, self.write, self.validate = offset, write, validate
 
@@ -136,7 +143,9 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             ).items()
             if v is not _UNSET
         }
-        self._config = resolve_io(os.getcwd(), explicit, builtin=_DEEPSPEED_DEFAULTS, any_filesystem=True)
+        self._config = resolve_io(
+            os.getcwd(), explicit, builtin=_DEEPSPEED_DEFAULTS, any_filesystem=True
+        )
         self._executor = Executor(self._config)
         self._lock = threading.Lock()
         self._pending: list[_PendingOp] = []
@@ -208,7 +217,9 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                     self._executor, file, ref, file_offset, write=write, max_parts=max_parts
                 )
             else:
-                op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=max_parts)
+                op_id = self._executor.submit(
+                    file, ref, file_offset, write=write, max_parts=max_parts
+                )
                 wait_fn = functools.partial(self._executor.wait, op_id)
         except BaseException:
             file.close()
@@ -236,48 +247,121 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     # -- DeepSpeed's I/O methods ------------------------------------------------------------
     def read(self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0) -> int:
         """Blocking, single-threaded read of ``buffer.nbytes`` bytes at ``file_offset``; returns 1."""
-        return self._run(buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=False)
+        return self._run(
+            buffer,
+            filename,
+            write=False,
+            file_offset=file_offset,
+            validate=validate,
+            parallel=False,
+        )
 
-    def write(self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0) -> int:
+    def write(
+        self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0
+    ) -> int:
         """Blocking, single-threaded write of ``buffer`` at ``file_offset`` (the file is not truncated); returns 1."""
-        return self._run(buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=False)
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=False
+        )
 
     def pread(
-        self, buffer: Any, filename: str, validate: bool = False, async_op: bool = _UNSET,
-        file_offset: int = 0, **kwargs: Any,
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = _UNSET,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
         """Parallel read; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
         if _pop_async(async_op, kwargs, "pread"):
-            return self._queue(buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=True)
-        return self._run(buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=True)
+            return self._queue(
+                buffer,
+                filename,
+                write=False,
+                file_offset=file_offset,
+                validate=validate,
+                parallel=True,
+            )
+        return self._run(
+            buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=True
+        )
 
     def pwrite(
-        self, buffer: Any, filename: str, validate: bool = False, async_op: bool = _UNSET,
-        file_offset: int = 0, **kwargs: Any,
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = _UNSET,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
         """Parallel write; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
         if _pop_async(async_op, kwargs, "pwrite"):
-            return self._queue(buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=True)
-        return self._run(buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=True)
+            return self._queue(
+                buffer,
+                filename,
+                write=True,
+                file_offset=file_offset,
+                validate=validate,
+                parallel=True,
+            )
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=True
+        )
 
     def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Blocking parallel read; returns 1."""
-        return self._run(buffer, filename, write=False, file_offset=file_offset, validate=False, parallel=True)
+        return self._run(
+            buffer, filename, write=False, file_offset=file_offset, validate=False, parallel=True
+        )
 
     def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Blocking parallel write; returns 1."""
-        return self._run(buffer, filename, write=True, file_offset=file_offset, validate=False, parallel=True)
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=False, parallel=True
+        )
 
-    def async_pread(self, buffer: Any, filename: str | None = None, file_offset: int = 0, *, fd: int | None = None) -> int:
+    def async_pread(
+        self,
+        buffer: Any,
+        filename: str | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
         """Starts a parallel read and returns 0; :meth:`wait` completes it. ``fd=`` reads an open descriptor."""
-        return self._queue(buffer, filename, write=False, file_offset=file_offset, validate=False, parallel=True, fd=fd)
+        return self._queue(
+            buffer,
+            filename,
+            write=False,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
+            fd=fd,
+        )
 
-    def async_pwrite(self, buffer: Any, filename: str | None = None, file_offset: int = 0, *, fd: int | None = None) -> int:
+    def async_pwrite(
+        self,
+        buffer: Any,
+        filename: str | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
         """Starts a parallel write and returns 0; :meth:`wait` completes it. ``fd=`` writes an open descriptor.
 
         The buffer must not change until :meth:`wait` returns (the write reads it in place).
         """
-        return self._queue(buffer, filename, write=True, file_offset=file_offset, validate=False, parallel=True, fd=fd)
+        return self._queue(
+            buffer,
+            filename,
+            write=True,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
+            fd=fd,
+        )
 
     def wait(self) -> int:
         """Blocks (GIL released) until every queued op is done; returns how many completed.
@@ -361,15 +445,31 @@ def _validate(op: _PendingOp) -> None:
         )
 
 
-def _one_shot(buffer: Any, filename: str, block_size: int, queue_depth: int, single_submit: bool,
-              overlap_events: bool, validate: bool, *, write: bool) -> int:
+def _one_shot(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+    *,
+    write: bool,
+) -> int:
     handle = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
     (handle.write if write else handle.read)(buffer, filename, validate)
     return 0
 
 
-def aio_read(buffer: Any, filename: str, block_size: int, queue_depth: int, single_submit: bool,
-             overlap_events: bool, validate: bool) -> int:
+def aio_read(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
     """Reads ``filename`` into ``buffer`` with a one-off handle; returns 0 (errors raise).
 
     Example:
@@ -382,13 +482,38 @@ def aio_read(buffer: Any, filename: str, block_size: int, queue_depth: int, sing
         >>> int(a[-1])
         9
     """
-    return _one_shot(buffer, filename, block_size, queue_depth, single_submit, overlap_events, validate, write=False)
+    return _one_shot(
+        buffer,
+        filename,
+        block_size,
+        queue_depth,
+        single_submit,
+        overlap_events,
+        validate,
+        write=False,
+    )
 
 
-def aio_write(buffer: Any, filename: str, block_size: int, queue_depth: int, single_submit: bool,
-              overlap_events: bool, validate: bool) -> int:
+def aio_write(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
     """Writes ``buffer`` to ``filename`` with a one-off handle; returns 0 (errors raise)."""
-    return _one_shot(buffer, filename, block_size, queue_depth, single_submit, overlap_events, validate, write=True)
+    return _one_shot(
+        buffer,
+        filename,
+        block_size,
+        queue_depth,
+        single_submit,
+        overlap_events,
+        validate,
+        write=True,
+    )
 
 
 def deepspeed_memcpy(dest: Any, src: Any) -> int:
@@ -405,7 +530,9 @@ def deepspeed_memcpy(dest: Any, src: Any) -> int:
     dst_ref = buffer_ref(dest, writable=True, argname="dest")
     src_ref = buffer_ref(src, writable=False, argname="src")
     if dst_ref.nbytes != src_ref.nbytes:
-        raise ValueError(f"dest has {dst_ref.nbytes} bytes but src has {src_ref.nbytes}; sizes must match")
+        raise ValueError(
+            f"dest has {dst_ref.nbytes} bytes but src has {src_ref.nbytes}; sizes must match"
+        )
     _C.memcpy(dst_ref.address, src_ref.address, src_ref.nbytes, os.cpu_count() or 1)
     return 0
 

@@ -71,7 +71,9 @@ class _CheckpointFuture:
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{type(self).__name__} for {self.path} not done after {timeout} s") from None
+            raise TimeoutError(
+                f"{type(self).__name__} for {self.path} not done after {timeout} s"
+            ) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Waits and returns the operation's error, or None if it succeeded."""
@@ -79,7 +81,9 @@ class _CheckpointFuture:
         try:
             return self._future.exception(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{type(self).__name__} for {self.path} not done after {timeout} s") from None
+            raise TimeoutError(
+                f"{type(self).__name__} for {self.path} not done after {timeout} s"
+            ) from None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until done (without raising the operation's error); returns ``done()``."""
@@ -258,17 +262,29 @@ def async_save(
     _begin(future, max_pending)
     try:
         path = check_destination(f)
-        plan = plan_save(obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle)
-        config = resolve_io(os.path.dirname(os.path.abspath(path)),
-                            dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
-                                 intra_op_parallelism=intra_op_parallelism))
+        plan = plan_save(
+            obj,
+            metadata=metadata,
+            alignment=alignment,
+            checksum=checksum,
+            allow_pickle=allow_pickle,
+        )
+        config = resolve_io(
+            os.path.dirname(os.path.abspath(path)),
+            dict(
+                engine=engine,
+                block_size=block_size,
+                queue_depth=queue_depth,
+                intra_op_parallelism=intra_op_parallelism,
+            ),
+        )
         executor = shared_executor(config)
         pool = _async_pool(staging_bytes, plan.data_size)
         out = AtomicFile(path)
     except BaseException as exc:  # reported through the future, like every later error
         _fail_early(future, exc)
         return future
-    writer = StreamWriter(plan, out.file, executor, pool, progress=False)
+    writer = StreamWriter(plan, out.file, executor, pool, progress=False, defer_writes=snapshot)
     if snapshot:
         try:
             writer.fill()  # returns once every byte is in staging memory or on disk
@@ -279,14 +295,18 @@ def async_save(
             return future
         work = writer.finish
     else:
+
         def work() -> None:
             writer.fill()
             writer.finish()
+
     with _state_lock:
         previous, _last_commit = _last_commit, future
     thread = threading.Thread(
-        target=_finish_in_order, args=(future, previous, work, writer, out),
-        name=f"fastckpt-save:{os.path.basename(path)}", daemon=False,
+        target=_finish_in_order,
+        args=(future, previous, work, writer, out),
+        name=f"fastckpt-save:{os.path.basename(path)}",
+        daemon=False,
     )
     thread.start()
     return future
@@ -298,8 +318,13 @@ def _fail_early(future: SaveFuture, error: BaseException) -> None:
     future._set(None, error)
 
 
-def _finish_in_order(future: SaveFuture, previous: SaveFuture | None, work: Callable[[], None],
-                     writer: StreamWriter, out: AtomicFile) -> None:
+def _finish_in_order(
+    future: SaveFuture,
+    previous: SaveFuture | None,
+    work: Callable[[], None],
+    writer: StreamWriter,
+    out: AtomicFile,
+) -> None:
     """Runs the rest of a save, commits after the previous save, settles the future."""
     error: BaseException | None = None
     try:

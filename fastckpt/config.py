@@ -89,7 +89,9 @@ def set_defaults(**settings: Any) -> None:
     """
     for key, value in settings.items():
         if key not in IO_KEYS and key != "staging_bytes":
-            raise TypeError(f"unknown setting {key!r}; expected one of {IO_KEYS + ('staging_bytes',)}")
+            raise TypeError(
+                f"unknown setting {key!r}; expected one of {IO_KEYS + ('staging_bytes',)}"
+            )
         if value is None:
             _process_defaults.pop(key, None)
         else:
@@ -197,7 +199,9 @@ def load_tuned() -> dict[str, dict[str, Any]]:
         return {}
     except (OSError, ValueError) as exc:
         # A damaged or unreadable cache of measurements must not stop any I/O: say so, go on.
-        warnings.warn(f"ignoring the tuned configuration {path}: {exc}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"ignoring the tuned configuration {path}: {exc}", RuntimeWarning, stacklevel=2
+        )
         return {}
     entries = data.get("filesystems", {}) if isinstance(data, dict) else {}
     return {k: v for k, v in entries.items() if isinstance(v, dict)}
@@ -219,7 +223,9 @@ def save_tuned(fs_key: str, settings: Mapping[str, Any], measured: Mapping[str, 
     return path
 
 
-def tuned_for(path: str | os.PathLike[str] | None, *, any_filesystem: bool = False) -> dict[str, Any]:
+def tuned_for(
+    path: str | os.PathLike[str] | None, *, any_filesystem: bool = False
+) -> dict[str, Any]:
     """The tuned settings for the file system of ``path``.
 
     With ``any_filesystem`` (used where no path is known yet, as by ``aio_handle()``), the
@@ -248,7 +254,12 @@ def resolve_io(
     ``explicit`` holds only the arguments the caller actually passed (``None`` means unset).
     """
     merged: dict[str, Any] = dataclasses.asdict(builtin or IOConfig())
-    layers = (tuned_for(path, any_filesystem=any_filesystem), _from_environment(), _process_defaults, explicit)
+    layers = (
+        tuned_for(path, any_filesystem=any_filesystem),
+        _from_environment(),
+        _process_defaults,
+        explicit,
+    )
     for layer in layers:
         for key in IO_KEYS:
             if layer.get(key) is not None:

@@ -478,7 +478,9 @@ def read_into_device(
     )
 
 
-def _replay_from_device(torch: Any, src: Any, file_offset: int, staging_bytes: int, on_host: OnHost) -> None:
+def _replay_from_device(
+    torch: Any, src: Any, file_offset: int, staging_bytes: int, on_host: OnHost
+) -> None:
     """Copies ``src`` back to pinned host memory piece by piece and shows each to ``on_host``."""
     chunk, _ = _ring(staging_bytes)
     host = _pinned(torch, min(chunk, src.numel()))

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import pickle
 
-__all__ = ["FastCkptError", "HeaderError", "ChecksumError", "EngineUnavailableError", "WeightsOnlyError"]
+__all__ = [
+    "FastCkptError",
+    "HeaderError",
+    "ChecksumError",
+    "EngineUnavailableError",
+    "WeightsOnlyError",
+]
 
 
 class FastCkptError(Exception):

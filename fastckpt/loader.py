@@ -19,7 +19,9 @@ MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., An
 VERIFY_DEFAULT = True
 
 
-def resolve_device(map_location: MapLocation, device: str | torch.device | None) -> torch.device | Callable[..., Any]:
+def resolve_device(
+    map_location: MapLocation, device: str | torch.device | None
+) -> torch.device | Callable[..., Any]:
     """The target device from ``torch.load``-style ``map_location`` or ``device``.
 
     A file records no device, so a dict ``map_location`` maps from ``"cpu"`` (what every
@@ -42,7 +44,9 @@ def resolve_device(map_location: MapLocation, device: str | torch.device | None)
         return torch.device(where.get("cpu", "cpu"))
     if callable(where):
         return where
-    raise TypeError(f"map_location must be a str, torch.device, dict or callable, got {type(where).__name__}")
+    raise TypeError(
+        f"map_location must be a str, torch.device, dict or callable, got {type(where).__name__}"
+    )
 
 
 def _apply_callable(fn: Callable[..., Any], t: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,12 @@ def load(
             from fastckpt.errors import ChecksumError
 
             raise ChecksumError(f"{reader.path} has no checksums to verify", filename=reader.path)
-        stored = reader.read(None if keys is None else list(keys), pin_memory=pin_memory, verify=check,
-                             progress=progress)
+        stored = reader.read(
+            None if keys is None else list(keys),
+            pin_memory=pin_memory,
+            verify=check,
+            progress=progress,
+        )
         if isinstance(target, torch.device) and target.type not in ("cpu", "cuda"):
             stored = _to_device(stored, target)
         elif callable(target) and not isinstance(target, torch.device):

@@ -51,7 +51,9 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     while got < n:
         data = os.pread(fd, n - got, offset + got)
         if not data:
-            raise HeaderError(f"{path}: file ended after {offset + got} bytes while reading the header")
+            raise HeaderError(
+                f"{path}: file ended after {offset + got} bytes while reading the header"
+            )
         chunks.append(data)
         got += len(data)
     return b"".join(chunks)
@@ -113,8 +115,12 @@ class CheckpointReader:
         self.gds = gds
         config = resolve_io(
             self.path,
-            dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
-                 intra_op_parallelism=intra_op_parallelism),
+            dict(
+                engine=engine,
+                block_size=block_size,
+                queue_depth=queue_depth,
+                intra_op_parallelism=intra_op_parallelism,
+            ),
         )
         self._staging_bytes = staging_bytes()
         self._file = File(self.path)
@@ -140,13 +146,17 @@ class CheckpointReader:
         entries = self.header.entries
         for alias, target in self.meta.aliases.items():
             if target not in entries:
-                raise HeaderError(f"{self.path}: alias {alias!r} points to missing tensor {target!r}")
+                raise HeaderError(
+                    f"{self.path}: alias {alias!r} points to missing tensor {target!r}"
+                )
             if alias in entries:
                 raise HeaderError(f"{self.path}: alias {alias!r} is also a stored tensor")
         if self.meta.crcs is not None:
             unknown = set(self.meta.crcs) - set(entries)
             if unknown:
-                raise HeaderError(f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}")
+                raise HeaderError(
+                    f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}"
+                )
         for entry in entries.values():
             dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
 
@@ -176,7 +186,9 @@ class CheckpointReader:
     def info(self, name: str) -> TensorInfo:
         """dtype, shape, size and file offset of a tensor, without reading it."""
         e = self._entry(name)
-        return TensorInfo(name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin)
+        return TensorInfo(
+            name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin
+        )
 
     # -- reading --------------------------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -267,7 +279,11 @@ class CheckpointReader:
                 )
                 if verifier is not None:
                     verifier.finish()
-        return {e.name: _view(arena, run.arena_pos + (e.begin - run.begin), e) for run in runs for e in run.entries}
+        return {
+            e.name: _view(arena, run.arena_pos + (e.begin - run.begin), e)
+            for run in runs
+            for e in run.entries
+        }
 
     def _read_entries(
         self,
@@ -277,9 +293,13 @@ class CheckpointReader:
         verify: bool,
         progress: bool | None,
     ) -> dict[str, torch.Tensor]:
-        return _PendingRead(self, entries, pin_memory=pin_memory, verify=verify).collect(progress=progress)
+        return _PendingRead(self, entries, pin_memory=pin_memory, verify=verify).collect(
+            progress=progress
+        )
 
-    def prefetch(self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False) -> None:
+    def prefetch(
+        self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
+    ) -> None:
         """Starts reading these tensors in the background and returns at once.
 
         A later :meth:`get_tensor`/:meth:`get_tensors` of a prefetched name waits only for
@@ -307,7 +327,9 @@ class CheckpointReader:
             for name in entries:
                 self._prefetched[name] = pending
 
-    def verify(self, names: Sequence[str] | None = None, *, progress: bool | None = None) -> list[str]:
+    def verify(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> list[str]:
         """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
 
         Raises:
@@ -317,21 +339,33 @@ class CheckpointReader:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         damaged: list[str] = []
         crcs = self.meta.crcs or {}
-        wanted = list(self.header.entries) if names is None else [self._entry(n).name for n in names]
+        wanted = (
+            list(self.header.entries) if names is None else [self._entry(n).name for n in names]
+        )
         budget = 256 << 20  # read in batches so memory stays bounded on huge files
         batch: list[str] = []
         size = 0
-        with progress_bar(sum(self.header.entries[n].nbytes for n in wanted), "verifying", enabled=progress) as bar:
+        with progress_bar(
+            sum(self.header.entries[n].nbytes for n in wanted), "verifying", enabled=progress
+        ) as bar:
             for name in wanted + [None]:
                 if name is not None:
                     batch.append(name)
                     size += self.header.entries[name].nbytes
                 if batch and (name is None or size >= budget):
-                    tensors = self._read_entries([self.header.entries[n] for n in batch],
-                                                 pin_memory=False, verify=False, progress=False)
+                    tensors = self._read_entries(
+                        [self.header.entries[n] for n in batch],
+                        pin_memory=False,
+                        verify=False,
+                        progress=False,
+                    )
                     for n in batch:
                         t = tensors[n]
-                        actual = _C.crc32c(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else 0
+                        actual = (
+                            _C.crc32c(t.data_ptr(), t.numel() * t.element_size())
+                            if t.numel()
+                            else 0
+                        )
                         if crcs.get(n) is not None and actual != crcs[n]:
                             damaged.append(n)
                     bar.update(size)
@@ -362,8 +396,14 @@ class _PendingRead:
     and more than once: the first call does the work, later ones return its result or error.
     """
 
-    def __init__(self, reader: CheckpointReader, entries: list[format.TensorEntry], *,
-                 pin_memory: bool, verify: bool):
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        entries: list[format.TensorEntry],
+        *,
+        pin_memory: bool,
+        verify: bool,
+    ):
         self.reader = reader
         self.verify = verify
         self._lock = threading.Lock()
@@ -385,8 +425,12 @@ class _PendingRead:
                 start = run.begin
                 while start < run.end:
                     stop = min(run.end, _piece_end(base + start) - base)
-                    ref = BufferRef(address + run.arena_pos + (start - run.begin), stop - start, self.arena)
-                    self.ops.append((executor.submit(file, ref, base + start, write=False), run, start, stop))
+                    ref = BufferRef(
+                        address + run.arena_pos + (start - run.begin), stop - start, self.arena
+                    )
+                    self.ops.append(
+                        (executor.submit(file, ref, base + start, write=False), run, start, stop)
+                    )
                     start = stop
         except BaseException:
             self.cancel()
@@ -413,7 +457,11 @@ class _PendingRead:
 
     def _wait_and_view(self, progress: bool | None) -> dict[str, torch.Tensor]:
         crcs = self.reader.meta.crcs if self.verify else None
-        verifiers = {id(run): StreamingVerifier(run.entries, crcs, self.reader.path) for run in self.runs} if crcs else {}
+        verifiers = (
+            {id(run): StreamingVerifier(run.entries, crcs, self.reader.path) for run in self.runs}
+            if crcs
+            else {}
+        )
         address = self.arena.data_ptr()
         total = sum(r.end - r.begin for r in self.runs)
         with progress_bar(total, "loading", enabled=progress) as bar:
@@ -421,7 +469,9 @@ class _PendingRead:
                 try:
                     self.reader._executor.wait(op)
                     if verifiers:
-                        verifiers[id(run)].feed(start, address + run.arena_pos + (start - run.begin), stop - start)
+                        verifiers[id(run)].feed(
+                            start, address + run.arena_pos + (start - run.begin), stop - start
+                        )
                 except BaseException:
                     self.ops = self.ops[i + 1 :]
                     self.cancel()  # no read may outlive this failure unwaited
@@ -452,7 +502,11 @@ def _piece_end(offset: int) -> int:
 
 
 def open_checkpoint(
-    f: str | os.PathLike[str], *, device: str | torch.device = "cpu", gds: bool | None = None, **io: Any
+    f: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    gds: bool | None = None,
+    **io: Any,
 ) -> CheckpointReader:
     """Opens a checkpoint for lazy reading (exported as ``fastckpt.open``).
 

@@ -19,8 +19,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from fastckpt import _C
-from fastckpt import dtypes, format, tree
+from fastckpt import _C, dtypes, format, tree
 from fastckpt._buffers import BufferRef
 from fastckpt._commit import AtomicFile, check_destination
 from fastckpt._io import Executor, File, shared_executor
@@ -149,11 +148,27 @@ class StreamWriter:
     Checksums are computed from each staging buffer when it is retired (after its write,
     before reuse), in buffer order: the copy itself stays a plain multi-threaded memcpy, so
     an asynchronous save's snapshot costs about what copying the state costs.
+
+    With ``defer_writes=True`` (asynchronous saves) full buffers are not written during
+    :meth:`fill` while free buffers remain, so the snapshot does not compete with disk
+    writes for memory bandwidth and CPU; :meth:`finish` starts them. When the pool runs
+    out, deferred buffers are written and recycled as usual.
     """
 
-    def __init__(self, plan: SavePlan, file: File, executor: Executor, pool: StagingPool,
-                 *, progress: bool | None = None):
+    def __init__(
+        self,
+        plan: SavePlan,
+        file: File,
+        executor: Executor,
+        pool: StagingPool,
+        *,
+        progress: bool | None = None,
+        defer_writes: bool = False,
+    ):
         self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
+        self._defer = defer_writes
+        # full buffers not yet written: (buffer, bytes to write, segments)
+        self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
         self.crcs: dict[str, int] = {e.name: 0 for e in plan.entries}
         # (op id, buffer, [(tensor name, offset in buffer, length)]) in submission order
         self._inflight: collections.deque[tuple[int, StagingBuffer, list[tuple[str, int, int]]]] = (
@@ -168,6 +183,7 @@ class StreamWriter:
         buf = self.pool.try_acquire()
         if buf is not None:
             return buf
+        self._write_deferred()
         if self._inflight:  # recycle our own oldest buffer once its write is done
             return self._retire_oldest(release=False)
         return self.pool.acquire()  # held by other saves: wait until one frees up
@@ -187,10 +203,29 @@ class StreamWriter:
             self.pool.release(buf)
         return buf
 
-    def _submit(self, buf: StagingBuffer, nbytes: int, segments: list[tuple[str, int, int]]) -> None:
+    def _write_deferred(self) -> None:
+        while self._deferred:
+            buf, nbytes, segments = self._deferred.pop(0)
+            self._submit(buf, nbytes, segments, now=True)
+
+    def _submit(
+        self,
+        buf: StagingBuffer,
+        nbytes: int,
+        segments: list[tuple[str, int, int]],
+        *,
+        now: bool = False,
+    ) -> None:
+        if self._defer and not now:
+            self._deferred.append((buf, nbytes, segments))
+            return
         try:
             op_id = self.executor.submit(
-                self.file, BufferRef(buf.address, buf.nbytes, buf), self._offset, write=True, nbytes=nbytes
+                self.file,
+                BufferRef(buf.address, buf.nbytes, buf),
+                self._offset,
+                write=True,
+                nbytes=nbytes,
             )
         except BaseException:
             self.pool.release(buf)
@@ -244,6 +279,7 @@ class StreamWriter:
     def finish(self) -> None:
         """Waits for every data write, then writes the header and trims the padding."""
         try:
+            self._write_deferred()
             while self._inflight:
                 self._retire_oldest(release=True)
         except BaseException:
@@ -258,6 +294,9 @@ class StreamWriter:
 
     def abort(self) -> None:
         """Waits for in-flight writes, ignoring their errors, and returns the buffers."""
+        for buf, _, _ in self._deferred:
+            self.pool.release(buf)
+        self._deferred.clear()
         while self._inflight:
             op_id, buf, _ = self._inflight.popleft()
             try:
@@ -321,17 +360,29 @@ def save(
         3
     """
     path = check_destination(f)
-    plan = plan_save(obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle)
+    plan = plan_save(
+        obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle
+    )
     config = resolve_io(
         os.path.dirname(os.path.abspath(path)),
-        dict(engine=engine, block_size=block_size, queue_depth=queue_depth,
-             intra_op_parallelism=intra_op_parallelism),
+        dict(
+            engine=engine,
+            block_size=block_size,
+            queue_depth=queue_depth,
+            intra_op_parallelism=intra_op_parallelism,
+        ),
     )
     write_plan(plan, path, shared_executor(config), default_pool(staging_bytes), progress=progress)
 
 
-def write_plan(plan: SavePlan, path: str, executor: Executor, pool: StagingPool,
-               *, progress: bool | None = None) -> None:
+def write_plan(
+    plan: SavePlan,
+    path: str,
+    executor: Executor,
+    pool: StagingPool,
+    *,
+    progress: bool | None = None,
+) -> None:
     """Writes a planned checkpoint to ``path`` with the atomic commit protocol."""
     with AtomicFile(path) as out:
         writer = StreamWriter(plan, out.file, executor, pool, progress=progress)

@@ -18,7 +18,9 @@ OFFSETS = [0, 1, 4096 + 7]
 
 
 def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed + n))
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed + n)
+    )
 
 
 def make_handle(engine: str, **kwargs) -> aio_handle:
@@ -149,8 +151,14 @@ def test_getters_and_defaults():
     assert h.get_intra_op_parallelism() == 1
     assert h.get_alignment() == 4096
     g = aio_handle(4096 * 16, 8, True, True, 4, engine="threads")
-    assert (g.get_block_size(), g.get_queue_depth(), g.get_single_submit(), g.get_overlap_events(),
-            g.get_intra_op_parallelism(), g.get_engine()) == (65536, 8, True, True, 4, "threads")
+    assert (
+        g.get_block_size(),
+        g.get_queue_depth(),
+        g.get_single_submit(),
+        g.get_overlap_events(),
+        g.get_intra_op_parallelism(),
+        g.get_engine(),
+    ) == (65536, 8, True, True, 4, "threads")
 
 
 @pytest.mark.parametrize("single_submit", [False, True])
@@ -217,9 +225,9 @@ def test_validate_catches_mismatch(tmp_path, monkeypatch):
     u = torch.empty_like(t)
     h.read(u, path, False)
     assert not torch.equal(t, u)
-    from fastckpt.aio import _PendingOp  # the validation step itself must catch a torn buffer
     from fastckpt._buffers import buffer_ref
     from fastckpt._io import File
+    from fastckpt.aio import _PendingOp  # the validation step itself must catch a torn buffer
 
     u[0] = 12345
     op = _PendingOp(lambda: None, File(path), buffer_ref(u, writable=True), 0, False, True)
@@ -341,9 +349,14 @@ def test_misuse_errors(tmp_path):
 def test_unavailable_engine_is_named(monkeypatch):
     from fastckpt import _engines as engines_module
 
-    fake = engines_module.EngineInfo("io_uring", False, "io_uring_setup failed: Operation not permitted")
-    monkeypatch.setattr(engines_module, "_probe", lambda name: fake if name == "io_uring" else
-                        engines_module.EngineInfo(name, True))
+    fake = engines_module.EngineInfo(
+        "io_uring", False, "io_uring_setup failed: Operation not permitted"
+    )
+    monkeypatch.setattr(
+        engines_module,
+        "_probe",
+        lambda name: fake if name == "io_uring" else engines_module.EngineInfo(name, True),
+    )
     with pytest.raises(fastckpt.EngineUnavailableError, match="Operation not permitted"):
         aio_handle(engine="io_uring")
     assert engines_module.resolve_engine("auto") == "libaio"

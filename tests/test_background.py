@@ -85,7 +85,9 @@ def test_back_to_back_saves_commit_in_call_order(tmp_path):
     order: list[int] = []
     futures = []
     for i in range(5):
-        f = fastckpt.async_save({"step": torch.tensor(i), "pad": torch.randn(200_000)}, path, max_pending=3)
+        f = fastckpt.async_save(
+            {"step": torch.tensor(i), "pad": torch.randn(200_000)}, path, max_pending=3
+        )
         f.add_done_callback(lambda fut, i=i: order.append(i))
         futures.append(f)
     for f in futures:
@@ -104,8 +106,12 @@ def test_max_pending_bounds_in_flight(tmp_path):
 
     background._begin = spy
     try:
-        futures = [fastckpt.async_save({"x": torch.randn(100_000)}, tmp_path / f"{i}.safetensors", max_pending=1)
-                   for i in range(4)]
+        futures = [
+            fastckpt.async_save(
+                {"x": torch.randn(100_000)}, tmp_path / f"{i}.safetensors", max_pending=1
+            )
+            for i in range(4)
+        ]
         fastckpt.wait_all()
     finally:
         background._begin = original
@@ -116,7 +122,10 @@ def test_max_pending_bounds_in_flight(tmp_path):
 
 
 def test_wait_all_and_future_api(tmp_path):
-    futures = [fastckpt.async_save({"x": torch.full((1000,), i)}, tmp_path / f"{i}.safetensors") for i in range(3)]
+    futures = [
+        fastckpt.async_save({"x": torch.full((1000,), i)}, tmp_path / f"{i}.safetensors")
+        for i in range(3)
+    ]
     fastckpt.wait_all()
     assert all(f.done() for f in futures)
     assert futures[0].wait(0) is True
@@ -155,7 +164,9 @@ def test_pending_save_completes_at_exit(tmp_path):
         fastckpt.async_save(state, {str(path)!r}, staging_bytes=8 << 20, snapshot=True)
         # no wait: the interpreter must finish the save before it exits
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     back = fastckpt.load(path, verify=True)
     assert float(back["w15"][0]) == 15.0
@@ -181,7 +192,9 @@ def test_killed_during_save_keeps_previous_checkpoint(tmp_path):
         fastckpt.async_save(state, {str(path)!r}, staging_bytes=8 << 20)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == -9
     assert path.read_bytes() == before  # a stray temp file may remain, never a torn checkpoint
 

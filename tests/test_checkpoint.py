@@ -22,9 +22,21 @@ import fastckpt
 from fastckpt import _C, dtypes, format
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
-    torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
@@ -41,8 +53,14 @@ def sample(dtype: torch.dtype, shape=(3, 5), seed: int = 0) -> torch.Tensor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                                                                       b.view(-1).view(torch.uint8) if b.numel() else b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.view(-1).view(torch.uint8) if a.numel() else a,
+            b.view(-1).view(torch.uint8) if b.numel() else b,
+        )
+    )
 
 
 # ---- round trips ------------------------------------------------------------------------
@@ -62,7 +80,9 @@ def test_every_dtype_round_trips(tmp_path, dtype):
 
 
 def test_nested_training_state_round_trips_exactly(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
@@ -91,7 +111,9 @@ def test_nested_training_state_round_trips_exactly(tmp_path):
     assert back["limits"] == state["limits"] and math.copysign(1, back["limits"][2]) == -1
     assert back["tags"] == state["tags"] and back["empty"] == {}
     # The restored state loads into fresh objects.
-    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2)
+    )
     model2.load_state_dict(back["model"])
     opt2 = torch.optim.AdamW(model2.parameters())
     opt2.load_state_dict(back["optimizer"])
@@ -99,8 +121,12 @@ def test_nested_training_state_round_trips_exactly(tmp_path):
 
 def test_non_contiguous_and_views(tmp_path):
     base = torch.randn(64, 48)
-    sd = {"t": base.t(), "strided": base[::3, 1::2], "expanded": torch.randn(1, 5).expand(4, 5),
-          "conj_free": torch.randn(6)}
+    sd = {
+        "t": base.t(),
+        "strided": base[::3, 1::2],
+        "expanded": torch.randn(1, 5).expand(4, 5),
+        "conj_free": torch.randn(6),
+    }
     fastckpt.save(sd, tmp_path / "v.safetensors")
     back = fastckpt.load(tmp_path / "v.safetensors")
     for k, v in sd.items():
@@ -127,7 +153,9 @@ def test_overlapping_views_are_stored_separately(tmp_path):
     fastckpt.save(state, tmp_path / "o.safetensors")
     back = fastckpt.load(tmp_path / "o.safetensors")
     assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
-    assert safetensors.torch.load_file(str(tmp_path / "o.safetensors"))["b"].tolist() == list(range(5, 15))
+    assert safetensors.torch.load_file(str(tmp_path / "o.safetensors"))["b"].tolist() == list(
+        range(5, 15)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
@@ -157,21 +185,34 @@ def test_unsupported_object_names_where(tmp_path):
 def test_allow_pickle_needs_weights_only_false(tmp_path):
     from fractions import Fraction
 
-    fastckpt.save({"w": torch.ones(2), "ratio": Fraction(1, 3)}, tmp_path / "p.safetensors", allow_pickle=True)
+    fastckpt.save(
+        {"w": torch.ones(2), "ratio": Fraction(1, 3)}, tmp_path / "p.safetensors", allow_pickle=True
+    )
     with pytest.raises(fastckpt.WeightsOnlyError):
         fastckpt.load(tmp_path / "p.safetensors")
     back = fastckpt.load(tmp_path / "p.safetensors", weights_only=False)
     assert back["ratio"] == Fraction(1, 3)
 
 
-_names = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12)
+_names = st.text(
+    alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12
+)
 _shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(_names, st.tuples(st.sampled_from(ALL_DTYPES), _shapes), max_size=8), st.integers(0, 2**16))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.dictionaries(_names, st.tuples(st.sampled_from(ALL_DTYPES), _shapes), max_size=8),
+    st.integers(0, 2**16),
+)
 def test_generated_state_dicts(tmp_path, spec, seed):
-    sd = {name: sample(dtype, shape, seed) for name, (dtype, shape) in spec.items() if name != "__metadata__"}
+    sd = {
+        name: sample(dtype, shape, seed)
+        for name, (dtype, shape) in spec.items()
+        if name != "__metadata__"
+    }
     path = tmp_path / "h.safetensors"
     fastckpt.save(sd, path)
     back = fastckpt.load(path)
@@ -187,8 +228,12 @@ def test_generated_state_dicts(tmp_path, spec, seed):
 
 
 def test_layout_is_aligned_and_exact(tmp_path):
-    sd = {"big": torch.randn(4096, 4), "odd": torch.randn(7), "bf": torch.randn(1024, 2).bfloat16(),
-          "i8": torch.zeros(3, dtype=torch.int8)}
+    sd = {
+        "big": torch.randn(4096, 4),
+        "odd": torch.randn(7),
+        "bf": torch.randn(1024, 2).bfloat16(),
+        "i8": torch.zeros(3, dtype=torch.int8),
+    }
     path = tmp_path / "l.safetensors"
     fastckpt.save(sd, path, metadata={"step": "10"})
     raw = path.read_bytes()
@@ -219,15 +264,19 @@ def test_custom_alignment(tmp_path):
     fastckpt.save({"a": torch.randn(100)}, tmp_path / "x.safetensors", alignment=64)
     raw = (tmp_path / "x.safetensors").read_bytes()
     assert (8 + struct.unpack("<Q", raw[:8])[0]) % 64 == 0
-    assert torch.equal(fastckpt.load(tmp_path / "x.safetensors")["a"], safetensors.torch.load_file(
-        str(tmp_path / "x.safetensors"))["a"])
+    assert torch.equal(
+        fastckpt.load(tmp_path / "x.safetensors")["a"],
+        safetensors.torch.load_file(str(tmp_path / "x.safetensors"))["a"],
+    )
 
 
 def test_metadata_errors(tmp_path):
     with pytest.raises(TypeError):
         fastckpt.save({"a": torch.ones(1)}, tmp_path / "x.safetensors", metadata={"k": 1})
     with pytest.raises(ValueError, match="reserved"):
-        fastckpt.save({"a": torch.ones(1)}, tmp_path / "x.safetensors", metadata={"fastckpt.x": "1"})
+        fastckpt.save(
+            {"a": torch.ones(1)}, tmp_path / "x.safetensors", metadata={"fastckpt.x": "1"}
+        )
     with open(os.devnull, "wb") as handle, pytest.raises(TypeError, match="path"):
         fastckpt.save({"a": torch.ones(1)}, handle)
 
@@ -246,8 +295,12 @@ def test_safetensors_reads_fastckpt_with_safe_open(tmp_path):
 
 
 def test_fastckpt_reads_safetensors_files(tmp_path):
-    sd = {"z.last": torch.randn(33, 7), "a.first": torch.arange(5, dtype=torch.int8),
-          "m": torch.randn(10).half(), "d": torch.randn(3).double()}
+    sd = {
+        "z.last": torch.randn(33, 7),
+        "a.first": torch.arange(5, dtype=torch.int8),
+        "m": torch.randn(10).half(),
+        "d": torch.randn(3).double(),
+    }
     path = str(tmp_path / "s.safetensors")
     safetensors.torch.save_file(sd, path, metadata={"k": "v"})
     back = fastckpt.load(path)
@@ -264,8 +317,10 @@ def test_fastckpt_reads_safetensors_files(tmp_path):
 
 def test_tensor_not_aligned_to_its_dtype_in_a_foreign_file(tmp_path):
     # A writer may place an f32 tensor at an odd offset; the reader must still return it.
-    header = {"u": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-              "f": {"dtype": "F32", "shape": [3], "data_offsets": [1, 13]}}
+    header = {
+        "u": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "f": {"dtype": "F32", "shape": [3], "data_offsets": [1, 13]},
+    }
     blob = json.dumps(header).encode()
     values = torch.tensor([1.5, -2.0, 3.25])
     data = bytes([7]) + values.numpy().tobytes()
@@ -294,7 +349,13 @@ def test_keys_loads_only_those(tmp_path):
 def test_map_location_forms(tmp_path):
     fastckpt.save({"a": torch.ones(3)}, tmp_path / "m.safetensors")
     p = tmp_path / "m.safetensors"
-    for loc in [None, "cpu", torch.device("cpu"), {"cuda:0": "cpu"}, lambda storage, location: storage]:
+    for loc in [
+        None,
+        "cpu",
+        torch.device("cpu"),
+        {"cuda:0": "cpu"},
+        lambda storage, location: storage,
+    ]:
         assert torch.equal(fastckpt.load(p, map_location=loc)["a"], torch.ones(3))
     assert fastckpt.load(p, device="cpu")["a"].device.type == "cpu"
     with pytest.raises(ValueError, match="either"):
@@ -417,7 +478,9 @@ def test_write_error_midway_keeps_existing_checkpoint(tmp_path):
             assert e.errno == errno.EFBIG, e
             print("failed as expected")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert "failed as expected" in out.stdout, out.stderr
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["c.safetensors"]
@@ -451,15 +514,37 @@ BAD_FILES = {
     "header too large": lambda p: _file(p, b"{}", raw_length=format.HEADER_LIMIT + 1),
     "truncated header": lambda p: _file(p, b'{"a":', raw_length=1000),
     "bad json": lambda p: _file(p, b'{"a": nope}'),
-    "out of range": lambda p: _file(p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
-    "overlapping": lambda p: _file(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
-    "unknown dtype": lambda p: _file(p, {"a": {"dtype": "F13", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
-    "shape mismatch": lambda p: _file(p, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
-    "truncated data": lambda p: _file(p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 15),
-    "huge shape": lambda p: _file(p, {"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 4]}}, b"\0" * 4),
-    "bad alias": lambda p: _file(p, {"__metadata__": {"fastckpt.aliases": '{"x": "missing"}'},
-                                     "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+    "out of range": lambda p: _file(
+        p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8
+    ),
+    "overlapping": lambda p: _file(
+        p,
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        b"\0" * 12,
+    ),
+    "unknown dtype": lambda p: _file(
+        p, {"a": {"dtype": "F13", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4
+    ),
+    "shape mismatch": lambda p: _file(
+        p, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8
+    ),
+    "truncated data": lambda p: _file(
+        p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 15
+    ),
+    "huge shape": lambda p: _file(
+        p, {"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 4]}}, b"\0" * 4
+    ),
+    "bad alias": lambda p: _file(
+        p,
+        {
+            "__metadata__": {"fastckpt.aliases": '{"x": "missing"}'},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        },
+        b"\0",
+    ),
 }
 
 

@@ -19,8 +19,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     ],
 )
 def test_example_runs(tmp_path, script, expected):
-    out = subprocess.run([sys.executable, str(EXAMPLES / script), str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     for line in expected:
         assert line in out.stdout

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ast
-import os
 import inspect
+import os
 import re
 import zlib
 from pathlib import Path
@@ -108,7 +108,16 @@ def test_links_only_the_c_and_cxx_runtimes():
     if shutil.which("ldd") is None:
         pytest.skip("no ldd")
     out = subprocess.run(["ldd", _C.__file__], capture_output=True, text=True, check=True).stdout
-    allowed = ("linux-vdso", "libstdc++", "libgcc_s", "libc.", "ld-linux", "libm.", "libpthread", "libdl")
+    allowed = (
+        "linux-vdso",
+        "libstdc++",
+        "libgcc_s",
+        "libc.",
+        "ld-linux",
+        "libm.",
+        "libpthread",
+        "libdl",
+    )
     for line in out.splitlines():
         name = os.path.basename(line.strip().split()[0])
         assert name.startswith(allowed), f"_C links {name}"
