@@ -112,34 +112,23 @@ def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access(_DROP_CACHES, os.W_OK)
 
 
+_page_cache: Any = None
+
+
 def drop_page_cache(files: Sequence[str | os.PathLike[str]] = ()) -> str:
     """Makes the next reads of ``files`` come from the device; returns how.
 
-    As root: ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches`` (whole machine).
-    Otherwise each file is fsynced and its clean pages evicted with
-    ``posix_fadvise(POSIX_FADV_DONTNEED)``, which works for files one may open.
+    As root: ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches`` (whole machine); else each
+    file's clean pages are evicted with ``posix_fadvise(DONTNEED)``. The same rules as
+    ``fastckpt tune``/``bench`` (``fastckpt.cli._common.PageCache``).
     """
-    os.sync()
-    if can_drop_caches():
-        try:
-            with open(_DROP_CACHES, "w", encoding="ascii") as f:
-                f.write("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    how = "none"
-    for path in files:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            how = "fadvise"
-        finally:
-            os.close(fd)
-    return how
+    global _page_cache
+    from fastckpt.cli._common import PageCache
+
+    if _page_cache is None:
+        _page_cache = PageCache()
+    _page_cache.drop(files)
+    return "drop_caches" if _page_cache.can_drop else "fadvise"
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -392,33 +381,13 @@ def llm_like_layout(nbytes: int) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def llm_like_state_dict(nbytes: int, seed: int = 0) -> dict[str, Any]:
-    """A deterministic ``str -> Tensor`` dict laid out by :func:`llm_like_layout`.
+    """A deterministic ``str -> Tensor`` dict laid out by :func:`llm_like_layout`, filled
+    like ``fastckpt bench --checkpoint``'s (the same bytes for the same seed)."""
+    from fastckpt.cli.synthetic import state_dict_from_shapes
 
-    Values are N(0, 0.02) (norms near 1), copied from a 64 MiB pool of random floats at a
-    random start per tensor: fast to build, and the same bytes for the same seed.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    pool32 = torch.empty(16 << 20, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-    pools = {"float32": pool32, "bfloat16": pool32.to(torch.bfloat16)}
-    out: dict[str, Any] = {}
-    for name, dtype, shape in llm_like_layout(nbytes):
-        pool = pools[dtype]
-        t = torch.empty(shape, dtype=pool.dtype)
-        flat = t.view(-1)
-        pos = int(torch.randint(0, pool.numel(), (1,), generator=gen))
-        done = 0
-        while done < flat.numel():
-            take = min(flat.numel() - done, pool.numel() - pos)
-            flat[done : done + take].copy_(pool[pos : pos + take])
-            done, pos = done + take, 0
-        if len(shape) == 1 and "inv_freq" not in name:
-            t += 1.0
-        out[name] = t
-    del pools, pool32
+    state = state_dict_from_shapes({n: (d, s) for n, d, s in llm_like_layout(nbytes)}, seed)
     gc.collect()
-    return out
+    return state
 
 
 def touch_tensors(tensors: dict[str, Any], page: int = 4096) -> int:
@@ -436,3 +405,29 @@ def touch_tensors(tensors: dict[str, Any], page: int = 4096) -> int:
         b = t.reshape(-1).view(torch.uint8)
         total += int(b[::page].sum(dtype=torch.int64)) + int(b[-1])
     return total
+
+
+# --------------------------------------------------------------------- driver helpers
+
+
+def log(message: str) -> None:
+    """A timestamped progress line on stderr (the tables go to stdout)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rotate(items: list[str], k: int) -> list[str]:
+    """``items`` started at position ``k``: each round runs the methods in another order."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` (and ``suffix``), or "n/a" when it was not measured."""
+    return "n/a" if value is None else format(value, spec) + suffix
+
+
+def import_repo_package() -> None:
+    """Makes ``import fastckpt`` find this checkout's package, whatever else is installed."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(1, repo)

@@ -76,12 +76,6 @@ RSS_ALLOWANCE = 32 * C.MiB  # interpreter and engine bookkeeping on top of the s
 # ============================================================================ child side
 
 
-def _import_repo_package() -> None:
-    # Measure this checkout's fastckpt, whatever else is installed.
-    if str(REPO) not in sys.path:
-        sys.path.insert(1, str(REPO))
-
-
 def _child_save(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -90,7 +84,7 @@ def _child_save(spec: dict[str, Any]) -> dict[str, Any]:
     payload = sum(t.numel() * t.element_size() for t in state.values())
     extra: dict[str, Any] = {}
     if method == "fastckpt":
-        _import_repo_package()
+        C.import_repo_package()
         import fastckpt
         import fastckpt.config
 
@@ -137,7 +131,7 @@ def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     method, path = spec["method"], spec["file"]
     C.touch_tensors({"warm": torch.ones(4096)})  # first-op setup outside the timed section
     if method in ("fastckpt", "fastckpt-noverify"):
-        _import_repo_package()
+        C.import_repo_package()
         import fastckpt
 
         verify = None if method == "fastckpt" else False
@@ -188,15 +182,6 @@ def child_main(spec_json: str) -> int:
 # =========================================================================== parent side
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rotate(items: list[str], k: int) -> list[str]:
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
 def run_one(op: str, method: str, workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     name = (SAVES if op == "save" else LOADS)[method][1]
     path = os.path.join(workdir, name)
@@ -228,7 +213,7 @@ def check_directory(directory: Path, size: int) -> None:
         )
     mem = C.available_memory()
     if mem is not None and mem < 2.5 * size:
-        log(
+        C.log(
             f"warning: only {C.human_bytes(mem)} of memory available for a {C.human_bytes(size)} "
             "state dict; children may be killed or figures skewed by swapping"
         )
@@ -254,10 +239,6 @@ def _stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "errors": [r["error"] for r in results if "error" in r],
     }
-
-
-def _f(value: float | None, fmt: str, suffix: str = "") -> str:
-    return "n/a" if value is None else format(value, fmt) + suffix
 
 
 def _table(
@@ -287,8 +268,8 @@ def _table(
         rss = s.get("extra_rss")
         lines.append(
             f"| {label} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | {s['seconds']:.2f} "
-            f"| {_f(speedup, '.2f', '×')} | {_f(of_fio, '.0f', '%')} | {_f(s.get('cpu_seconds'), '.2f')} "
-            f"| {_f(None if rss is None else rss / C.MiB, '.0f')} |"
+            f"| {C.fmt(speedup, '.2f', '×')} | {C.fmt(of_fio, '.0f', '%')} | {C.fmt(s.get('cpu_seconds'), '.2f')} "
+            f"| {C.fmt(None if rss is None else rss / C.MiB, '.0f')} |"
         )
     return lines + [""]
 
@@ -303,7 +284,7 @@ def _rounds_table(rounds: dict[str, list[float | None]]) -> list[str]:
         "|---|" + "---:|" * n,
     ]
     for label, values in rounds.items():
-        cells = [_f(v, ".2f") for v in values] + [""] * (n - len(values))
+        cells = [C.fmt(v, ".2f") for v in values] + [""] * (n - len(values))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -372,17 +353,17 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
 
     r = ratio(saves["fastckpt"], saves["safetensors"])
     out.append(
-        f"| save ≥ {SAVE_VS_SAFETENSORS}× safetensors save_file | {_f(r, '.2f', '×')} "
+        f"| save ≥ {SAVE_VS_SAFETENSORS}× safetensors save_file | {C.fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= SAVE_VS_SAFETENSORS)} |"
     )
     r = ratio(saves["fastckpt"], saves["torch"])
     out.append(
-        f"| save ≥ {SAVE_VS_TORCH}× torch.save | {_f(r, '.2f', '×')} "
+        f"| save ≥ {SAVE_VS_TORCH}× torch.save | {C.fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= SAVE_VS_TORCH)} |"
     )
     r = ratio(loads["fastckpt"], loads["safetensors"])
     out.append(
-        f"| load ≥ {LOAD_VS_SAFETENSORS}× safetensors load_file (touched) | {_f(r, '.2f', '×')} "
+        f"| load ≥ {LOAD_VS_SAFETENSORS}× safetensors load_file (touched) | {C.fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= LOAD_VS_SAFETENSORS)} |"
     )
     r = ratio(loads["fastckpt"], fio_r)
@@ -426,7 +407,7 @@ def parent_main(args: argparse.Namespace) -> int:
     have_fio = C.fio_path() is not None and not args.no_fio
     fio_bytes = max(C.MiB, args.size // C.MiB * C.MiB)
     raw: list[dict[str, Any]] = []
-    log(f"{C.human_bytes(args.size)} x {args.repeats} rounds in {workdir} ({fs_type} {source})")
+    C.log(f"{C.human_bytes(args.size)} x {args.repeats} rounds in {workdir} ({fs_type} {source})")
     try:
         for rnd in range(args.repeats):
             for name in {v[1] for v in SAVES.values()}:
@@ -435,23 +416,23 @@ def parent_main(args: argparse.Namespace) -> int:
                     os.remove(p)
             if have_fio:
                 fio_file = os.path.join(workdir, "fio.dat")
-                for kind in rotate(["write", "read"], 0):  # the read needs the written file
+                for kind in C.rotate(["write", "read"], 0):  # the read needs the written file
                     C.drop_page_cache([fio_file])
                     res = C.fio_sequential(kind, fio_file, fio_bytes, timeout=args.child_timeout)
                     raw.append({"round": rnd, "op": "fio", "method": kind, **res})
-                    log(
+                    C.log(
                         f"round {rnd + 1}: fio {kind:5s} "
                         + (res["error"] if "error" in res else f"{res['gbps']:.2f} GB/s")
                     )
                 os.remove(fio_file)
             for op, methods in (("save", list(SAVES)), ("load", list(LOADS))):
-                for method in rotate(methods, rnd):
+                for method in C.rotate(methods, rnd):
                     res = run_one(op, method, workdir, args)
                     raw.append({"round": rnd, "op": op, "method": method, **res})
                     if "error" in res:
-                        log(f"round {rnd + 1}: {op} {method}: FAILED {res['error']}")
+                        C.log(f"round {rnd + 1}: {op} {method}: FAILED {res['error']}")
                     else:
-                        log(
+                        C.log(
                             f"round {rnd + 1}: {op} {method:17s} {res['seconds']:6.2f} s "
                             f"{res['payload_bytes'] / res['seconds'] / 1e9:5.2f} GB/s "
                             f"cpu {res['cpu_seconds']:5.2f} s  +rss {res['extra_rss'] / C.MiB:6.0f} MiB"
@@ -569,7 +550,7 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "medians": stats, "runs": raw}, f, indent=2)
-        log(f"raw results written to {args.json}")
+        C.log(f"raw results written to {args.json}")
     return 0 if ok else 1
 
 

@@ -87,11 +87,6 @@ LOAD_OF_CEILING = 0.85
 # ============================================================================ child side
 
 
-def _import_repo_package() -> None:
-    if str(REPO) not in sys.path:
-        sys.path.insert(1, str(REPO))
-
-
 def _warm_cuda(device: str) -> Any:
     import torch
 
@@ -119,7 +114,7 @@ def _child_save(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.synchronize(device)
     payload = sum(t.numel() * t.element_size() for t in state.values())
     if method == "fastckpt":
-        _import_repo_package()
+        C.import_repo_package()
         import fastckpt
 
         def run() -> None:
@@ -158,7 +153,7 @@ def _data_section(path: str) -> tuple[int, int]:
 def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     device, method, path = spec["device"], spec["method"], spec["file"]
     torch = _warm_cuda(device)
-    _import_repo_package()
+    C.import_repo_package()
     extra: dict[str, Any] = {}
     if method in ("fastckpt", "fastckpt-gds"):
         import fastckpt
@@ -257,7 +252,7 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
             rates.append(n / (time.perf_counter() - t0) / 1e9)
         return {"gbps": C.median(rates[1:]), "seconds": n / C.median(rates[1:]) / 1e9}
     # disk: the fastckpt file's data section into page-locked memory, 1 GiB at a time
-    _import_repo_package()
+    C.import_repo_package()
     from fastckpt._buffers import aligned_tensor
     from fastckpt.aio import aio_handle
 
@@ -297,15 +292,6 @@ def child_main(spec_json: str) -> int:
 # =========================================================================== parent side
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rotate(items: list[str], k: int) -> list[str]:
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
 def run_child(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, FASTCKPT_NO_PROGRESS="1")
     return C.run_child(
@@ -338,10 +324,6 @@ def _stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _f(value: float | None, fmt: str, suffix: str = "") -> str:
-    return "n/a" if value is None else format(value, fmt) + suffix
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -358,8 +340,8 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         f"- state dict: {C.human_bytes(meta['payload_bytes'])} LLM-like, {meta['repeats']} rounds (medians)",
         f"- {meta['cache_note']}; GDS: {meta['gds']}",
         (
-            f"- disk read ceiling: {_f(disk, '.2f', ' GB/s')} ({meta['disk_how']}); pinned H2D: "
-            f"{_f(h2d, '.2f', ' GB/s')}; the slower: {_f(bound, '.2f', ' GB/s')}"
+            f"- disk read ceiling: {C.fmt(disk, '.2f', ' GB/s')} ({meta['disk_how']}); pinned H2D: "
+            f"{C.fmt(h2d, '.2f', ' GB/s')}; the slower: {C.fmt(bound, '.2f', ' GB/s')}"
         ),
         "",
     ]
@@ -379,9 +361,9 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         mode = f" ({s['gds_mode']})" if s.get("gds_mode") else ""
         out.append(
             f"| {label}{mode} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | "
-            f"{s['seconds']:.2f} | {_f(_ratio(s['gbps'], st), '.2f', '×')} | "
-            f"{_f(_ratio(s['gbps'], bound) and 100 * _ratio(s['gbps'], bound), '.0f', '%')} | "
-            f"{_f(s.get('cpu_seconds'), '.1f')} |"
+            f"{s['seconds']:.2f} | {C.fmt(_ratio(s['gbps'], st), '.2f', '×')} | "
+            f"{C.fmt(_ratio(s['gbps'], bound) and 100 * _ratio(s['gbps'], bound), '.0f', '%')} | "
+            f"{C.fmt(s.get('cpu_seconds'), '.1f')} |"
         )
     out += [
         "",
@@ -400,8 +382,8 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
             continue
         out.append(
             f"| {label} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | {s['seconds']:.2f} | "
-            f"{_f(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
-            f"{_f(s.get('cpu_seconds'), '.1f')} |"
+            f"{C.fmt(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
+            f"{C.fmt(s.get('cpu_seconds'), '.1f')} |"
         )
     best = max((stats["load"].get(m, {}).get("gbps") or 0) for m in ("fastckpt", "fastckpt-gds"))
     out += [
@@ -409,11 +391,11 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         "### Targets",
         "",
         (
-            f"- load ≥ {LOAD_VS_SAFETENSORS}× safetensors: {_f(_ratio(best, st), '.2f', '×')} → "
+            f"- load ≥ {LOAD_VS_SAFETENSORS}× safetensors: {C.fmt(_ratio(best, st), '.2f', '×')} → "
             f"{'met' if (_ratio(best, st) or 0) >= LOAD_VS_SAFETENSORS else 'NOT met'}"
         ),
         (
-            f"- load ≥ {LOAD_OF_CEILING:.0%} of min(disk, H2D): {_f(_ratio(best, bound), '.0%')} → "
+            f"- load ≥ {LOAD_OF_CEILING:.0%} of min(disk, H2D): {C.fmt(_ratio(best, bound), '.0%')} → "
             f"{'met' if (_ratio(best, bound) or 0) >= LOAD_OF_CEILING else 'NOT met'}"
         ),
         "",
@@ -460,26 +442,26 @@ def parent_main(args: argparse.Namespace) -> int:
     paths = {k: os.path.join(workdir, v) for k, v in FILES.items()}
     have_fio = C.fio_path() is not None and not args.no_fio
     raw: list[dict[str, Any]] = []
-    log(
+    C.log(
         f"{C.human_bytes(args.size)} x {args.repeats} rounds on {args.device}, in {workdir} ({fs_type} {source})"
     )
 
     def record(rnd: int, op: str, method: str, res: dict[str, Any]) -> None:
         raw.append({"round": rnd, "op": op, "method": method, **res})
         if "error" in res or "skipped" in res:
-            log(f"round {rnd + 1}: {op} {method}: {res.get('error') or res.get('skipped')}")
+            C.log(f"round {rnd + 1}: {op} {method}: {res.get('error') or res.get('skipped')}")
         else:
             gbps = (
                 res["payload_bytes"] / res["seconds"] / 1e9
                 if "payload_bytes" in res
                 else res["gbps"]
             )
-            log(f"round {rnd + 1}: {op:7s} {method:14s} {gbps:6.2f} GB/s")
+            C.log(f"round {rnd + 1}: {op:7s} {method:14s} {gbps:6.2f} GB/s")
 
     base_spec = {"device": args.device, "size": args.size, "seed": args.seed}
     try:
         for rnd in range(args.repeats):
-            for method in rotate(list(SAVES), rnd):
+            for method in C.rotate(list(SAVES), rnd):
                 if os.path.exists(paths[method]):
                     os.remove(paths[method])
                 record(
@@ -517,7 +499,7 @@ def parent_main(args: argparse.Namespace) -> int:
                 "h2d",
                 run_child({**base_spec, "op": "ceiling", "method": "h2d"}, args),
             )
-            for method in rotate(list(LOADS), rnd):
+            for method in C.rotate(list(LOADS), rnd):
                 path = paths[LOAD_FILE[method]]
                 if not os.path.exists(path):
                     record(
@@ -566,7 +548,7 @@ def parent_main(args: argparse.Namespace) -> int:
         except md.PackageNotFoundError:
             return "not installed"
 
-    _import_repo_package()
+    C.import_repo_package()
     import fastckpt.gds
 
     gds_info = fastckpt.gds.engine_info()
@@ -599,7 +581,7 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "medians": stats, "runs": raw}, f, indent=2)
-        log(f"raw results written to {args.json}")
+        C.log(f"raw results written to {args.json}")
     return 0 if any("digest" in r for r in raw) else 1
 
 

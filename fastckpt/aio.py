@@ -176,6 +176,25 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         return self._executor.engine
 
     # -- core -----------------------------------------------------------------------------
+    def _buffer(self, buffer: Any, *, write: bool) -> BufferRef:
+        """The I/O buffer's memory (CPU or CUDA), checked for the transfer's direction."""
+        return buffer_ref(buffer, writable=not write, argname="buffer", allow_cuda=True)
+
+    def _submit(
+        self, file: File, ref: BufferRef, file_offset: int, *, write: bool, parallel: bool
+    ) -> Callable[[], None]:
+        """Starts the transfer; returns the function that waits for it (raising its error)."""
+        max_parts = 0 if parallel else 1
+        if ref.is_cuda:
+            # Device memory is staged through page-locked host buffers.
+            from fastckpt import cuda
+
+            return cuda.submit_device_io(
+                self._executor, file, ref, file_offset, write=write, max_parts=max_parts
+            )
+        op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=max_parts)
+        return functools.partial(self._executor.wait, op_id)
+
     def _start(
         self,
         buffer: Any,
@@ -191,7 +210,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
         if file_offset < 0:
             raise ValueError(f"file_offset must not be negative, got {file_offset}")
-        ref = buffer_ref(buffer, writable=not write, argname="buffer", allow_cuda=True)
+        ref = self._buffer(buffer, write=write)
         if fd is not None:
             if filename is not None:
                 raise TypeError("pass either filename or fd, not both")
@@ -208,19 +227,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                         f"read of {ref.nbytes} bytes at file_offset {file_offset} goes past the end "
                         f"of {file.path!r} ({size} bytes)"
                     )
-            max_parts = 0 if parallel else 1
-            if ref.is_cuda:
-                # Device memory is staged through page-locked host buffers.
-                from fastckpt import cuda
-
-                wait_fn = cuda.submit_device_io(
-                    self._executor, file, ref, file_offset, write=write, max_parts=max_parts
-                )
-            else:
-                op_id = self._executor.submit(
-                    file, ref, file_offset, write=write, max_parts=max_parts
-                )
-                wait_fn = functools.partial(self._executor.wait, op_id)
+            wait_fn = self._submit(file, ref, file_offset, write=write, parallel=parallel)
         except BaseException:
             file.close()
             raise

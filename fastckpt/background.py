@@ -38,9 +38,8 @@ import weakref
 from typing import Any, Callable
 
 from fastckpt._commit import AtomicFile, check_destination
-from fastckpt._io import shared_executor
-from fastckpt.config import parse_size, resolve_io
-from fastckpt.saver import StreamWriter, plan_save
+from fastckpt.config import parse_size
+from fastckpt.saver import StreamWriter, executor_for_destination, plan_save
 from fastckpt.staging import StagingPool
 
 __all__ = ["async_save", "async_load", "SaveFuture", "LoadFuture", "wait_all", "release_staging"]
@@ -269,16 +268,13 @@ def async_save(
             checksum=checksum,
             allow_pickle=allow_pickle,
         )
-        config = resolve_io(
-            os.path.dirname(os.path.abspath(path)),
-            dict(
-                engine=engine,
-                block_size=block_size,
-                queue_depth=queue_depth,
-                intra_op_parallelism=intra_op_parallelism,
-            ),
+        executor = executor_for_destination(
+            path,
+            engine=engine,
+            block_size=block_size,
+            queue_depth=queue_depth,
+            intra_op_parallelism=intra_op_parallelism,
         )
-        executor = shared_executor(config)
         pool = _async_pool(staging_bytes, plan.data_size)
         out = AtomicFile(path)
     except BaseException as exc:  # reported through the future, like every later error

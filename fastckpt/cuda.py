@@ -37,7 +37,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fastckpt._buffers import BufferRef
 from fastckpt._io import Executor, File
@@ -175,6 +175,19 @@ def _drain(executor: Executor, in_flight: dict[int, int]) -> None:
     in_flight.clear()
 
 
+@contextlib.contextmanager
+def _side_stream(torch: Any, tensor: Any, ready: Any) -> Iterator[Any]:
+    """A new stream on ``tensor``'s device, after ``ready``; synchronized on the way out."""
+    with torch.cuda.device(tensor.device):
+        stream = torch.cuda.Stream(tensor.device)
+        if ready is not None:
+            stream.wait_event(ready)
+        try:
+            yield stream
+        finally:
+            stream.synchronize()
+
+
 def _file_to_device(
     executor: Executor,
     file: File,
@@ -194,10 +207,7 @@ def _file_to_device(
         return
     align = file.alignment
     count = min(max(2, depth), len(pieces))
-    with torch.cuda.device(dst.device):
-        stream = torch.cuda.Stream(dst.device)
-        if ready is not None:
-            stream.wait_event(ready)
+    with _side_stream(torch, dst, ready) as stream:
         buffers = _buffers(torch, pieces, align, count)
         copied: list[Any] = [None] * count
         in_flight: dict[int, int] = {}
@@ -229,7 +239,6 @@ def _file_to_device(
                     start(refill)
         finally:
             _drain(executor, in_flight)
-            stream.synchronize()
 
 
 def _device_to_file(
@@ -250,10 +259,7 @@ def _device_to_file(
         return
     align = file.alignment
     count = min(max(2, depth), len(pieces))
-    with torch.cuda.device(src.device):
-        stream = torch.cuda.Stream(src.device)
-        if ready is not None:
-            stream.wait_event(ready)
+    with _side_stream(torch, src, ready) as stream:
         buffers = _buffers(torch, pieces, align, count)
         in_flight: dict[int, int] = {}
         try:
@@ -272,7 +278,6 @@ def _device_to_file(
                 executor.wait(in_flight.pop(i))
         finally:
             _drain(executor, in_flight)
-            stream.synchronize()
 
 
 def _ready_event(torch: Any, tensor: Any) -> Any:

@@ -53,7 +53,7 @@ from fastckpt import _C
 from fastckpt._buffers import BufferRef, buffer_ref
 from fastckpt._engines import EngineInfo
 from fastckpt._io import File
-from fastckpt.aio import _UNSET, _PendingOp, aio_handle
+from fastckpt.aio import _UNSET, aio_handle
 from fastckpt.errors import EngineUnavailableError
 
 __all__ = [
@@ -452,48 +452,18 @@ class gds_handle(aio_handle):
         """Always ``"gds"``; :func:`mode` tells GPUDirect from compatibility mode."""
         return "gds"
 
-    def _start(
-        self,
-        buffer: Any,
-        filename: str | os.PathLike[str] | None,
-        *,
-        write: bool,
-        file_offset: int,
-        validate: bool,
-        parallel: bool,
-        fd: int | None = None,
-    ) -> _PendingOp:
-        if isinstance(file_offset, bool) or not isinstance(file_offset, int):
-            raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
-        if file_offset < 0:
-            raise ValueError(f"file_offset must not be negative, got {file_offset}")
-        ref = _device_ref(buffer, writable=not write, argname="buffer")
-        if fd is not None:
-            if filename is not None:
-                raise TypeError("pass either filename or fd, not both")
-            file = File.from_fd(fd)
-        elif filename is None:
-            raise TypeError("filename (or fd=) is required")
-        else:
-            file = File(filename, write=write, create=write)
-        try:
-            if not write and ref.nbytes:
-                size = file.size()
-                if file_offset + ref.nbytes > size:
-                    raise ValueError(
-                        f"read of {ref.nbytes} bytes at file_offset {file_offset} goes past the end "
-                        f"of {file.path!r} ({size} bytes)"
-                    )
-            ready = _record_ready(ref)
-            threads = self._config.intra_op_parallelism if parallel else 1
-            future = self._pool.submit(
-                _transfer, file, ref, file_offset, write=write, threads=threads, ready=ready
-            )
-            wait_fn: Callable[[], None] = future.result
-        except BaseException:
-            file.close()
-            raise
-        return _PendingOp(wait_fn, file, ref, file_offset, write, validate)
+    def _buffer(self, buffer: Any, *, write: bool) -> BufferRef:
+        return _device_ref(buffer, writable=not write, argname="buffer")
+
+    def _submit(
+        self, file: File, ref: BufferRef, file_offset: int, *, write: bool, parallel: bool
+    ) -> Callable[[], None]:
+        ready = _record_ready(ref)
+        threads = self._config.intra_op_parallelism if parallel else 1
+        future = self._pool.submit(
+            _transfer, file, ref, file_offset, write=write, threads=threads, ready=ready
+        )
+        return future.result
 
     # -- pinned device memory (DeepSpeed's GDS-specific API) ---------------------------------
     def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:

@@ -27,7 +27,14 @@ from fastckpt._progress import progress_bar
 from fastckpt.config import resolve_io
 from fastckpt.staging import StagingBuffer, StagingPool, default_pool, zero_fill
 
-__all__ = ["save", "SavePlan", "plan_save", "StreamWriter"]
+__all__ = [
+    "save",
+    "SavePlan",
+    "plan_save",
+    "StreamWriter",
+    "executor_for_destination",
+    "write_plan",
+]
 
 
 @dataclasses.dataclass
@@ -363,16 +370,20 @@ def save(
     plan = plan_save(
         obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle
     )
-    config = resolve_io(
-        os.path.dirname(os.path.abspath(path)),
-        dict(
-            engine=engine,
-            block_size=block_size,
-            queue_depth=queue_depth,
-            intra_op_parallelism=intra_op_parallelism,
-        ),
+    executor = executor_for_destination(
+        path,
+        engine=engine,
+        block_size=block_size,
+        queue_depth=queue_depth,
+        intra_op_parallelism=intra_op_parallelism,
     )
-    write_plan(plan, path, shared_executor(config), default_pool(staging_bytes), progress=progress)
+    write_plan(plan, path, executor, default_pool(staging_bytes), progress=progress)
+
+
+def executor_for_destination(path: str, **explicit: Any) -> Executor:
+    """The shared executor for writing ``path``: explicit I/O settings (None: unset) over the
+    configuration resolved for its directory's file system (see :mod:`fastckpt.config`)."""
+    return shared_executor(resolve_io(os.path.dirname(os.path.abspath(path)), explicit))
 
 
 def write_plan(

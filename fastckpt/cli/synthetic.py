@@ -122,12 +122,25 @@ def llm_like_state_dict(nbytes: int, seed: int = 0) -> dict[str, Any]:
         >>> all(torch.equal(sd[name], again[name]) for name in sd)
         True
     """
+    return state_dict_from_shapes(plan_shapes(nbytes), seed)
+
+
+def state_dict_from_shapes(
+    plan: dict[str, tuple[str, tuple[int, ...]]], seed: int = 0
+) -> dict[str, Any]:
+    """Tensors of the given ``name -> (dtype name, shape)`` filled as described in
+    :func:`llm_like_state_dict` (1-D tensors near one, the others N(0, 0.02)).
+
+    Example:
+        >>> sd = state_dict_from_shapes({"w": ("bfloat16", (4, 8)), "norm": ("float32", (8,))})
+        >>> sd["w"].shape, bool((sd["norm"] > 0.5).all())
+        (torch.Size([4, 8]), True)
+    """
     import torch
 
-    plan = plan_shapes(nbytes)
     generator = torch.Generator().manual_seed(seed)
     total = sum(_numel(shape) for _, shape in plan.values())
-    pool32 = torch.empty(min(total, _POOL_ELEMENTS), dtype=torch.float32)
+    pool32 = torch.empty(max(1, min(total, _POOL_ELEMENTS)), dtype=torch.float32)
     pool32.normal_(0.0, 0.02, generator=generator)
     pools = {"float32": pool32, "bfloat16": pool32.to(torch.bfloat16)}
     state: dict[str, Any] = {}
