@@ -276,11 +276,12 @@ def fio_sequential(
     bs: str = "1M",
     iodepth: int = 32,
     ioengine: str = "io_uring",
+    extra: Sequence[str] = (),
     timeout: float = 600,
 ) -> dict[str, Any]:
     """One sequential fio job (``rw`` = "write" or "read") with O_DIRECT; fio's own figures.
 
-    Writes end with ``end_fsync=1``. Returns seconds (fio's job runtime), bytes, GB/s,
+    Writes end with ``end_fsync=1``; ``extra`` adds fio options. Returns seconds (fio's job runtime), bytes, GB/s,
     CPU seconds (fio's usr+sys share of its runtime), or ``{"error": ...}``.
     """
     path = fio_path()
@@ -299,6 +300,7 @@ def fio_sequential(
         "--numjobs=1",
         "--output-format=json",
     ]
+    cmd += list(extra)
     if rw == "write":
         cmd.append("--end_fsync=1")
     try:

@@ -99,21 +99,34 @@ def test_bench_usage_errors(tmp_path, capsys):
 
     from fastckpt.cli import main
 
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    work = tmp_path / "work"
+    work.mkdir()
     cases = [
-        ["--folder", str(tmp_path / "missing")],
-        ["--folder", str(tmp_path), "--loops", "0"],
-        ["--folder", str(tmp_path), "--engine", "warp_drive"],
-        ["--folder", str(tmp_path), "--io_size", "-1M"],
-        ["--folder", str(tmp_path), "--overlap_events", "maybe"],
-        ["--folder", str(tmp_path), "--checkpoint", "1M", "--read"],
-        ["--folder", str(tmp_path), "--checkpoint", "10"],
+        ["--folder", str(blocker)],
+        ["--folder", str(work), "--loops", "0"],
+        ["--folder", str(work), "--engine", "warp_drive"],
+        ["--folder", str(work), "--io_size", "-1M"],
+        ["--folder", str(work), "--overlap_events", "maybe"],
+        ["--folder", str(work), "--checkpoint", "1M", "--read"],
+        ["--folder", str(work), "--checkpoint", "10"],
     ]
     if not torch.cuda.is_available():
-        cases += [["--folder", str(tmp_path), "--gpu"], ["--folder", str(tmp_path), "--gds"]]
+        cases += [["--folder", str(work), "--gpu"], ["--folder", str(work), "--gds"]]
     for args in cases:
         assert main(["bench", *args]) == 2, args
         assert "error" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []
+    assert list(work.iterdir()) == []
+
+
+def test_bench_creates_a_missing_folder(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    folder = tmp_path / "new" / "demo"
+    assert main(["bench", "--folder", str(folder), "--io_size", "1M", "--loops", "1"]) == 0
+    assert folder.is_dir() and list(folder.iterdir()) == []
+    assert "GB/s" in capsys.readouterr().out
 
 
 def test_synthetic_state_dict_is_llm_like():

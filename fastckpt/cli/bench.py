@@ -150,6 +150,12 @@ def _explicit_io(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_folder(folder: str, needed: int) -> str:
+    """The measured directory, created (with its parents) when it does not exist yet."""
+    if not os.path.exists(folder):
+        try:
+            os.makedirs(folder)
+        except OSError as exc:
+            raise CliError(f"--folder {folder}: cannot create it: {exc.strerror}", USAGE) from None
     if not os.path.isdir(folder):
         raise CliError(f"--folder {folder}: not a directory", USAGE)
     if not os.access(folder, os.W_OK | os.X_OK):
