@@ -123,4 +123,14 @@ std::pair<uint32_t, uint32_t> dio_alignment(int fd) {
   return {0, 0};
 }
 
+bool preallocate(int fd, uint64_t nbytes, const std::string& path) {
+  if (nbytes == 0) return true;
+  for (;;) {
+    if (fallocate(fd, 0, 0, static_cast<off_t>(nbytes)) == 0) return true;
+    if (errno == EINTR) continue;
+    if (errno == EOPNOTSUPP || errno == ENOSYS) return false;
+    throw IoError(errno, "reserving " + std::to_string(nbytes) + " bytes", path);
+  }
+}
+
 }  // namespace fastckpt

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 namespace fastckpt {
@@ -36,5 +37,10 @@ void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads);
 // (memory alignment, file offset alignment) for O_DIRECT on fd, from statx(STATX_DIOALIGN);
 // (0, 0) when the kernel does not say.
 std::pair<uint32_t, uint32_t> dio_alignment(int fd);
+
+// Reserves the first `nbytes` of fd's file with fallocate(2), so parallel direct writes land in
+// one contiguous run of blocks instead of being allocated out of order. Returns false where
+// the file system cannot (EOPNOTSUPP); throws IoError when it refuses (ENOSPC, EFBIG, ...).
+bool preallocate(int fd, uint64_t nbytes, const std::string& path);
 
 }  // namespace fastckpt

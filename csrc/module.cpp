@@ -130,6 +130,8 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("dio_alignment", &dio_alignment, py::arg("fd"));
+  m.def("preallocate", &preallocate, py::arg("fd"), py::arg("nbytes"), py::arg("path") = "",
+        py::call_guard<py::gil_scoped_release>());
 
   bind_cufile(m);
 }

@@ -19,6 +19,7 @@ import os
 import secrets
 from typing import Any
 
+from fastckpt import _C
 from fastckpt._io import File
 
 __all__ = ["AtomicFile", "fsync_directory", "check_destination"]
@@ -62,6 +63,12 @@ class AtomicFile:
         self.tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
         self.file = File(self.tmp_path, write=True, create=True, exclusive=True, direct=direct)
         self._done = False
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocates the file's blocks up front (where the file system can), so parallel
+        out-of-order direct writes still give one contiguous file that later reads stream
+        from, and a full disk fails here before any data is written (``OSError(ENOSPC)``)."""
+        _C.preallocate(self.file.fd, nbytes, self.tmp_path)
 
     def commit(self) -> None:
         """fsync, rename over the final path, fsync the directory."""

@@ -280,6 +280,12 @@ def async_save(
     except BaseException as exc:  # reported through the future, like every later error
         _fail_early(future, exc)
         return future
+    try:
+        out.reserve(plan.file_size)
+    except BaseException as exc:
+        out.abort()
+        _fail_early(future, exc)
+        return future
     writer = StreamWriter(plan, out.file, executor, pool, progress=False, defer_writes=snapshot)
     if snapshot:
         try:

@@ -396,6 +396,7 @@ def write_plan(
 ) -> None:
     """Writes a planned checkpoint to ``path`` with the atomic commit protocol."""
     with AtomicFile(path) as out:
+        out.reserve(plan.file_size)
         writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
         try:
             writer.fill()

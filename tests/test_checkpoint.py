@@ -462,20 +462,25 @@ def test_failed_save_keeps_existing_checkpoint(tmp_path):
     assert os.listdir(tmp_path) == ["c.safetensors"]
 
 
-def test_write_error_midway_keeps_existing_checkpoint(tmp_path):
-    # A real write error from the kernel: the file-size limit makes writes past 1 MiB fail
-    # with EFBIG halfway through a 16 MiB save.
+@pytest.mark.parametrize("reserve", [True, False], ids=["preallocated", "no-fallocate"])
+def test_write_error_keeps_existing_checkpoint(tmp_path, reserve):
+    # A real error from the kernel: the file-size limit fails a 16 MiB save with EFBIG, up
+    # front when the file is preallocated, halfway through the data writes where the file
+    # system cannot preallocate (simulated by skipping the reservation).
     path = tmp_path / "c.safetensors"
     fastckpt.save({"v": torch.ones(10)}, path)
     before = path.read_bytes()
     script = textwrap.dedent(f"""
-        import errno, os, resource, signal, torch, fastckpt
+        import errno, os, resource, signal, torch, fastckpt, fastckpt._commit
+        if not {reserve!r}:
+            fastckpt._commit.AtomicFile.reserve = lambda self, nbytes: None
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
             fastckpt.save({{"v": torch.zeros(4 << 20)}}, {str(path)!r}, staging_bytes=4 << 20)
         except OSError as e:
             assert e.errno == errno.EFBIG, e
+            assert e.filename and e.filename.endswith(".tmp"), e.filename
             print("failed as expected")
     """)
     out = subprocess.run(
@@ -484,6 +489,32 @@ def test_write_error_midway_keeps_existing_checkpoint(tmp_path):
     assert "failed as expected" in out.stdout, out.stderr
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["c.safetensors"]
+
+
+def test_saved_files_are_preallocated_in_one_go(tmp_path):
+    # 8 MiB saved with 4 parallel writers: without the reservation ext4 allocates blocks in
+    # completion order; with it the size and blocks are reserved before the first write.
+    import fastckpt._commit
+
+    sizes = []
+    original = fastckpt._commit.AtomicFile.reserve
+
+    def spy(self, nbytes):
+        original(self, nbytes)
+        st = os.stat(self.tmp_path)
+        sizes.append((nbytes, st.st_size, st.st_blocks * 512))
+
+    fastckpt._commit.AtomicFile.reserve = spy
+    try:
+        fastckpt.save(
+            {"v": torch.zeros(2 << 20)}, tmp_path / "p.safetensors", intra_op_parallelism=4
+        )
+        fastckpt.async_save({"v": torch.ones(3)}, tmp_path / "q.safetensors").result()
+    finally:
+        fastckpt._commit.AtomicFile.reserve = original
+    assert len(sizes) == 2
+    for nbytes, size, allocated in sizes:
+        assert size == nbytes and allocated >= nbytes
 
 
 def test_save_into_missing_directory(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import errno
 import inspect
 import os
 import re
@@ -146,3 +147,33 @@ def test_blocking_calls_release_the_gil(tmp_path):
         ticks += 1  # runs only while the I/O thread does not hold the GIL
     worker.join()
     assert ticks > 10_000
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_preallocate_reserves_blocks(tmp_path, where):
+    directory = tmp_path if where == "disk" else Path("/dev/shm")
+    if not directory.is_dir():
+        pytest.skip("no /dev/shm")
+    path = directory / f"fastckpt-prealloc-{os.getpid()}.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        assert _C.preallocate(fd, 3 << 20, str(path)) in (True, False)
+        st = os.fstat(fd)
+        if st.st_size:  # the file system supports it
+            assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
+        assert _C.preallocate(fd, 0, str(path)) is True
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_preallocate_errors_carry_errno_and_filename(tmp_path):
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            _C.preallocate(fd, 1 << 20, str(path))
+        assert info.value.errno == errno.EBADF and info.value.filename == str(path)
+    finally:
+        os.close(fd)
