@@ -268,6 +268,11 @@ def fio_version() -> str | None:
         return None
 
 
+#: fio options for page-locked, registered buffers: the best fio does on a virtual machine,
+#: where pinning ordinary pages for every direct transfer is slow (fastckpt's are locked).
+FIO_LOCKED = ("--thread", "--lockmem=256M", "--fixedbufs")
+
+
 def fio_sequential(
     rw: str,
     filename: str,

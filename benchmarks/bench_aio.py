@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _common import (  # noqa: E402
+    FIO_LOCKED,
     can_drop_caches,
     drop_page_cache,
     filesystem_of,
@@ -46,8 +47,8 @@ FIO_JOBS = (
     ("1M", 32, "io_uring", ()),
     ("4M", 32, "io_uring", ()),
     ("1M", 32, "libaio", ()),
-    ("1M", 32, "io_uring", ("--thread", "--lockmem=64M", "--fixedbufs")),
-    ("4M", 32, "io_uring", ("--thread", "--lockmem=256M", "--fixedbufs")),
+    ("1M", 32, "io_uring", FIO_LOCKED),
+    ("4M", 32, "io_uring", FIO_LOCKED),
 )
 
 

@@ -418,7 +418,14 @@ def parent_main(args: argparse.Namespace) -> int:
                 fio_file = os.path.join(workdir, "fio.dat")
                 for kind in C.rotate(["write", "read"], 0):  # the read needs the written file
                     C.drop_page_cache([fio_file])
-                    res = C.fio_sequential(kind, fio_file, fio_bytes, timeout=args.child_timeout)
+                    res = C.fio_sequential(
+                        kind,
+                        fio_file,
+                        fio_bytes,
+                        bs="4M",
+                        extra=C.FIO_LOCKED,
+                        timeout=args.child_timeout,
+                    )
                     raw.append({"round": rnd, "op": "fio", "method": kind, **res})
                     C.log(
                         f"round {rnd + 1}: fio {kind:5s} "
@@ -537,8 +544,8 @@ def parent_main(args: argparse.Namespace) -> int:
         "staging_bytes": budget,
         "staging_note": C.human_bytes(budget) if budget else "n/a",
         "fio": (
-            f"{C.fio_version()}, --rw=write|read --bs=1M --iodepth=32 --direct=1 --ioengine=io_uring "
-            f"--size={fio_bytes} (writes --end_fsync=1); fio's own runtime"
+            f"{C.fio_version()}, --rw=write|read --bs=4M --iodepth=32 --direct=1 --ioengine=io_uring "
+            f"{' '.join(C.FIO_LOCKED)} --size={fio_bytes} (writes --end_fsync=1); fio's own runtime"
         )
         if have_fio
         else ("fio not installed" if C.fio_path() is None else "skipped (--no-fio)"),

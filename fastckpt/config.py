@@ -42,6 +42,8 @@ __all__ = [
     "filesystem_key",
     "load_tuned",
     "save_tuned",
+    "save_tuned_gds",
+    "gds_preferred",
 ]
 
 
@@ -209,18 +211,54 @@ def load_tuned() -> dict[str, dict[str, Any]]:
 
 def save_tuned(fs_key: str, settings: Mapping[str, Any], measured: Mapping[str, Any]) -> Path:
     """Records the best configuration for one file system; returns the file written."""
-    path = tuned_config_path()
     entries = load_tuned()
-    entries[fs_key] = {
+    entry = {
         "config": {k: settings[k] for k in IO_KEYS if k in settings},
         "measured": dict(measured),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if "gds" in entries.get(fs_key, {}):
+        entry["gds"] = entries[fs_key]["gds"]  # a GDS measurement stays until re-measured
+    entries[fs_key] = entry
+    return _write_tuned(entries)
+
+
+def save_tuned_gds(fs_key: str, measured: Mapping[str, Any]) -> Path:
+    """Records what GPUDirect Storage measured on one file system (``read_gbps`` and/or
+    ``write_gbps``), next to that file system's tuned configuration; returns the file."""
+    entries = load_tuned()
+    entry = entries.setdefault(fs_key, {"config": {}, "measured": {}})
+    entry["gds"] = {**dict(measured), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    entry.setdefault("time", entry["gds"]["time"])
+    return _write_tuned(entries)
+
+
+def _write_tuned(entries: Mapping[str, Any]) -> Path:
+    path = tuned_config_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"filesystems": entries}, indent=2), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def gds_preferred(path: str | os.PathLike[str]) -> bool:
+    """Whether tuning found GPUDirect Storage reads faster than reads through page-locked
+    staging buffers into GPU memory on the file system of ``path``.
+
+    True only when both were measured there: ``fastckpt tune --gpu`` (the staging pipeline)
+    and ``fastckpt tune --gds``, and GDS read faster.
+
+    Example:
+        >>> gds_preferred("/nonexistent/x.safetensors")
+        False
+    """
+    entry = load_tuned().get(filesystem_key(path), {})
+    gds, measured = entry.get("gds", {}), entry.get("measured", {})
+    try:
+        return bool(measured.get("gpu")) and float(gds["read_gbps"]) > float(measured["read_gbps"])
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def tuned_for(

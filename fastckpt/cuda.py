@@ -336,12 +336,14 @@ def submit_device_io(
     return wait
 
 
-def use_gds(gds: bool | None) -> bool:
-    """Whether a device transfer goes through GPUDirect Storage.
+def use_gds(gds: bool | None, path: str | os.PathLike[str] | None = None) -> bool:
+    """Whether a device transfer (of the file ``path``) goes through GPUDirect Storage.
 
     ``True``: yes, or :class:`EngineUnavailableError` where it cannot run. ``False``: no.
-    ``None``: only when the environment variable ``FASTCKPT_GDS`` is 1 (true/yes/on) and
-    GDS is available, so an unavailable GDS falls back to the staging pipeline.
+    ``None``: the environment variable ``FASTCKPT_GDS`` decides when set (1/true/yes/on or
+    0/false/no/off); otherwise GDS is used when ``fastckpt tune`` measured it reading faster
+    than the staging pipeline on ``path``'s file system (:func:`fastckpt.config.gds_preferred`).
+    Either way only where GDS is available, so an unavailable GDS falls back to the pipeline.
 
     Example:
         >>> use_gds(False)
@@ -351,10 +353,15 @@ def use_gds(gds: bool | None) -> bool:
 
     if gds is None:
         text = os.environ.get(GDS_ENV, "").strip().lower()
-        if text in ("", "0", "false", "no", "off"):
+        if text in ("0", "false", "no", "off"):
             return False
-        if text not in ("1", "true", "yes", "on"):
+        if text and text not in ("1", "true", "yes", "on"):
             raise ValueError(f"environment variable {GDS_ENV}={text!r} is not a boolean")
+        if not text:
+            from fastckpt.config import gds_preferred
+
+            if path is None or not gds_preferred(path):
+                return False
         return gds_module.engine_info().available
     if not gds:
         return False
@@ -461,7 +468,7 @@ def read_into_device(
             f"file ({size} bytes)",
             file.path,
         )
-    if use_gds(gds):
+    if use_gds(gds, file.path):
         from fastckpt import gds as gds_module
 
         threads = max_parts or executor.config.intra_op_parallelism
@@ -517,7 +524,7 @@ def write_from_device(
     )
     if nbytes == 0:
         return
-    if use_gds(gds):
+    if use_gds(gds, file.path):
         from fastckpt import gds as gds_module
 
         threads = max_parts or executor.config.intra_op_parallelism

@@ -577,3 +577,34 @@ def test_cuda_load_with_gds_where_it_runs(tmp_path):
     back = fastckpt.load(path, device="cuda", gds=True)
     for name, t in state.items():
         assert torch.equal(back[name].cpu(), t), name
+
+
+def test_tuning_decides_gds_per_file_system(tmp_path, monkeypatch):
+    from fastckpt import gds
+    from fastckpt.config import (
+        filesystem_key,
+        gds_preferred,
+        load_tuned,
+        save_tuned,
+        save_tuned_gds,
+    )
+
+    monkeypatch.delenv("FASTCKPT_GDS", raising=False)
+    target = tmp_path / "ckpt.safetensors"
+    key = filesystem_key(tmp_path)
+    assert not gds_preferred(target)  # nothing measured
+    save_tuned_gds(key, {"read_gbps": 9.0})
+    assert not gds_preferred(target)  # no staging-pipeline figure to compare with
+    save_tuned(key, {"block_size": 1 << 20}, {"gpu": False, "read_gbps": 3.0})
+    assert not gds_preferred(target)  # measured with host buffers: not the same path
+    save_tuned(key, {"block_size": 1 << 20}, {"gpu": True, "read_gbps": 3.0})
+    assert load_tuned()[key]["gds"]["read_gbps"] == 9.0  # kept across a re-tune
+    assert gds_preferred(target)
+    # Preferred, and used wherever GDS can run; the env variable still decides when set.
+    assert cuda.use_gds(None, target) is gds.engine_info().available
+    monkeypatch.setenv("FASTCKPT_GDS", "0")
+    assert cuda.use_gds(None, target) is False
+    monkeypatch.delenv("FASTCKPT_GDS")
+    save_tuned_gds(key, {"read_gbps": 2.0})
+    assert not gds_preferred(target)
+    assert cuda.use_gds(None, target) is False

@@ -523,9 +523,7 @@ def run(args: argparse.Namespace) -> int:
     if log is not None:
         print(f"Measurements logged to {log.name}")
     if args.gds:
-        print(
-            "Not saved: GPUDirect Storage settings apply to gds_handle, which takes them as arguments"
-        )
+        _save_gds(winner, dirs, read, write)
     else:
         _save(winner, dirs, args, cache, read, write)
     if args.plot:
@@ -593,6 +591,22 @@ def _save(
             saved[key] = save_tuned(key, winner.config, measured)
     for key, path in saved.items():
         print(f"Saved for file system {key} in {path}")
+
+
+def _save_gds(winner: Result, dirs: Sequence[str], read: bool, write: bool) -> None:
+    """Records GDS's figures per file system: loads to CUDA use GDS there when it read faster
+    than the staging pipeline measured by ``fastckpt tune --gpu`` (gds_handle's own settings
+    are arguments, so no configuration is saved)."""
+    from fastckpt.config import filesystem_key, save_tuned_gds
+
+    measured: dict[str, Any] = {"intra_op_parallelism": winner.config.get("intra_op_parallelism")}
+    if read:
+        measured["read_gbps"] = round(winner.read_gbps, 3)
+    if write:
+        measured["write_gbps"] = round(winner.write_gbps, 3)
+    for key in dict.fromkeys(filesystem_key(d) for d in dirs):
+        path = save_tuned_gds(key, measured)
+        print(f"Saved GPUDirect Storage figures for file system {key} in {path}")
 
 
 def _open_log(log_dir: str | None) -> Any:
