@@ -62,9 +62,12 @@ def crc32c_reference(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1000, 65537])
-def test_crc32c_matches_reference(n):
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+# Sizes around the 3 x 8 KiB stripes of the interleaved hardware path; odd starts too.
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1000, 24575, 24576, 24577, 65537, 73733])
+@pytest.mark.parametrize("skew", [0, 3])
+def test_crc32c_matches_reference(n, skew):
+    buffer = np.random.default_rng(n).integers(0, 256, n + skew, dtype=np.uint8)
+    data = buffer[skew:]
     addr = data.__array_interface__["data"][0]
     expected = crc32c_reference(data.tobytes())
     assert _C.crc32c(addr, n) == expected
