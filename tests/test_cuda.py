@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from _host_cuda import HostEvent, HostStream
 
 from fastckpt import cuda
 from fastckpt._buffers import BufferRef
@@ -322,28 +323,6 @@ def test_gds_false_and_unavailable_gds_use_the_pipeline(tmp_path, monkeypatch):
 # ------------------------------------------- the pipelines' bookkeeping, on the CPU
 
 
-class _HostStream:
-    def __init__(self, *args, **kwargs):
-        self.waited = []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-    def wait_stream(self, stream):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _HostEvent:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 @pytest.fixture
 def host_cuda(monkeypatch):
     """Stands CPU memory in for device memory: streams, events and pinned buffers become
@@ -353,9 +332,9 @@ def host_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", _HostStream)
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
+    monkeypatch.setattr(torch.cuda, "Stream", HostStream)
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: HostStream())
     monkeypatch.setattr(cuda, "_pinned", lambda torch_, n: torch.zeros(n, dtype=torch.uint8))
     monkeypatch.setattr(cuda, "require_cuda", lambda: torch)
     monkeypatch.setattr(cuda, "_check_device_bytes", lambda tensor, argname: None)
@@ -375,7 +354,7 @@ def test_pipeline_file_to_device_bookkeeping(host_cuda, tmp_path, nbytes, offset
     dst = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
     with File(path) as f:
         cuda._file_to_device(
-            ex, f, dst, offset, max_parts=0, chunk=8192, depth=depth, ready=_HostEvent()
+            ex, f, dst, offset, max_parts=0, chunk=8192, depth=depth, ready=HostEvent()
         )
     assert torch.equal(dst, data[offset:])
     assert ex.pending() == 0

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from _host_cuda import HostEvent, HostStream
 
 import fastckpt
 from fastckpt import _C, gds
@@ -532,19 +533,6 @@ class _FakeCuFile:
         self.moves.append((base, buf_offset, nbytes, threads))
 
 
-class _HostStream:
-    def synchronize(self):
-        pass
-
-
-class _HostEvent:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 @pytest.fixture
 def host_gds(monkeypatch):
     import contextlib
@@ -553,8 +541,8 @@ def host_gds(monkeypatch):
     monkeypatch.setattr(gds, "_C", fake)
     monkeypatch.setattr(gds, "_probe", lambda: gds._Probe(True, "test stand-in", "compat"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: HostStream())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     real_ref = gds.buffer_ref
 
