@@ -5,6 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -88,26 +92,61 @@ bool is_locked(const void* ptr) {
   return p < it->first + it->second;
 }
 
+namespace {
+
+// Large copies store with non-temporal (streaming) stores: the destination lines are not read
+// first and do not evict the cache. glibc switches to them only for single copies over ~3/4
+// of the L3 (240 MiB here), so the 16-32 MiB copies of a save used plain stores: 0.16-0.21 s
+// per 2 GiB against 0.11 s streaming.
+constexpr size_t kMinStreaming = 1u << 20;
+
+void copy_block(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  if (n >= kMinStreaming) {
+    const size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t body = n / 64 * 64;
+    for (size_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: publish them before returning
+    std::memcpy(dst + body, src + body, n - body);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+}  // namespace
+
 void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
   // Below a few MiB, thread start-up costs more than it saves.
   constexpr size_t kMinPerThread = 4u << 20;
   threads =
       static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
   if (threads <= 1) {
-    std::memcpy(dst, src, n);
+    copy_block(out, in, n);
     return;
   }
   const size_t share = (n + threads - 1) / threads / 64 * 64 + 64;
   std::vector<std::thread> pool;
   for (unsigned i = 1; i < threads; ++i) {
     size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
-    if (begin < end)
-      pool.emplace_back([=] {
-        std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
-                    end - begin);
-      });
+    if (begin < end) pool.emplace_back([=] { copy_block(out + begin, in + begin, end - begin); });
   }
-  std::memcpy(dst, src, std::min(n, share));
+  copy_block(out, in, std::min(n, share));
   for (auto& t : pool) t.join();
 }
 

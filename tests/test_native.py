@@ -93,6 +93,22 @@ def test_aligned_buffer_and_locking():
     assert big.address % (2 << 20) == 0  # huge-page aligned
 
 
+# Around the streaming-store path (1 MiB per thread and up), with every misalignment of the
+# destination against 16 bytes and of the source against it.
+@pytest.mark.parametrize("n", [(1 << 20) - 1, 1 << 20, (1 << 20) + 63, (9 << 20) + 5])
+@pytest.mark.parametrize("dst_skew,src_skew", [(0, 0), (1, 0), (0, 7), (15, 3), (8, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_memcpy_streaming_path(n, dst_skew, src_skew, threads):
+    rng = np.random.default_rng(n + dst_skew)
+    src_block = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    dst_block = np.zeros(n + 64, dtype=np.uint8)
+    src = src_block[src_skew : src_skew + n]
+    dst = dst_block[dst_skew : dst_skew + n]
+    _C.memcpy(dst.__array_interface__["data"][0], src.__array_interface__["data"][0], n, threads)
+    assert np.array_equal(dst, src)
+    assert not dst_block[:dst_skew].any() and not dst_block[dst_skew + n :].any()  # no overrun
+
+
 def test_parallel_memcpy():
     src = np.arange(3_000_000, dtype=np.int64)
     dst = np.zeros_like(src)
