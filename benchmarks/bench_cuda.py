@@ -180,7 +180,8 @@ def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     elif method in ("raw-pipeline", "raw-gds"):
         import fastckpt.config
         from fastckpt import cuda as fcuda
-        from fastckpt._io import Executor, File
+        from fastckpt.io.executor import Executor
+        from fastckpt.io.files import File
 
         gds = method == "raw-gds"
         if gds:
@@ -253,8 +254,8 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
         return {"gbps": C.median(rates[1:]), "seconds": n / C.median(rates[1:]) / 1e9}
     # disk: the fastckpt file's data section into page-locked memory, 1 GiB at a time
     C.import_repo_package()
-    from fastckpt._buffers import aligned_tensor
     from fastckpt.aio import aio_handle
+    from fastckpt.io.aligned_memory import aligned_tensor
 
     path = spec["file"]
     offset, nbytes = _data_section(path)

@@ -8,34 +8,46 @@ Two faces:
   ``deepspeed_memcpy``, ``gds_handle``) over a native engine (io_uring, Linux AIO, a
   thread pool, or cuFile for GPUDirect Storage).
 
+The public names are loaded on first use, so ``import fastckpt`` (and the command line's
+``--help``) stays light: torch is imported only when a name that needs it is touched.
+
 Example:
     >>> import fastckpt
     >>> fastckpt.engines()["threads"].available
     True
 """
 
-from fastckpt import aio
-from fastckpt._engines import EngineInfo, engines
-from fastckpt.background import (
-    LoadFuture,
-    SaveFuture,
-    async_load,
-    async_save,
-    release_staging,
-    wait_all,
-)
-from fastckpt.errors import (
-    ChecksumError,
-    EngineUnavailableError,
-    FastCkptError,
-    HeaderError,
-    WeightsOnlyError,
-)
-from fastckpt.gds import CuFileError
-from fastckpt.loader import load
-from fastckpt.reader import CheckpointReader, TensorInfo
-from fastckpt.reader import open_checkpoint as open  # noqa: A001 - the public name, like safe_open
-from fastckpt.saver import save
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute in it)
+_PUBLIC = {
+    "save": ("fastckpt.checkpoint.save", "save"),
+    "load": ("fastckpt.checkpoint.load", "load"),
+    "open": ("fastckpt.checkpoint.read", "open_checkpoint"),
+    "async_save": ("fastckpt.checkpoint.asynchronous", "async_save"),
+    "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
+    "SaveFuture": ("fastckpt.checkpoint.asynchronous", "SaveFuture"),
+    "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
+    "wait_all": ("fastckpt.checkpoint.asynchronous", "wait_all"),
+    "release_staging": ("fastckpt.checkpoint.asynchronous", "release_staging"),
+    "CheckpointReader": ("fastckpt.checkpoint.read", "CheckpointReader"),
+    "TensorInfo": ("fastckpt.checkpoint.read", "TensorInfo"),
+    "engines": ("fastckpt.io.engines", "engines"),
+    "EngineInfo": ("fastckpt.io.engines", "EngineInfo"),
+    "FastCkptError": ("fastckpt.errors", "FastCkptError"),
+    "HeaderError": ("fastckpt.errors", "HeaderError"),
+    "ChecksumError": ("fastckpt.errors", "ChecksumError"),
+    "EngineUnavailableError": ("fastckpt.errors", "EngineUnavailableError"),
+    "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
+    "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
+}
+# public submodules reachable as attributes (fastckpt.aio, ...)
+_SUBMODULES = ("aio", "gds", "config", "format", "errors")
 
 __all__ = [
     "save",
@@ -59,4 +71,44 @@ __all__ = [
     "WeightsOnlyError",
     "CuFileError",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fastckpt import aio
+    from fastckpt.checkpoint.asynchronous import (
+        LoadFuture,
+        SaveFuture,
+        async_load,
+        async_save,
+        release_staging,
+        wait_all,
+    )
+    from fastckpt.checkpoint.load import load
+    from fastckpt.checkpoint.read import CheckpointReader, TensorInfo
+    from fastckpt.checkpoint.read import open_checkpoint as open  # noqa: A001
+    from fastckpt.checkpoint.save import save
+    from fastckpt.errors import (
+        ChecksumError,
+        EngineUnavailableError,
+        FastCkptError,
+        HeaderError,
+        WeightsOnlyError,
+    )
+    from fastckpt.io.cufile import CuFileError
+    from fastckpt.io.engines import EngineInfo, engines
+
+
+def __getattr__(name: str) -> Any:
+    """Loads a public name's layer on first use (PEP 562) and caches it on the package."""
+    if name in _PUBLIC:
+        module, attribute = _PUBLIC[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"fastckpt.{name}")
+    else:
+        raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES))

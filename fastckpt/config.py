@@ -10,6 +10,12 @@ Each setting is resolved in this order, first match wins:
 4. the configuration ``fastckpt tune`` measured for the file system of the path;
 5. built-in defaults.
 
+This module is the only reader of ``FASTCKPT_*`` variables. Besides the I/O settings above:
+``FASTCKPT_GDS`` (use GPUDirect Storage for CUDA loads: 1/0, unset = as tuned),
+``FASTCKPT_ASYNC_STAGING_BYTES`` (cap on the asynchronous staging pool),
+``FASTCKPT_NO_PROGRESS`` (1 hides progress bars), ``FASTCKPT_CUFILE_LIBRARY`` (the libcufile
+file to open) and ``FASTCKPT_CONFIG`` (the tuned-configuration file).
+
 The tuned configurations live in one JSON file, ``$XDG_CONFIG_HOME/fastckpt/tuned.json``
 (``~/.config/fastckpt/tuned.json`` without ``XDG_CONFIG_HOME``); ``FASTCKPT_CONFIG`` names
 another file.
@@ -44,6 +50,11 @@ __all__ = [
     "save_tuned",
     "save_tuned_gds",
     "gds_preferred",
+    "environment",
+    "gds_choice",
+    "progress_hidden",
+    "cufile_library",
+    "async_staging_bytes",
 ]
 
 
@@ -131,12 +142,50 @@ def parse_size(text: str) -> int:
     return int(number * scale)
 
 
+def environment(name: str) -> str | None:
+    """The value of the environment variable ``FASTCKPT_<name>``, or None when unset or empty.
+
+    Example:
+        >>> environment("SURELY_UNSET_SETTING") is None
+        True
+    """
+    text = os.environ.get("FASTCKPT_" + name)
+    return text if text else None
+
+
+def gds_choice() -> bool | None:
+    """``FASTCKPT_GDS`` as a bool, or None when unset (then tuning decides).
+
+    Example:
+        >>> gds_choice() in (True, False, None)
+        True
+    """
+    text = environment("GDS")
+    return None if text is None or not text.strip() else _parse_bool("FASTCKPT_GDS", text)
+
+
+def progress_hidden() -> bool:
+    """Whether ``FASTCKPT_NO_PROGRESS`` hides progress bars (any value but 0)."""
+    return environment("NO_PROGRESS") not in (None, "0")
+
+
+def cufile_library() -> str | None:
+    """``FASTCKPT_CUFILE_LIBRARY``: the libcufile file to open instead of searching."""
+    return environment("CUFILE_LIBRARY")
+
+
+def async_staging_bytes() -> int | None:
+    """``FASTCKPT_ASYNC_STAGING_BYTES``: a cap on the asynchronous staging pool, or None."""
+    text = environment("ASYNC_STAGING_BYTES")
+    return None if text is None else parse_size(text)
+
+
 def _from_environment() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key in IO_KEYS:
         name = "FASTCKPT_" + key.upper()
-        text = os.environ.get(name)
-        if text is None or text == "":
+        text = environment(key.upper())
+        if text is None:
             continue
         if key == "engine":
             found[key] = text.strip()
@@ -149,7 +198,7 @@ def _from_environment() -> dict[str, Any]:
 
 def tuned_config_path() -> Path:
     """Where ``fastckpt tune`` stores what it measured (``FASTCKPT_CONFIG`` overrides)."""
-    override = os.environ.get("FASTCKPT_CONFIG")
+    override = environment("CONFIG")
     if override:
         return Path(override)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
@@ -311,8 +360,8 @@ def staging_bytes(explicit: int | None = None) -> int:
         value = explicit
     elif "staging_bytes" in _process_defaults:
         value = _process_defaults["staging_bytes"]
-    elif os.environ.get("FASTCKPT_STAGING_BYTES"):
-        value = parse_size(os.environ["FASTCKPT_STAGING_BYTES"])
+    elif environment("STAGING_BYTES"):
+        value = parse_size(environment("STAGING_BYTES") or "")
     else:
         value = DEFAULT_STAGING_BYTES
     if isinstance(value, bool) or not isinstance(value, int) or value < (1 << 20):

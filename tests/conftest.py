@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 import fastckpt
-from fastckpt._engines import ENGINE_NAMES
+from fastckpt.io.engines import ENGINE_NAMES
 
 
 def _cuda_available() -> bool:

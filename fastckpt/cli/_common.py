@@ -143,7 +143,7 @@ def check_engines(names: Iterable[str]) -> list[str]:
         >>> check_engines(["threads", "threads"])
         ['threads']
     """
-    from fastckpt._engines import engines
+    from fastckpt.io.engines import engines
 
     info = engines()
     result: list[str] = []
@@ -171,7 +171,7 @@ def require_cuda(option: str) -> None:
 def require_gds() -> None:
     """Fails with status 2 unless GPUDirect Storage can run here (CUDA and cuFile)."""
     require_cuda("--gds")
-    from fastckpt._engines import engines
+    from fastckpt.io.engines import engines
 
     info = engines()["gds"]
     if not info.available:
@@ -286,7 +286,7 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
     """
     import tempfile
 
-    from fastckpt._io import File
+    from fastckpt.io.files import File
 
     fd, probe = tempfile.mkstemp(prefix=".fastckpt-probe-", dir=directory)
     os.close(fd)

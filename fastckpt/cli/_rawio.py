@@ -74,7 +74,7 @@ def make_buffer(nbytes: int, *, gpu: bool = False, seed: int = 0) -> Any:
     """
     import torch
 
-    from fastckpt._buffers import aligned_tensor
+    from fastckpt.io.aligned_memory import aligned_tensor
 
     if gpu:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -409,7 +409,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     timings: dict[str, dict[str, list[float]]] = {
         name: {"save": [], "load": [], "save_cpu": [], "load_cpu": []} for name, *_ in libraries
     }
-    from fastckpt._progress import progress_bar
+    from fastckpt.progress import progress_bar
 
     try:
         with progress_bar(args.loops * len(libraries), "benchmarking", unit="run") as bar:

@@ -413,7 +413,7 @@ def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
         return ["gds"]
     if args.engine:
         return check_engines(name for group in args.engine for name in group)
-    from fastckpt._engines import ENGINE_NAMES, engines
+    from fastckpt.io.engines import ENGINE_NAMES, engines
 
     info = engines()
     return [name for name in ENGINE_NAMES if info[name].available]
@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
         if read:
             bench.prepare_reads()
         confirm = min(_CONFIRM_TOP, len(configs)) if len(configs) > 1 else 0
-        from fastckpt._progress import progress_bar
+        from fastckpt.progress import progress_bar
 
         with progress_bar(len(configs) + confirm, "tuning", unit="config") as bar:
             best = -1.0

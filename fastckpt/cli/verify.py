@@ -134,7 +134,7 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
-    from fastckpt._progress import progress_bar
+    from fastckpt.progress import progress_bar
 
     files = [f for target in args.paths for f in checkpoint_files(target)]
     counts: dict[str, int] = {}

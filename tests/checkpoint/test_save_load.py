@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import fastckpt
-from fastckpt import _C, dtypes, format
+from fastckpt import _C, format
+from fastckpt.checkpoint import dtypes
 
 ALL_DTYPES = [
     torch.bool,
@@ -471,9 +472,9 @@ def test_write_error_keeps_existing_checkpoint(tmp_path, reserve):
     fastckpt.save({"v": torch.ones(10)}, path)
     before = path.read_bytes()
     script = textwrap.dedent(f"""
-        import errno, os, resource, signal, torch, fastckpt, fastckpt._commit
+        import errno, os, resource, signal, torch, fastckpt, fastckpt.io.commit
         if not {reserve!r}:
-            fastckpt._commit.AtomicFile.reserve = lambda self, nbytes: None
+            fastckpt.io.commit.AtomicFile.reserve = lambda self, nbytes: None
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
@@ -494,24 +495,24 @@ def test_write_error_keeps_existing_checkpoint(tmp_path, reserve):
 def test_saved_files_are_preallocated_in_one_go(tmp_path):
     # 8 MiB saved with 4 parallel writers: without the reservation ext4 allocates blocks in
     # completion order; with it the size and blocks are reserved before the first write.
-    import fastckpt._commit
+    import fastckpt.io.commit
 
     sizes = []
-    original = fastckpt._commit.AtomicFile.reserve
+    original = fastckpt.io.commit.AtomicFile.reserve
 
     def spy(self, nbytes):
         original(self, nbytes)
         st = os.stat(self.tmp_path)
         sizes.append((nbytes, st.st_size, st.st_blocks * 512))
 
-    fastckpt._commit.AtomicFile.reserve = spy
+    fastckpt.io.commit.AtomicFile.reserve = spy
     try:
         fastckpt.save(
             {"v": torch.zeros(2 << 20)}, tmp_path / "p.safetensors", intra_op_parallelism=4
         )
         fastckpt.async_save({"v": torch.ones(3)}, tmp_path / "q.safetensors").result()
     finally:
-        fastckpt._commit.AtomicFile.reserve = original
+        fastckpt.io.commit.AtomicFile.reserve = original
     assert len(sizes) == 2
     for nbytes, size, allocated in sizes:
         assert size == nbytes and allocated >= nbytes

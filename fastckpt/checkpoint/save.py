@@ -1,13 +1,13 @@
 """``fastckpt.save``: stream a state dict into a direct-I/O safetensors file, atomically.
 
-The pipeline: flatten the object into named tensors (:mod:`fastckpt.tree`), plan the
+The pipeline: flatten the object into named tensors (:mod:`fastckpt.checkpoint.tree`), plan the
 layout (:mod:`fastckpt.format`), then copy the tensors in file order into staging buffers
-from a bounded pool (:mod:`fastckpt.staging`) and hand each full buffer to the engine while
+from a bounded pool (:mod:`fastckpt.io.staging_pool`) and hand each full buffer to the engine while
 the next one fills: copy and I/O overlap, and the extra memory is the pool's budget,
 whatever the checkpoint's size. Each tensor is read from its source once; its CRC32C is
 computed from the staging buffer (hardware instruction where present) while or after that
 buffer is written. The header, which holds
-the checksums, is written last; the file is then committed atomically (:mod:`fastckpt._commit`).
+the checksums, is written last; the file is then committed atomically (:mod:`fastckpt.io.commit`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from fastckpt import _C, dtypes, format, tree
-from fastckpt._buffers import BufferRef
-from fastckpt._commit import AtomicFile, check_destination
-from fastckpt._io import Executor, File, shared_executor
-from fastckpt._progress import progress_bar
+from fastckpt import _C, format
+from fastckpt.checkpoint import dtypes, tree
 from fastckpt.config import resolve_io
-from fastckpt.staging import StagingBuffer, StagingPool, default_pool, zero_fill
+from fastckpt.io.aligned_memory import BufferRef
+from fastckpt.io.commit import AtomicFile, check_destination
+from fastckpt.io.executor import Executor, shared_executor
+from fastckpt.io.files import File
+from fastckpt.io.staging_pool import StagingBuffer, StagingPool, default_pool, zero_fill
+from fastckpt.progress import progress_bar
 
 __all__ = [
     "save",

@@ -68,7 +68,7 @@ from typing import Any, Callable
 
 import torch
 
-from fastckpt import dtypes
+from fastckpt.checkpoint import dtypes
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format import METADATA_KEY
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt import _C, format
-from fastckpt._verify import StreamingVerifier
 from fastckpt.errors import ChecksumError
+from fastckpt.io.checksums import StreamingVerifier
 
 
 def _layout(sizes: list[int]) -> tuple[np.ndarray, list[format.TensorEntry], dict[str, int]]:

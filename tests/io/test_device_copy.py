@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from _host_cuda import HostEvent, HostStream
 
-from fastckpt import cuda
-from fastckpt._buffers import BufferRef
-from fastckpt._io import Executor, File
 from fastckpt.aio import aio_handle
 from fastckpt.config import IOConfig
 from fastckpt.errors import EngineUnavailableError
+from fastckpt.io import device_copy as cuda
+from fastckpt.io.aligned_memory import BufferRef
+from fastckpt.io.executor import Executor
+from fastckpt.io.files import File
 
 torch = pytest.importorskip("torch")
 
@@ -288,7 +289,7 @@ def test_write_from_device(tmp_path, offset):
 
 @pytest.mark.cuda
 def test_copy_device_to_host_async_and_host_pinning():
-    from fastckpt._buffers import aligned_tensor
+    from fastckpt.io.aligned_memory import aligned_tensor
 
     src = torch.arange(1 << 16, dtype=torch.int32, device="cuda") * 3
     dst = aligned_tensor(src.numel() * 4 + 4096)
@@ -440,10 +441,10 @@ def _state(seed: int = 0) -> dict:
 @pytest.fixture
 def device_load_on_host(host_cuda, monkeypatch):
     """The CUDA load path with host memory as the "device" and small staging pieces."""
-    import fastckpt.reader
+    import fastckpt.checkpoint.read
 
     monkeypatch.setattr(cuda, "device_arena", lambda n, device: torch.empty(n, dtype=torch.uint8))
-    monkeypatch.setattr(fastckpt.reader, "staging_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(fastckpt.checkpoint.read, "staging_bytes", lambda: 1 << 20)
     monkeypatch.setattr(cuda, "_ring", lambda staging: (64 << 10, 3))
 
 

@@ -23,7 +23,8 @@ Memory each function uses:
 
 Example (needs a CUDA GPU)::
 
-    from fastckpt._io import File, Executor
+    from fastckpt.io.executor import Executor
+    from fastckpt.io.files import File
     from fastckpt.config import IOConfig
     ex = Executor(IOConfig())
     arena = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
@@ -39,9 +40,12 @@ import os
 import threading
 from typing import Any, Callable, Iterator
 
-from fastckpt._buffers import BufferRef
-from fastckpt._io import Executor, File
+from fastckpt import config
 from fastckpt.errors import EngineUnavailableError
+from fastckpt.io import cufile
+from fastckpt.io.aligned_memory import BufferRef
+from fastckpt.io.executor import Executor
+from fastckpt.io.files import File
 
 __all__ = [
     "CHUNK",
@@ -64,8 +68,6 @@ CHUNK = 16 << 20
 DEPTH = 4
 #: Operations staging at once; later ones wait (bounds pinned memory).
 PIPELINES = 4
-
-GDS_ENV = "FASTCKPT_GDS"
 
 #: ``on_host(file_offset, address, nbytes)``: sees each piece of a read in host memory.
 OnHost = Callable[[int, int, int], None]
@@ -349,27 +351,18 @@ def use_gds(gds: bool | None, path: str | os.PathLike[str] | None = None) -> boo
         >>> use_gds(False)
         False
     """
-    from fastckpt import gds as gds_module
-
     if gds is None:
-        text = os.environ.get(GDS_ENV, "").strip().lower()
-        if text in ("0", "false", "no", "off"):
+        choice = config.gds_choice()
+        if choice is False:
             return False
-        if text and text not in ("1", "true", "yes", "on"):
-            raise ValueError(f"environment variable {GDS_ENV}={text!r} is not a boolean")
-        if not text:
-            from fastckpt.config import gds_preferred
-
-            if path is None or not gds_preferred(path):
-                return False
-        return gds_module.engine_info().available
+        if choice is None and (path is None or not config.gds_preferred(path)):
+            return False
+        return cufile.status()[0]
     if not gds:
         return False
-    info = gds_module.engine_info()
-    if not info.available:
-        raise EngineUnavailableError(
-            f"gds=True: GPUDirect Storage is not available here: {info.reason}"
-        )
+    available, reason = cufile.status()
+    if not available:
+        raise EngineUnavailableError(f"gds=True: GPUDirect Storage is not available here: {reason}")
     return True
 
 
@@ -386,10 +379,10 @@ def _device_transfer_args(
     ``nbytes`` as uint8, nbytes)."""
     if not isinstance(executor, Executor):
         raise TypeError(
-            f"executor: expected a fastckpt._io.Executor, got {type(executor).__name__}"
+            f"executor: expected a fastckpt.io.executor.Executor, got {type(executor).__name__}"
         )
     if not isinstance(file, File):
-        raise TypeError(f"file: expected a fastckpt._io.File, got {type(file).__name__}")
+        raise TypeError(f"file: expected a fastckpt.io.files.File, got {type(file).__name__}")
     if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
         raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
     if (
@@ -469,10 +462,8 @@ def read_into_device(
             file.path,
         )
     if use_gds(gds, file.path):
-        from fastckpt import gds as gds_module
-
         threads = max_parts or executor.config.intra_op_parallelism
-        gds_module.transfer(file, dst, file_offset, write=False, threads=threads)
+        cufile.transfer(file, dst, file_offset, write=False, threads=threads)
         if on_host is not None:
             _replay_from_device(torch, dst, file_offset, staging_bytes, on_host)
         return
@@ -525,10 +516,8 @@ def write_from_device(
     if nbytes == 0:
         return
     if use_gds(gds, file.path):
-        from fastckpt import gds as gds_module
-
         threads = max_parts or executor.config.intra_op_parallelism
-        gds_module.transfer(file, src, file_offset, write=True, threads=threads)
+        cufile.transfer(file, src, file_offset, write=True, threads=threads)
         return
     chunk, depth = _ring(staging_bytes)
     _device_to_file(

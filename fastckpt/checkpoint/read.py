@@ -17,13 +17,16 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from fastckpt import _C, cuda, dtypes, format
-from fastckpt._buffers import BufferRef, aligned_tensor
-from fastckpt._io import Executor, File, shared_executor
-from fastckpt._progress import progress_bar
-from fastckpt._verify import StreamingVerifier
+from fastckpt import _C, format
+from fastckpt.checkpoint import dtypes
 from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
+from fastckpt.io import device_copy
+from fastckpt.io.aligned_memory import BufferRef, aligned_tensor
+from fastckpt.io.checksums import StreamingVerifier
+from fastckpt.io.executor import Executor, shared_executor
+from fastckpt.io.files import File
+from fastckpt.progress import progress_bar
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
 
@@ -109,7 +112,7 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self.device = torch.device(device)
         if self.device.type == "cuda":
-            cuda.require_cuda()  # say so now, before any reading
+            device_copy.require_cuda()  # say so now, before any reading
         elif self.device.type not in ("cpu", "meta"):
             raise ValueError(f"device {self.device} is not supported (use 'cpu' or 'cuda[:N]')")
         self.gds = gds
@@ -255,7 +258,7 @@ class CheckpointReader:
             pos = -(-pos // _DEVICE_ALIGN) * _DEVICE_ALIGN + run.begin % _DEVICE_ALIGN
             run.arena_pos = pos
             pos += run.end - run.begin
-        arena = cuda.device_arena(pos, self.device)
+        arena = device_copy.device_arena(pos, self.device)
         crcs = self.meta.crcs if verify else None
         base = self.header.data_offset
         with progress_bar(sum(r.end - r.begin for r in runs), "loading", enabled=progress) as bar:
@@ -267,7 +270,7 @@ class CheckpointReader:
                         verifier.feed(offset - base, address, nbytes)
                     bar.update(nbytes)
 
-                cuda.read_into_device(
+                device_copy.read_into_device(
                     self._executor,
                     self._file,
                     base + run.begin,

@@ -37,10 +37,10 @@ import traceback
 import weakref
 from typing import Any, Callable
 
-from fastckpt._commit import AtomicFile, check_destination
-from fastckpt.config import parse_size
-from fastckpt.saver import StreamWriter, executor_for_destination, plan_save
-from fastckpt.staging import StagingPool
+from fastckpt import config
+from fastckpt.checkpoint.save import StreamWriter, executor_for_destination, plan_save
+from fastckpt.io.commit import AtomicFile, check_destination
+from fastckpt.io.staging_pool import StagingPool
 
 __all__ = ["async_save", "async_load", "SaveFuture", "LoadFuture", "wait_all", "release_staging"]
 
@@ -136,8 +136,8 @@ _pool: StagingPool | None = None
 def _async_pool(budget: int | None, needed: int) -> StagingPool:
     """The asynchronous staging pool, grown to ``needed`` bytes unless a budget caps it."""
     global _pool
-    if budget is None and os.environ.get("FASTCKPT_ASYNC_STAGING_BYTES"):
-        budget = parse_size(os.environ["FASTCKPT_ASYNC_STAGING_BYTES"])
+    if budget is None:
+        budget = config.async_staging_bytes()
     with _state_lock:
         if _pool is None:
             _pool = StagingPool(max(budget or 0, 64 << 20))
@@ -361,7 +361,7 @@ def async_load(f: str | os.PathLike[str], **load_options: Any) -> LoadFuture:
         >>> fastckpt.async_load("/tmp/fastckpt-al.safetensors").result()["x"].tolist()
         [0, 1, 2]
     """
-    from fastckpt.loader import load
+    from fastckpt.checkpoint.load import load
 
     future = LoadFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
 

@@ -20,6 +20,7 @@ import fastckpt
 from fastckpt import _C, gds
 from fastckpt.aio import aio_handle
 from fastckpt.errors import EngineUnavailableError, FastCkptError
+from fastckpt.io import cufile
 
 torch = pytest.importorskip("torch")
 
@@ -167,7 +168,7 @@ def test_library_override_is_reported_in_engine_info(tmp_path):
         print(json.dumps([info.available, info.reason, raised, gds.mode()]))
         """,
         cwd=tmp_path,
-        env={gds.LIBRARY_ENV: bogus},
+        env={"FASTCKPT_CUFILE_LIBRARY": bogus},
     )
     available, reason, raised, mode = out
     assert available is False and mode is None
@@ -454,15 +455,16 @@ def test_gds_pinned_device_tensors(handle, tmp_path):
     assert handle.unpin_device_tensor(other) is False
     with pytest.raises(TypeError, match="CUDA"):
         handle.pin_device_tensor(torch.zeros(4))
-    assert gds._registry == {}
+    assert cufile._registry == {}
 
 
 @pytest.mark.cuda
 def test_gds_transfer_and_device_loads(tmp_path):
     _need_gds()
-    from fastckpt import cuda
-    from fastckpt._io import Executor, File
     from fastckpt.config import IOConfig
+    from fastckpt.io import device_copy as cuda
+    from fastckpt.io.executor import Executor
+    from fastckpt.io.files import File
 
     data = _random_bytes((5 << 20) + 9, 3)
     path = tmp_path / "t.bin"
@@ -538,19 +540,19 @@ def host_gds(monkeypatch):
     import contextlib
 
     fake = _FakeCuFile()
-    monkeypatch.setattr(gds, "_C", fake)
-    monkeypatch.setattr(gds, "_probe", lambda: gds._Probe(True, "test stand-in", "compat"))
+    monkeypatch.setattr(cufile, "_C", fake)
+    monkeypatch.setattr(cufile, "_probe", lambda: cufile._Probe(True, "test stand-in", "compat"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", HostEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: HostStream())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    real_ref = gds.buffer_ref
+    real_ref = cufile.buffer_ref
 
     def host_ref(obj, *, writable, argname="buffer", allow_cuda=False):
         ref = real_ref(obj, writable=writable, argname=argname, allow_cuda=allow_cuda)
-        return gds.BufferRef(ref.address, ref.nbytes, ref.owner, True)
+        return cufile.BufferRef(ref.address, ref.nbytes, ref.owner, True)
 
-    monkeypatch.setattr(gds, "buffer_ref", host_ref)
+    monkeypatch.setattr(cufile, "buffer_ref", host_ref)
     real_empty = torch.empty
 
     def host_empty(*args, device=None, **kwargs):
@@ -559,7 +561,7 @@ def host_gds(monkeypatch):
         return real_empty(*args, device=device, **kwargs)
 
     monkeypatch.setattr(torch, "empty", host_empty)
-    monkeypatch.setattr(gds, "_registry", {})
+    monkeypatch.setattr(cufile, "_registry", {})
     return fake
 
 
@@ -594,7 +596,7 @@ def test_gds_handle_bookkeeping_on_host_memory(host_gds, tmp_path):
     other = torch.zeros(64, dtype=torch.uint8)
     assert h.pin_device_tensor(other) is True
     assert h.unpin_device_tensor(other) is True and h.unpin_device_tensor(other) is False
-    assert gds._registry == {} and host_gds.buffers == {}
+    assert cufile._registry == {} and host_gds.buffers == {}
 
 
 def test_gds_handle_runs_unregistered_when_cufile_cannot_pin(host_gds, tmp_path):
@@ -604,7 +606,7 @@ def test_gds_handle_runs_unregistered_when_cufile_cannot_pin(host_gds, tmp_path)
     path = str(tmp_path / "u.bin")
     assert h.sync_pwrite(data, path) == 1
     assert host_gds.moves[-1][:3] == (data.data_ptr(), 0, 5000)
-    assert gds._registry == {}
+    assert cufile._registry == {}
 
 
 def test_gds_handle_errors_reach_wait(host_gds, tmp_path):
@@ -619,7 +621,7 @@ def test_gds_handle_errors_reach_wait(host_gds, tmp_path):
         assert info.value.errno == errno.EBADF
     finally:
         os.close(fd)
-    assert gds._registry == {} and host_gds.buffers == {} and host_gds.handles == set()
+    assert cufile._registry == {} and host_gds.buffers == {} and host_gds.handles == set()
 
 
 def _random_host_bytes(n: int):

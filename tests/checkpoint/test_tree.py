@@ -1,4 +1,4 @@
-"""Tests of fastckpt.tree: nested objects <-> named tensors + JSON description."""
+"""Tests of fastckpt.checkpoint.tree: nested objects <-> named tensors + JSON description."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt import format as fmt
+from fastckpt.checkpoint.tree import MAX_DEPTH, Flat, WeightsOnlyError, flatten, unflatten
 from fastckpt.errors import FastCkptError, HeaderError
-from fastckpt.tree import MAX_DEPTH, Flat, WeightsOnlyError, flatten, unflatten
 
 
 class Opaque:

@@ -20,7 +20,7 @@ import secrets
 from typing import Any
 
 from fastckpt import _C
-from fastckpt._io import File
+from fastckpt.io.files import File
 
 __all__ = ["AtomicFile", "fsync_directory", "check_destination"]
 

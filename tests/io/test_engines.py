@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from fastckpt import _C
-from fastckpt._buffers import aligned_array
+from fastckpt.io.aligned_memory import aligned_array
 
 STUB = Path(_C.__file__).resolve().parent / "_C.pyi"
 if not STUB.exists():  # editable installs keep the stub in the source tree
-    STUB = Path(__file__).resolve().parent.parent / "fastckpt" / "_C.pyi"
+    STUB = Path(__file__).resolve().parents[2] / "fastckpt" / "_C.pyi"
 
 
 def _stub_names() -> dict[str, set[str]]:

@@ -11,10 +11,11 @@ Example:
 
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+from fastckpt import config
 
 
 class _Silent:
@@ -29,7 +30,7 @@ def progress_enabled(enabled: bool | None = None) -> bool:
     """Whether a bar should be shown, under the rules above."""
     if enabled is not None:
         return enabled
-    if os.environ.get("FASTCKPT_NO_PROGRESS", "0") not in ("", "0"):
+    if config.progress_hidden():
         return False
     return sys.stderr.isatty()
 

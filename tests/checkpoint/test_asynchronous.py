@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import background
+from fastckpt.checkpoint import asynchronous as background
 
 
 def test_snapshot_semantics(tmp_path):

@@ -225,9 +225,11 @@ def test_validate_catches_mismatch(tmp_path, monkeypatch):
     u = torch.empty_like(t)
     h.read(u, path, False)
     assert not torch.equal(t, u)
-    from fastckpt._buffers import buffer_ref
-    from fastckpt._io import File
-    from fastckpt.aio import _PendingOp  # the validation step itself must catch a torn buffer
+    from fastckpt.deepnvme.aio_handle import (
+        _PendingOp,  # the validation step itself must catch a torn buffer
+    )
+    from fastckpt.io.aligned_memory import buffer_ref
+    from fastckpt.io.files import File
 
     u[0] = 12345
     op = _PendingOp(lambda: None, File(path), buffer_ref(u, writable=True), 0, False, True)
@@ -347,7 +349,7 @@ def test_misuse_errors(tmp_path):
 
 
 def test_unavailable_engine_is_named(monkeypatch):
-    from fastckpt import _engines as engines_module
+    from fastckpt.io import engines as engines_module
 
     fake = engines_module.EngineInfo(
         "io_uring", False, "io_uring_setup failed: Operation not permitted"

@@ -14,8 +14,9 @@ import functools
 
 from fastckpt import _C
 from fastckpt.errors import EngineUnavailableError
+from fastckpt.io import cufile
 
-__all__ = ["EngineInfo", "engines", "resolve_engine", "ENGINE_NAMES"]
+__all__ = ["EngineInfo", "engines", "gds_info", "resolve_engine", "ENGINE_NAMES"]
 
 # In the order "auto" prefers them.
 ENGINE_NAMES = ("io_uring", "libaio", "threads")
@@ -47,10 +48,24 @@ def engines() -> dict[str, EngineInfo]:
         ['gds', 'io_uring', 'libaio']
     """
     found = {name: _probe(name) for name in ENGINE_NAMES}
-    from fastckpt import gds  # imported late: it probes for CUDA libraries
-
-    found["gds"] = gds.engine_info()
+    found["gds"] = gds_info()
     return found
+
+
+def gds_info() -> EngineInfo:
+    """Whether the ``gds`` engine (GPUDirect Storage through cuFile) can run here, and why not.
+
+    Available only when torch sees a CUDA GPU, libcufile loads and the cuFile driver opens.
+    When available, ``reason`` says whether transfers are true GPUDirect Storage or cuFile's
+    compatibility mode (see :func:`fastckpt.gds.mode`). Worked out once per process.
+
+    Example:
+        >>> info = gds_info()
+        >>> info.available or "CUDA" in info.reason or "cufile" in info.reason.lower()
+        True
+    """
+    available, reason = cufile.status()
+    return EngineInfo("gds", available, reason)
 
 
 def resolve_engine(name: str) -> str:

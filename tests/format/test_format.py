@@ -1,4 +1,4 @@
-"""Tests of fastckpt.format (header codec and layout) and fastckpt.dtypes."""
+"""Tests of fastckpt.format (header codec and layout) and fastckpt.checkpoint.dtypes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastckpt import dtypes
 from fastckpt import format as fmt
+from fastckpt.checkpoint import dtypes
 from fastckpt.errors import HeaderError
 
 DTYPES = sorted(fmt.ITEMSIZE)
@@ -204,7 +204,9 @@ def test_encode_header_validation(monkeypatch):
         fmt.encode_header(wrong)
     with pytest.raises(ValueError, match="Unicode"):
         fmt.encode_header(fmt.plan_layout([("\ud800", "U8", (1,))]))
-    monkeypatch.setattr(fmt, "HEADER_LIMIT", 1000)
+    from fastckpt.format import layout
+
+    monkeypatch.setattr(layout, "HEADER_LIMIT", 1000)
     with pytest.raises(ValueError, match="limit"):
         fmt.encode_header(entries, {"k": "v" * 2000}, alignment=8)
 

@@ -19,8 +19,8 @@ import threading
 
 import numpy as np
 
-from fastckpt._buffers import aligned_array
 from fastckpt.config import staging_bytes
+from fastckpt.io.aligned_memory import aligned_array
 
 __all__ = ["StagingPool", "StagingBuffer", "default_pool", "DEFAULT_PIECE"]
 

@@ -7,8 +7,8 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 
-from fastckpt import tree
-from fastckpt.reader import CheckpointReader
+from fastckpt.checkpoint import tree
+from fastckpt.checkpoint.read import CheckpointReader
 
 __all__ = ["load", "resolve_device"]
 

@@ -1,0 +1,546 @@
+"""``aio_handle`` and the DeepNVMe functions (``aio_read``, ``aio_write``, ``deepspeed_memcpy``).
+
+Names, argument orders and defaults follow DeepSpeed's ``async_io`` op, so code written
+for it ports by changing one import::
+
+    # from deepspeed.ops.op_builder import AsyncIOBuilder
+    # h = AsyncIOBuilder().load().aio_handle()
+    from fastckpt.aio import aio_handle
+    h = aio_handle()
+
+What differs, on purpose: every completion is checked and failures raise ``OSError``
+(errno and file name included) instead of returning -1 or printing; misuse raises
+``TypeError``/``ValueError`` naming the argument; any length and offset work (unaligned
+parts go through the page cache or aligned bounce buffers); buffers may be torch tensors
+(pinned or not), numpy arrays or writable buffer objects.
+
+Example:
+    >>> import torch
+    >>> from fastckpt.aio import aio_handle
+    >>> h = aio_handle()
+    >>> t = torch.arange(1000, dtype=torch.float32)
+    >>> h.sync_pwrite(t, "/tmp/fastckpt-aio-doc.bin")
+    1
+    >>> u = torch.empty_like(t)
+    >>> h.async_pread(u, "/tmp/fastckpt-aio-doc.bin")
+    0
+    >>> h.wait()
+    1
+    >>> bool(torch.equal(t, u))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any, Callable
+
+from fastckpt import _C
+from fastckpt.config import IOConfig, resolve_io
+from fastckpt.errors import ChecksumError
+from fastckpt.io import device_copy
+from fastckpt.io.aligned_memory import BufferRef, aligned_tensor, buffer_ref
+from fastckpt.io.executor import Executor
+from fastckpt.io.files import File
+
+__all__ = [
+    "aio_handle",
+    "aio_read",
+    "aio_write",
+    "deepspeed_memcpy",
+    "memcpy",
+]
+
+# DeepSpeed's constructor defaults.
+_DEEPSPEED_DEFAULTS = IOConfig(
+    block_size=1048576,
+    queue_depth=128,
+    single_submit=False,
+    overlap_events=False,
+    intra_op_parallelism=1,
+    engine="auto",
+)
+_UNSET: Any = object()
+
+
+def _pop_async(async_op: Any, kwargs: dict[str, Any], method: str) -> bool:
+    """DeepSpeed names the flag ``async`` (a keyword in Python); accept both spellings."""
+    if "async" in kwargs:
+        if async_op is not _UNSET:
+            raise TypeError(f"{method}() got both 'async_op' and 'async'")
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
+    if async_op is _UNSET:
+        raise TypeError(f"{method}() missing required argument 'async_op' (DeepSpeed's 'async')")
+    return bool(async_op)
+
+
+class _PendingOp:
+    """One submitted op: ``wait_fn`` blocks until it is done and raises its error."""
+
+    __slots__ = ("wait_fn", "file", "ref", "offset", "write", "validate")
+
+    def __init__(
+        self,
+        wait_fn: Callable[[], None],
+        file: File,
+        ref: BufferRef,
+        offset: int,
+        write: bool,
+        validate: bool,
+    ):
+        self.wait_fn, self.file, self.ref = wait_fn, file, ref
+        self.offset, self.write, self.validate = offset, write, validate
+
+
+class aio_handle:  # noqa: N801 - DeepSpeed's name
+    """Reads and writes tensors to files, blocking or not, over a native I/O engine.
+
+    Args:
+        block_size: bytes per I/O request.
+        queue_depth: requests in flight per worker.
+        single_submit: submit requests one by one instead of in batches.
+        overlap_events: reap completions and submit new requests as they finish (a sliding
+            window); when False, each batch of ``queue_depth`` requests completes before the
+            next is submitted.
+        intra_op_parallelism: worker threads each op is split across.
+        engine: ``"auto"``, ``"io_uring"``, ``"libaio"`` or ``"threads"``.
+
+    Arguments left out come from the configuration ``fastckpt tune`` saved (for the file
+    system of the current directory, else the newest one), else DeepSpeed's defaults.
+
+    Example:
+        >>> import numpy as np
+        >>> h = aio_handle(block_size=65536, queue_depth=8, intra_op_parallelism=2)
+        >>> h.get_queue_depth(), h.get_intra_op_parallelism()
+        (8, 2)
+        >>> a = np.arange(10, dtype=np.int64)
+        >>> h.sync_pwrite(a, "/tmp/fastckpt-aio-doc2.bin")
+        1
+    """
+
+    def __init__(
+        self,
+        block_size: int = _UNSET,
+        queue_depth: int = _UNSET,
+        single_submit: bool = _UNSET,
+        overlap_events: bool = _UNSET,
+        intra_op_parallelism: int = _UNSET,
+        *,
+        engine: str = _UNSET,
+    ):
+        explicit = {
+            k: v
+            for k, v in dict(
+                block_size=block_size,
+                queue_depth=queue_depth,
+                single_submit=single_submit,
+                overlap_events=overlap_events,
+                intra_op_parallelism=intra_op_parallelism,
+                engine=engine,
+            ).items()
+            if v is not _UNSET
+        }
+        self._config = resolve_io(
+            os.getcwd(), explicit, builtin=_DEEPSPEED_DEFAULTS, any_filesystem=True
+        )
+        self._executor = Executor(self._config)
+        self._lock = threading.Lock()
+        self._pending: list[_PendingOp] = []
+        self._locked: dict[int, Any] = {}
+
+    # -- settings -------------------------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._config.block_size
+
+    def get_queue_depth(self) -> int:
+        return self._config.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._config.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._config.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._config.intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        """The O_DIRECT granularity assumed for offsets, lengths and memory (bytes)."""
+        return 4096
+
+    def get_engine(self) -> str:
+        """The engine this handle runs on (``"auto"`` resolved)."""
+        return self._executor.engine
+
+    # -- core -----------------------------------------------------------------------------
+    def _buffer(self, buffer: Any, *, write: bool) -> BufferRef:
+        """The I/O buffer's memory (CPU or CUDA), checked for the transfer's direction."""
+        return buffer_ref(buffer, writable=not write, argname="buffer", allow_cuda=True)
+
+    def _submit(
+        self, file: File, ref: BufferRef, file_offset: int, *, write: bool, parallel: bool
+    ) -> Callable[[], None]:
+        """Starts the transfer; returns the function that waits for it (raising its error)."""
+        max_parts = 0 if parallel else 1
+        if ref.is_cuda:
+            # Device memory is staged through page-locked host buffers.
+            return device_copy.submit_device_io(
+                self._executor, file, ref, file_offset, write=write, max_parts=max_parts
+            )
+        op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=max_parts)
+        return functools.partial(self._executor.wait, op_id)
+
+    def _start(
+        self,
+        buffer: Any,
+        filename: str | os.PathLike[str] | None,
+        *,
+        write: bool,
+        file_offset: int,
+        validate: bool,
+        parallel: bool,
+        fd: int | None = None,
+    ) -> _PendingOp:
+        if isinstance(file_offset, bool) or not isinstance(file_offset, int):
+            raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
+        if file_offset < 0:
+            raise ValueError(f"file_offset must not be negative, got {file_offset}")
+        ref = self._buffer(buffer, write=write)
+        if fd is not None:
+            if filename is not None:
+                raise TypeError("pass either filename or fd, not both")
+            file = File.from_fd(fd)
+        elif filename is None:
+            raise TypeError("filename (or fd=) is required")
+        else:
+            file = File(filename, write=write, create=write)
+        try:
+            if not write and ref.nbytes:
+                size = file.size()
+                if file_offset + ref.nbytes > size:
+                    raise ValueError(
+                        f"read of {ref.nbytes} bytes at file_offset {file_offset} goes past the end "
+                        f"of {file.path!r} ({size} bytes)"
+                    )
+            wait_fn = self._submit(file, ref, file_offset, write=write, parallel=parallel)
+        except BaseException:
+            file.close()
+            raise
+        return _PendingOp(wait_fn, file, ref, file_offset, write, validate)
+
+    def _finish(self, op: _PendingOp) -> None:
+        try:
+            op.wait_fn()
+            if op.validate:
+                _validate(op)
+        finally:
+            op.file.close()
+
+    def _run(self, *args: Any, **kwargs: Any) -> int:
+        self._finish(self._start(*args, **kwargs))
+        return 1
+
+    def _queue(self, *args: Any, **kwargs: Any) -> int:
+        op = self._start(*args, **kwargs)
+        with self._lock:
+            self._pending.append(op)
+        return 0
+
+    # -- DeepSpeed's I/O methods ------------------------------------------------------------
+    def read(self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0) -> int:
+        """Blocking, single-threaded read of ``buffer.nbytes`` bytes at ``file_offset``; returns 1."""
+        return self._run(
+            buffer,
+            filename,
+            write=False,
+            file_offset=file_offset,
+            validate=validate,
+            parallel=False,
+        )
+
+    def write(
+        self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0
+    ) -> int:
+        """Blocking, single-threaded write of ``buffer`` at ``file_offset`` (the file is not truncated); returns 1."""
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=False
+        )
+
+    def pread(
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = _UNSET,
+        file_offset: int = 0,
+        **kwargs: Any,
+    ) -> int:
+        """Parallel read; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
+        if _pop_async(async_op, kwargs, "pread"):
+            return self._queue(
+                buffer,
+                filename,
+                write=False,
+                file_offset=file_offset,
+                validate=validate,
+                parallel=True,
+            )
+        return self._run(
+            buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=True
+        )
+
+    def pwrite(
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = _UNSET,
+        file_offset: int = 0,
+        **kwargs: Any,
+    ) -> int:
+        """Parallel write; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
+        if _pop_async(async_op, kwargs, "pwrite"):
+            return self._queue(
+                buffer,
+                filename,
+                write=True,
+                file_offset=file_offset,
+                validate=validate,
+                parallel=True,
+            )
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=True
+        )
+
+    def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Blocking parallel read; returns 1."""
+        return self._run(
+            buffer, filename, write=False, file_offset=file_offset, validate=False, parallel=True
+        )
+
+    def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Blocking parallel write; returns 1."""
+        return self._run(
+            buffer, filename, write=True, file_offset=file_offset, validate=False, parallel=True
+        )
+
+    def async_pread(
+        self,
+        buffer: Any,
+        filename: str | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Starts a parallel read and returns 0; :meth:`wait` completes it. ``fd=`` reads an open descriptor."""
+        return self._queue(
+            buffer,
+            filename,
+            write=False,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
+            fd=fd,
+        )
+
+    def async_pwrite(
+        self,
+        buffer: Any,
+        filename: str | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Starts a parallel write and returns 0; :meth:`wait` completes it. ``fd=`` writes an open descriptor.
+
+        The buffer must not change until :meth:`wait` returns (the write reads it in place).
+        """
+        return self._queue(
+            buffer,
+            filename,
+            write=True,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
+            fd=fd,
+        )
+
+    def wait(self) -> int:
+        """Blocks (GIL released) until every queued op is done; returns how many completed.
+
+        If any failed, raises the first failure (in submission order) after all have finished,
+        so no op still uses its buffer when this returns or raises.
+        """
+        with self._lock:
+            ops, self._pending = self._pending, []
+        first_error: BaseException | None = None
+        for op in ops:
+            try:
+                self._finish(op)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below after all finish
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return len(ops)
+
+    # -- locked memory ----------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """A 1-D tensor of ``num_elem`` elements of ``example_tensor``'s dtype in page-aligned,
+        mlock()ed memory (raises ``OSError`` when the locked-memory limit forbids it)."""
+        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+        dtype = example_tensor.dtype
+        nbytes = num_elem * example_tensor.element_size()
+        tensor = aligned_tensor(nbytes, dtype, lock=True, strict=True)
+        self._locked[tensor.data_ptr()] = tensor
+        return tensor
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Releases a tensor from :meth:`new_cpu_locked_tensor`; returns False for any other tensor.
+
+        The memory is unlocked and returned to the system once no tensor views it any more
+        (freeing it under a live view would leave that view dangling).
+        """
+        return self._locked.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, tensor: Any) -> bool:
+        """Whether the tensor's memory is page-locked (CUDA-pinned or from this library)."""
+        if tensor.numel() == 0:
+            return False
+        try:
+            if tensor.is_pinned():
+                return True
+        except RuntimeError:  # CPU-only builds of torch may refuse the question
+            pass
+        return _C.is_locked(tensor.data_ptr())
+
+    def __del__(self) -> None:
+        # Never leave kernel I/O pointing at memory Python may free.
+        try:
+            if self._pending:
+                self.wait()
+        except Exception:  # noqa: BLE001 - nothing to report to from a finalizer
+            pass
+
+
+def _validate(op: _PendingOp) -> None:
+    """Reads the range back through the page cache and compares it with the buffer."""
+    import numpy as np
+
+    if op.ref.is_cuda:
+        import torch
+
+        expected = op.ref.owner.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+    elif op.ref.nbytes:
+        raw = (np.ctypeslib.ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
+        expected = np.ctypeslib.as_array(raw)
+    else:
+        expected = np.empty(0, np.uint8)
+    actual = np.frombuffer(os.pread(op.file.fd, op.ref.nbytes, op.offset), dtype=np.uint8)
+    if actual.size != expected.size or not np.array_equal(actual, expected):
+        mismatch = np.flatnonzero(actual != expected[: actual.size])
+        where = int(mismatch[0]) if mismatch.size else actual.size
+        raise ChecksumError(
+            f"validation of the {'write' if op.write else 'read'} of {op.ref.nbytes} bytes at offset "
+            f"{op.offset} in {op.file.path!r} failed: first difference at byte {where}",
+            filename=op.file.path,
+        )
+
+
+def _one_shot(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+    *,
+    write: bool,
+) -> int:
+    handle = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    (handle.write if write else handle.read)(buffer, filename, validate)
+    return 0
+
+
+def aio_read(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """Reads ``filename`` into ``buffer`` with a one-off handle; returns 0 (errors raise).
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(10, dtype=np.int64)
+        >>> aio_write(np.arange(10), "/tmp/fastckpt-aio-doc3.bin", 1 << 20, 32, False, True, False)
+        0
+        >>> aio_read(a, "/tmp/fastckpt-aio-doc3.bin", 1 << 20, 32, False, True, True)
+        0
+        >>> int(a[-1])
+        9
+    """
+    return _one_shot(
+        buffer,
+        filename,
+        block_size,
+        queue_depth,
+        single_submit,
+        overlap_events,
+        validate,
+        write=False,
+    )
+
+
+def aio_write(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """Writes ``buffer`` to ``filename`` with a one-off handle; returns 0 (errors raise)."""
+    return _one_shot(
+        buffer,
+        filename,
+        block_size,
+        queue_depth,
+        single_submit,
+        overlap_events,
+        validate,
+        write=True,
+    )
+
+
+def deepspeed_memcpy(dest: Any, src: Any) -> int:
+    """Copies ``src`` into ``dest`` (same byte size, both contiguous) on several threads; returns 0.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.arange(6.0), torch.zeros(6)
+        >>> deepspeed_memcpy(b, a)
+        0
+        >>> b.tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    """
+    dst_ref = buffer_ref(dest, writable=True, argname="dest")
+    src_ref = buffer_ref(src, writable=False, argname="src")
+    if dst_ref.nbytes != src_ref.nbytes:
+        raise ValueError(
+            f"dest has {dst_ref.nbytes} bytes but src has {src_ref.nbytes}; sizes must match"
+        )
+    _C.memcpy(dst_ref.address, src_ref.address, src_ref.nbytes, os.cpu_count() or 1)
+    return 0
+
+
+memcpy = deepspeed_memcpy

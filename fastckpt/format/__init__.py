@@ -1,0 +1,79 @@
+"""The fastckpt file format: safetensors headers, laid out for direct I/O.
+
+A fastckpt file is a safetensors file::
+
+    u64 little-endian N | N bytes of JSON header | data section
+
+The header maps each tensor name to ``{"dtype", "shape", "data_offsets"}``
+(offsets relative to the start of the data section) plus an optional
+``"__metadata__"`` object of strings. fastckpt adds two things, both invisible
+to other safetensors readers:
+
+* the JSON is padded with trailing spaces so that ``8 + N`` is a multiple of
+  the alignment (4096 by default): the data section starts on an aligned file
+  offset, which direct I/O needs;
+* tensors are ordered so that as many as possible start on aligned offsets
+  (see :func:`plan_layout`); they stay contiguous because the reference reader
+  rejects gaps.
+
+fastckpt's own metadata lives under the ``fastckpt.`` prefix (see
+:func:`build_metadata` and :func:`split_metadata`).
+
+This package is pure: no file I/O and no torch, only bytes, ints and strings.
+It is where hostile input is stopped: every check raises
+:class:`fastckpt.errors.HeaderError` with a message saying what is wrong and
+where, and no check allocates more than the input's size.
+
+Example:
+    >>> entries = plan_layout([("w", "F32", (2, 3)), ("b", "F32", (3,))])
+    >>> [(e.name, e.begin, e.end) for e in entries]
+    [('b', 0, 12), ('w', 12, 36)]
+    >>> header = encode_header(entries, {"format": "pt"})
+    >>> len(header) % 4096
+    0
+    >>> n = parse_header_length(header[:8], len(header) + 36)
+    >>> parsed = parse_header(header[8 : 8 + n], len(header) + 36)
+    >>> parsed.data_offset, list(parsed.entries)
+    (4096, ['b', 'w'])
+"""
+
+from fastckpt.format.header import parse_header, parse_header_length
+from fastckpt.format.layout import encode_header, plan_layout
+from fastckpt.format.metadata import build_metadata, split_metadata
+from fastckpt.format.schema import (
+    DEFAULT_ALIGNMENT,
+    FORMAT_VERSION,
+    HEADER_LIMIT,
+    ITEMSIZE,
+    KEY_ALIASES,
+    KEY_CRC32C,
+    KEY_TREE,
+    KEY_VERSION,
+    META_PREFIX,
+    METADATA_KEY,
+    FastckptMeta,
+    Header,
+    TensorEntry,
+)
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "FORMAT_VERSION",
+    "HEADER_LIMIT",
+    "ITEMSIZE",
+    "KEY_ALIASES",
+    "KEY_CRC32C",
+    "KEY_TREE",
+    "KEY_VERSION",
+    "METADATA_KEY",
+    "META_PREFIX",
+    "FastckptMeta",
+    "Header",
+    "TensorEntry",
+    "build_metadata",
+    "encode_header",
+    "parse_header",
+    "parse_header_length",
+    "plan_layout",
+    "split_metadata",
+]

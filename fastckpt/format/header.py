@@ -1,0 +1,238 @@
+"""Parsing and validating headers from untrusted bytes: every check raises HeaderError.
+
+Example:
+    >>> from fastckpt.format.layout import encode_header, plan_layout
+    >>> header = encode_header(plan_layout([("w", "F32", (2,))]), {})
+    >>> n = parse_header_length(header[:8], len(header) + 8)
+    >>> list(parse_header(header[8 : 8 + n], len(header) + 8).entries)
+    ['w']
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from fastckpt.errors import HeaderError
+from fastckpt.format.schema import (
+    _ENTRY_KEYS,
+    HEADER_LIMIT,
+    ITEMSIZE,
+    METADATA_KEY,
+    Header,
+    TensorEntry,
+    is_count,
+    nbytes_u64,
+    short,
+)
+
+# --------------------------------------------------------------------------- parse
+
+
+def _check_length(length: int, file_size: int) -> None:
+    if length == 0:
+        raise HeaderError("header length is 0: not a safetensors file")
+    if length > HEADER_LIMIT:
+        raise HeaderError(
+            f"header length {length} exceeds the limit of {HEADER_LIMIT} bytes: "
+            "not a safetensors file, or a damaged one"
+        )
+    if length > file_size - 8:
+        raise HeaderError(
+            f"file truncated: header length is {length} but only "
+            f"{max(file_size - 8, 0)} bytes follow the 8-byte length"
+        )
+
+
+def parse_header_length(first8: bytes, file_size: int) -> int:
+    """Read and check the header length N from a file's first 8 bytes.
+
+    Args:
+        first8: the file's first bytes (at least 8 unless the file is shorter).
+        file_size: the whole file's size in bytes.
+
+    Raises:
+        HeaderError: the file is too short, N is 0, N exceeds
+            :data:`HEADER_LIMIT`, or N runs past the end of the file.
+
+    Example:
+        >>> parse_header_length(b"\\x10\\x00\\x00\\x00\\x00\\x00\\x00\\x00", 100)
+        16
+    """
+    if file_size < 8 or len(first8) < 8:
+        raise HeaderError(
+            f"not a safetensors file: {min(file_size, len(first8))} bytes, "
+            "fewer than the 8-byte header length"
+        )
+    (length,) = struct.unpack("<Q", bytes(first8[:8]))
+    _check_length(length, file_size)
+    return length
+
+
+def _reject_constant(name: str) -> None:
+    raise HeaderError(f"invalid JSON: {name} is not a JSON value")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise HeaderError(f"invalid JSON: duplicate key {short(key)}")
+            seen.add(key)
+    return result
+
+
+def loads_strict(text: str, what: str) -> Any:
+    """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except HeaderError as exc:
+        raise HeaderError(f"{what}: {exc}") from None
+    except RecursionError:
+        raise HeaderError(f"{what}: JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an int with too many digits
+        raise HeaderError(f"{what}: invalid JSON: {exc}") from None
+
+
+def _check_text(text: str, what: str) -> None:
+    # Python's JSON accepts "\ud800"; the reference reader rejects lone surrogates.
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HeaderError(f"{what} {short(text)} is not valid Unicode") from None
+
+
+def _parse_metadata(raw: Any) -> dict[str, str]:
+    if raw is None:  # the reference reader accepts null
+        return {}
+    if not isinstance(raw, dict):
+        raise HeaderError(f"__metadata__ must be an object of strings, got {json_type(raw)}")
+    for key, value in raw.items():
+        _check_text(key, "__metadata__ key")
+        if type(value) is not str:
+            raise HeaderError(
+                f"__metadata__[{short(key)}] must be a string, got {json_type(value)}"
+            )
+        _check_text(value, f"__metadata__[{short(key)}]")
+    return raw
+
+
+def json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer"}
+    names.update({float: "number", type(None): "null"})
+    return names.get(type(value), type(value).__name__)
+
+
+def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
+    where = f"tensor {short(name)}"
+    _check_text(name, "tensor name")
+    if not isinstance(raw, dict):
+        raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
+    missing = [key for key in _ENTRY_KEYS if key not in raw]
+    if missing:
+        raise HeaderError(f"{where}: missing {', '.join(missing)}")
+    extra = sorted(set(raw) - set(_ENTRY_KEYS))
+    if extra:
+        raise HeaderError(f"{where}: unexpected key(s) {', '.join(map(repr, extra))}")
+
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if type(dtype) is not str or dtype not in ITEMSIZE:
+        raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
+    if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
+        raise HeaderError(f"{where}: shape {short(shape)} must be a list of integers in [0, 2**64)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))):
+        raise HeaderError(
+            f"{where}: data_offsets {short(offsets)} must be two integers in [0, 2**64)"
+        )
+    begin, end = offsets
+    if begin > end:
+        raise HeaderError(f"{where}: data_offsets [{begin}, {end}] begin after they end")
+    if end > data_size:
+        raise HeaderError(
+            f"{where}: data_offsets [{begin}, {end}] run past the data section of {data_size} bytes"
+        )
+    nbytes = nbytes_u64(shape, ITEMSIZE[dtype])
+    if nbytes is None:
+        raise HeaderError(f"{where}: shape {short(shape)} of {dtype} overflows 64 bits")
+    if nbytes != end - begin:
+        raise HeaderError(
+            f"{where}: shape {short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) "
+            f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
+        )
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
+    """Tensors must tile the data section exactly, as the reference reader demands."""
+    offset = 0
+    previous = None
+    for entry in entries:
+        if entry.begin < offset:
+            raise HeaderError(
+                f"tensor {short(entry.name)} at [{entry.begin}, {entry.end}] overlaps "
+                f"tensor {short(previous.name)} at [{previous.begin}, {previous.end}]"
+            )
+        if entry.begin > offset:
+            raise HeaderError(
+                f"gap of {entry.begin - offset} bytes before tensor {short(entry.name)} "
+                f"at offset {entry.begin}"
+            )
+        if entry.end > offset:
+            previous = entry
+        offset = entry.end
+    if offset != data_size:
+        raise HeaderError(
+            f"{data_size - offset} bytes after the last tensor: the data section "
+            f"is {data_size} bytes but tensors cover only {offset}"
+        )
+
+
+def parse_header(json_bytes: bytes, file_size: int) -> Header:
+    """Decode and validate a header: ``json_bytes`` are the N bytes after the length.
+
+    Args:
+        json_bytes: exactly the header's N bytes.
+        file_size: the whole file's size; the tensors must end exactly there.
+
+    Raises:
+        HeaderError: anything malformed; the message names the tensor, field
+            and values at fault.
+
+    Example:
+        >>> raw = b'{"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
+        >>> h = parse_header(raw, 8 + len(raw) + 2)
+        >>> h.entries["x"].shape, h.data_size
+        ((2,), 2)
+    """
+    length = len(json_bytes)
+    _check_length(length, file_size)
+    if json_bytes[:1] != b"{":
+        raise HeaderError(
+            f"header does not start with '{{' (starts with {bytes(json_bytes[:16])!r}): "
+            "not a safetensors file"
+        )
+    try:
+        text = bytes(json_bytes).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"header is not valid UTF-8: {exc}") from None
+    document = loads_strict(text, "header")
+    if not isinstance(document, dict):
+        raise HeaderError(f"header must be a JSON object, got {json_type(document)}")
+
+    data_offset = 8 + length
+    data_size = file_size - data_offset
+    metadata = _parse_metadata(document.pop(METADATA_KEY, None))
+    parsed = [_parse_entry(name, raw, data_size) for name, raw in document.items()]
+    # Stable sort: zero-size tensors sharing an offset keep their header order.
+    parsed.sort(key=lambda entry: (entry.begin, entry.end))
+    _check_coverage(parsed, data_size)
+    return Header(
+        entries={entry.name: entry for entry in parsed},
+        metadata=metadata,
+        data_offset=data_offset,
+        data_size=data_size,
+    )

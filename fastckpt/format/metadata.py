@@ -1,0 +1,130 @@
+"""``__metadata__``: the user's strings and fastckpt's own keys (checksums, aliases, tree).
+
+Example:
+    >>> meta = split_metadata(build_metadata({"step": "3"}, crcs={"w": 7}))
+    >>> meta.user["step"], meta.crcs
+    ('3', {'w': 7})
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastckpt.errors import HeaderError
+from fastckpt.format.header import json_type, loads_strict
+from fastckpt.format.layout import check_metadata
+from fastckpt.format.schema import (
+    _CRC_PATTERN,
+    FORMAT_VERSION,
+    KEY_ALIASES,
+    KEY_CRC32C,
+    KEY_TREE,
+    KEY_VERSION,
+    META_PREFIX,
+    FastckptMeta,
+    short,
+)
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _dumps(value: Any) -> str:
+    # ASCII-only JSON: lone surrogates in the object survive as \u escapes.
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def build_metadata(
+    user: Mapping[str, str] | None = None,
+    *,
+    crcs: Mapping[str, int] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    tree: Any = None,
+) -> dict[str, str]:
+    """Assemble ``__metadata__``: ``"format": "pt"``, the user's keys, fastckpt's keys.
+
+    Args:
+        user: the caller's str -> str metadata; keys must not start with ``fastckpt.``.
+            ``"format"`` defaults to ``"pt"`` unless given here.
+        crcs: tensor name -> CRC32C (0 <= crc < 2**32), stored as 8 hex digits.
+        aliases: alias name -> stored tensor name (only written when non-empty).
+        tree: a JSON-able structure description (from :mod:`fastckpt.checkpoint.tree`),
+            or None for a flat dict.
+
+    Example:
+        >>> build_metadata({"step": "10"}, crcs={"w": 255}, aliases={"b": "w"})
+        {'format': 'pt', 'step': '10', 'fastckpt.version': '1', \
+'fastckpt.crc32c': '{"w":"000000ff"}', 'fastckpt.aliases': '{"b":"w"}'}
+    """
+    result = {"format": "pt"}
+    if user is not None:
+        check_metadata(user)
+        for key in user:
+            if key.startswith(META_PREFIX):
+                raise ValueError(f"metadata key {key!r}: the prefix {META_PREFIX!r} is reserved")
+        result.update(user)
+    result[KEY_VERSION] = FORMAT_VERSION
+    if crcs is not None:
+        for name, crc in crcs.items():
+            if type(crc) is not int or not 0 <= crc < 2**32:
+                raise ValueError(f"CRC32C of tensor {name!r} must be a 32-bit int, got {crc!r}")
+        result[KEY_CRC32C] = _dumps({name: f"{crc:08x}" for name, crc in crcs.items()})
+    if aliases:
+        result[KEY_ALIASES] = _dumps(dict(aliases))
+    if tree is not None:
+        try:
+            result[KEY_TREE] = _dumps(tree)
+        except RecursionError:
+            raise ValueError("the structure description is nested too deeply for JSON") from None
+    return result
+
+
+def _parse_crcs(text: str) -> dict[str, int]:
+    table = loads_strict(text, KEY_CRC32C)
+    if not isinstance(table, dict):
+        raise HeaderError(f"{KEY_CRC32C} must be a JSON object, got {json_type(table)}")
+    crcs = {}
+    for name, value in table.items():
+        if type(value) is not str or not _CRC_PATTERN.fullmatch(value):
+            raise HeaderError(
+                f"{KEY_CRC32C}[{short(name)}] = {short(value)}: expected 8 lowercase hex digits"
+            )
+        crcs[name] = int(value, 16)
+    return crcs
+
+
+def _parse_aliases(text: str) -> dict[str, str]:
+    table = loads_strict(text, KEY_ALIASES)
+    if not isinstance(table, dict):
+        raise HeaderError(f"{KEY_ALIASES} must be a JSON object, got {json_type(table)}")
+    for alias, target in table.items():
+        if type(target) is not str:
+            raise HeaderError(
+                f"{KEY_ALIASES}[{short(alias)}] must be a tensor name, got {json_type(target)}"
+            )
+    return table
+
+
+def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
+    """Separate the user's metadata from fastckpt's keys and decode the latter.
+
+    Unknown ``fastckpt.*`` keys (from a newer writer) are ignored. Checking
+    that aliases and checksums name tensors of the file is the caller's job.
+
+    Raises:
+        HeaderError: a fastckpt key holds malformed JSON or values.
+
+    Example:
+        >>> m = split_metadata(build_metadata({"a": "b"}, crcs={"w": 1}))
+        >>> m.user, m.crcs, m.aliases, m.tree, m.version
+        ({'format': 'pt', 'a': 'b'}, {'w': 1}, {}, None, '1')
+    """
+    user = {key: value for key, value in meta.items() if not key.startswith(META_PREFIX)}
+    crcs = _parse_crcs(meta[KEY_CRC32C]) if KEY_CRC32C in meta else None
+    aliases = _parse_aliases(meta[KEY_ALIASES]) if KEY_ALIASES in meta else {}
+    tree = loads_strict(meta[KEY_TREE], KEY_TREE) if KEY_TREE in meta else None
+    if KEY_TREE in meta and tree is None:
+        raise HeaderError(f"{KEY_TREE} is null")
+    version = meta.get(KEY_VERSION)
+    return FastckptMeta(user=user, crcs=crcs, aliases=aliases, tree=tree, version=version)

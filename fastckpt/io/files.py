@@ -1,0 +1,142 @@
+"""Files opened for direct I/O.
+
+A :class:`File` holds two descriptors of one file: an ``O_DIRECT`` one (when the file
+system takes it) for aligned blocks, and a buffered one for unaligned heads and tails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from fastckpt import _C
+from fastckpt.format import DEFAULT_ALIGNMENT
+
+__all__ = ["File"]
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class File:
+    """An open file with a buffered descriptor ``fd`` and, where allowed, an O_DIRECT ``direct_fd``.
+
+    Args:
+        path: the file.
+        write: open for writing (reading too).
+        create: create the file if missing.
+        truncate: empty the file first.
+        exclusive: fail if the file exists (with ``create``).
+        direct: try O_DIRECT (falls back silently where the file system refuses it).
+
+    Example:
+        >>> with File("/tmp/fastckpt-doc.bin", write=True, create=True, truncate=True) as f:
+        ...     f.size()
+        0
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        write: bool = False,
+        create: bool = False,
+        truncate: bool = False,
+        exclusive: bool = False,
+        direct: bool = True,
+    ):
+        self.path = os.fspath(path)
+        flags = (os.O_RDWR if write else os.O_RDONLY) | _O_CLOEXEC
+        if create:
+            flags |= os.O_CREAT
+        if truncate:
+            flags |= os.O_TRUNC
+        if exclusive:
+            flags |= os.O_EXCL
+        self.fd = os.open(self.path, flags, 0o644)
+        self.direct_fd = -1
+        self._owns_fd = True
+        if direct and _O_DIRECT:
+            try:
+                self.direct_fd = os.open(
+                    self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT
+                )
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    os.close(self.fd)
+                    raise
+        self.alignment = self._alignment()
+
+    @classmethod
+    def from_fd(cls, fd: int, *, direct: bool = True) -> "File":
+        """Wraps a descriptor the caller owns (it is not closed); adds an O_DIRECT twin when possible."""
+        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+            raise ValueError(f"fd must be a non-negative int, got {fd!r}")
+        self = cls.__new__(cls)
+        self.path = _fd_path(fd)
+        self.fd = fd
+        self._owns_fd = False
+        self.direct_fd = -1
+        mode = os.O_RDWR if _fd_writable(fd) else os.O_RDONLY
+        if direct and _O_DIRECT:
+            try:
+                self.direct_fd = os.open(f"/proc/self/fd/{fd}", mode | _O_DIRECT | _O_CLOEXEC)
+            except OSError:
+                self.direct_fd = -1
+        self.alignment = self._alignment()
+        return self
+
+    def _alignment(self) -> int:
+        mem, offset = _C.dio_alignment(self.direct_fd if self.direct_fd >= 0 else self.fd)
+        reported = max(mem, offset)
+        # The kernel does not always say (tmpfs, older kernels): a page is always enough.
+        return reported if reported and reported <= DEFAULT_ALIGNMENT else DEFAULT_ALIGNMENT
+
+    @property
+    def direct(self) -> bool:
+        """Whether aligned blocks bypass the page cache."""
+        return self.direct_fd >= 0
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def truncate(self, length: int) -> None:
+        os.ftruncate(self.fd, length)
+
+    def close(self) -> None:
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+        if self.fd >= 0 and self._owns_fd:
+            os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> "File":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.fstat(fd)  # raises EBADF with a clear message when fd is not open
+        return f"<fd {fd}>"
+
+
+def _fd_writable(fd: int) -> bool:
+    import fcntl
+
+    return (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) != os.O_RDONLY
