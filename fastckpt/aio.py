@@ -13,12 +13,13 @@ What differs, on purpose: every completion is checked and failures raise ``OSErr
 
 Example:
     >>> import torch
-    >>> from fastckpt.aio import aio_read, aio_write
+    >>> from fastckpt.aio import aio_handle
+    >>> h = aio_handle()
     >>> t = torch.arange(10, dtype=torch.int64)
-    >>> aio_write(t, "/tmp/fastckpt-aio-face.bin")
+    >>> h.sync_pwrite(t, "/tmp/fastckpt-aio-face.bin")
     1
     >>> u = torch.empty_like(t)
-    >>> aio_read(u, "/tmp/fastckpt-aio-face.bin")
+    >>> h.sync_pread(u, "/tmp/fastckpt-aio-face.bin")
     1
     >>> bool(torch.equal(t, u))
     True

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from fastckpt import config
 from fastckpt.checkpoint.save import StreamWriter, executor_for_destination, plan_save
+from fastckpt.format import DEFAULT_ALIGNMENT
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.staging_pool import StagingPool
 
@@ -224,7 +225,7 @@ def async_save(
     max_pending: int = DEFAULT_MAX_PENDING,
     staging_bytes: int | None = None,
     metadata: Any = None,
-    alignment: int = 4096,
+    alignment: int = DEFAULT_ALIGNMENT,
     checksum: bool = True,
     allow_pickle: bool = False,
     engine: str | None = None,

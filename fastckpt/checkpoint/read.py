@@ -22,7 +22,7 @@ from fastckpt.checkpoint import dtypes
 from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.io import device_copy
-from fastckpt.io.aligned_memory import BufferRef, aligned_tensor
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor
 from fastckpt.io.checksums import StreamingVerifier
 from fastckpt.io.executor import Executor, shared_executor
 from fastckpt.io.files import File
@@ -30,7 +30,6 @@ from fastckpt.progress import progress_bar
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
 
-_PAGE = 4096
 # Reads are submitted in pieces of this size so checksums of finished pieces are verified
 # while the rest is read, and progress can be shown.
 _READ_PIECE = 64 << 20
@@ -416,7 +415,10 @@ class _PendingRead:
         self.runs = _runs(entries)
         pos = 0
         for run in self.runs:  # same offset modulo the page as in the file: O_DIRECT stays possible
-            pos = -(-pos // _PAGE) * _PAGE + (base + run.begin) % _PAGE
+            pos = (
+                -(-pos // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+                + (base + run.begin) % BUFFER_ALIGNMENT
+            )
             run.arena_pos = pos
             pos += run.end - run.begin
         self.arena = aligned_tensor(pos, lock=pin_memory)

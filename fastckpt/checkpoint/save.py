@@ -22,7 +22,7 @@ import torch
 from fastckpt import _C, format
 from fastckpt.checkpoint import dtypes, tree
 from fastckpt.config import resolve_io
-from fastckpt.io.aligned_memory import BufferRef
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.executor import Executor, shared_executor
 from fastckpt.io.files import File
@@ -269,7 +269,7 @@ class StreamWriter:
                                 bar.update(piece)
                 if buf is not None and used:
                     # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
-                    padded = -(-used // 4096) * 4096
+                    padded = -(-used // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
                     zero_fill(buf, used, padded)
                     last, buf = buf, None
                     self._submit(last, padded, segments)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import time
@@ -306,7 +307,7 @@ def touch(obj: Any) -> int:
         if tensor.numel() == 0:
             continue
         flat = tensor.detach().reshape(-1).view(torch.uint8)
-        total += int(flat[::4096].sum())
+        total += int(flat[:: mmap.PAGESIZE].sum())
     if any(t.is_cuda for t in _tensors(obj)):
         torch.cuda.synchronize()
     return total

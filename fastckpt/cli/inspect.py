@@ -31,10 +31,11 @@ import os
 from typing import Any
 
 from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
+from fastckpt.format import DEFAULT_ALIGNMENT
 
 __all__ = ["add_parser", "describe_file", "offset_alignment", "read_header", "run"]
 
-_MAX_ALIGNMENT = 4096
+_MAX_ALIGNMENT = DEFAULT_ALIGNMENT
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ from fastckpt import _C
 from fastckpt.config import IOConfig, resolve_io
 from fastckpt.errors import ChecksumError
 from fastckpt.io import device_copy
-from fastckpt.io.aligned_memory import BufferRef, aligned_tensor, buffer_ref
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor, buffer_ref
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
 
@@ -170,7 +170,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
 
     def get_alignment(self) -> int:
         """The O_DIRECT granularity assumed for offsets, lengths and memory (bytes)."""
-        return 4096
+        return BUFFER_ALIGNMENT
 
     def get_engine(self) -> str:
         """The engine this handle runs on (``"auto"`` resolved)."""

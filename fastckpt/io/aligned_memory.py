@@ -12,6 +12,11 @@ from typing import Any
 import numpy as np
 
 from fastckpt import _C
+from fastckpt.format import DEFAULT_ALIGNMENT
+
+#: Alignment of every buffer fastckpt allocates for direct I/O: the file format's block, which
+#: is also the page size of the machines fastckpt runs on.
+BUFFER_ALIGNMENT = DEFAULT_ALIGNMENT
 
 __all__ = ["BufferRef", "buffer_ref", "aligned_tensor", "aligned_array"]
 

@@ -9,7 +9,8 @@ Example:
     >>> d = tempfile.mkdtemp()
     >>> with AtomicFile(os.path.join(d, "x.bin")) as out:
     ...     _ = os.pwrite(out.file.fd, b"hello", 0)
-    >>> open(os.path.join(d, "x.bin"), "rb").read()
+    >>> with open(os.path.join(d, "x.bin"), "rb") as f:
+    ...     f.read()
     b'hello'
 """
 

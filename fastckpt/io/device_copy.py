@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 from fastckpt import config
 from fastckpt.errors import EngineUnavailableError
 from fastckpt.io import cufile
-from fastckpt.io.aligned_memory import BufferRef
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
 
@@ -150,7 +150,7 @@ def _buffers(torch: Any, pieces: list[tuple[int, int]], align: int, count: int) 
     # A piece sits in its buffer at its file position modulo the alignment, so memory and
     # file offsets line up for O_DIRECT.
     need = max(pos % align + n for pos, n in pieces)
-    need = (need + 4095) // 4096 * 4096
+    need = -(-need // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
     return [_pinned(torch, need) for _ in range(count)]
 
 
@@ -162,10 +162,10 @@ def _pinned(torch: Any, nbytes: int) -> Any:
     sliced, so O_DIRECT can use it.
     """
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    if buf.data_ptr() % 4096 == 0:
+    if buf.data_ptr() % BUFFER_ALIGNMENT == 0:
         return buf
-    buf = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
-    skip = -buf.data_ptr() % 4096
+    buf = torch.empty(nbytes + BUFFER_ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+    skip = -buf.data_ptr() % BUFFER_ALIGNMENT
     return buf[skip : skip + nbytes]
 
 
@@ -406,7 +406,7 @@ def _device_transfer_args(
 def _ring(staging_bytes: int) -> tuple[int, int]:
     """(chunk, depth) for a staging budget: up to 8 buffers of 4 to 64 MiB."""
     chunk = min(64 << 20, max(4 << 20, staging_bytes // 8)) // (1 << 20) * (1 << 20)
-    chunk = min(chunk, staging_bytes // 2 // 4096 * 4096)
+    chunk = min(chunk, staging_bytes // 2 // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT)
     depth = max(2, min(8, staging_bytes // chunk))
     return chunk, depth
 

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from fastckpt.config import staging_bytes
-from fastckpt.io.aligned_memory import aligned_array
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_array
 
 __all__ = ["StagingPool", "StagingBuffer", "default_pool", "DEFAULT_PIECE"]
 
@@ -57,9 +57,11 @@ class StagingPool:
     """
 
     def __init__(self, budget: int, piece: int = DEFAULT_PIECE):
-        if piece <= 0 or piece % 4096:
+        if piece <= 0 or piece % BUFFER_ALIGNMENT:
             raise ValueError(f"piece must be a positive multiple of 4096, got {piece}")
-        self.piece = min(piece, max(4096, budget // 2 // 4096 * 4096))
+        self.piece = min(
+            piece, max(BUFFER_ALIGNMENT, budget // 2 // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT)
+        )
         self.capacity = max(2, budget // self.piece)
         self._free: list[StagingBuffer] = []
         self._allocated = 0
