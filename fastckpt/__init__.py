@@ -10,6 +10,9 @@ Two faces:
 
 The public names are loaded on first use, so ``import fastckpt`` (and the command line's
 ``--help``) stays light: torch is imported only when a name that needs it is touched.
+PyTorch is an optional dependency (``pip install 'fastckpt[torch]'``): without it,
+:mod:`fastckpt.aio` works on numpy arrays and buffers, :mod:`fastckpt.format` and
+``fastckpt inspect`` work, and the checkpoint functions raise ``ImportError`` saying so.
 
 Example:
     >>> import fastckpt
@@ -101,7 +104,16 @@ def __getattr__(name: str) -> Any:
     """Loads a public name's layer on first use (PEP 562) and caches it on the package."""
     if name in _PUBLIC:
         module, attribute = _PUBLIC[name]
-        value = getattr(importlib.import_module(module), attribute)
+        try:
+            value = getattr(importlib.import_module(module), attribute)
+        except ImportError as exc:
+            if exc.name != "torch" and "torch" not in str(exc):
+                raise
+            raise ImportError(
+                f"fastckpt.{name} needs PyTorch, which is not installed here: "
+                "pip install torch (or pip install 'fastckpt[torch]'); "
+                "fastckpt.aio, fastckpt.format and the command line work without it"
+            ) from exc
     elif name in _SUBMODULES:
         value = importlib.import_module(f"fastckpt.{name}")
     else:

@@ -97,3 +97,33 @@ def test_one_alignment_constant():
                         f"{path.relative_to(ROOT)}:{token.start[0]}: {token.line.strip()}"
                     )
     assert not offenders, offenders
+
+
+def test_torch_is_optional():
+    """Without torch: the DeepNVMe API works on numpy arrays; save says what to install."""
+    code = """
+import sys
+sys.modules["torch"] = None  # as if torch were not installed
+import numpy as np
+import fastckpt, fastckpt.aio, fastckpt.format
+a = np.arange(1000, dtype=np.float32)
+path = sys.argv[1]
+h = fastckpt.aio.aio_handle()
+h.sync_pwrite(a, path)
+b = np.empty_like(a)
+h.sync_pread(b, path)
+assert (a == b).all()
+try:
+    fastckpt.save({}, path)
+except ImportError as exc:
+    print("IMPORT-ERROR", exc)
+"""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        done = subprocess.run(
+            [sys.executable, "-c", code, f"{d}/x.bin"], capture_output=True, text=True
+        )
+    assert done.returncode == 0, done.stderr
+    assert "IMPORT-ERROR fastckpt.save needs PyTorch" in done.stdout
+    assert "pip install torch" in done.stdout
