@@ -9,6 +9,7 @@
 #include "cufile.h"
 #include "engine.h"
 #include "executor.h"
+#include "file_copy.h"
 #include "io_error.h"
 #include "memory.h"
 
@@ -127,6 +128,24 @@ PYBIND11_MODULE(_C, m) {
         return crc32c_extend(value, as_ptr(address), nbytes);
       },
       py::arg("address"), py::arg("nbytes"), py::arg("value") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "pread_crc",
+      [](int fd, uintptr_t dst, size_t nbytes, uint64_t offset, const std::vector<size_t>& cuts,
+         bool checksum, const std::string& path) {
+        return pread_crc(fd, as_ptr(dst), nbytes, offset, cuts, checksum, path);
+      },
+      py::arg("fd"), py::arg("dst"), py::arg("nbytes"), py::arg("offset"),
+      py::arg("cuts") = std::vector<size_t>{}, py::arg("checksum") = true, py::arg("path") = "",
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "pwrite_crc",
+      [](int fd, uintptr_t src, size_t nbytes, uint64_t offset, const std::vector<size_t>& cuts,
+         bool checksum, const std::string& path) {
+        return pwrite_crc(fd, as_ptr(src), nbytes, offset, cuts, checksum, path);
+      },
+      py::arg("fd"), py::arg("src"), py::arg("nbytes"), py::arg("offset"),
+      py::arg("cuts") = std::vector<size_t>{}, py::arg("checksum") = true, py::arg("path") = "",
       py::call_guard<py::gil_scoped_release>());
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("dio_alignment", &dio_alignment, py::arg("fd"));

@@ -13,6 +13,7 @@ Each setting is resolved in this order, first match wins:
 This module is the only reader of ``FASTCKPT_*`` variables. Besides the I/O settings above:
 ``FASTCKPT_GDS`` (use GPUDirect Storage for CUDA loads: 1/0, unset = as tuned),
 ``FASTCKPT_ASYNC_STAGING_BYTES`` (cap on the asynchronous staging pool),
+``FASTCKPT_DIRECT_IO`` (1/0: force or forbid O_DIRECT; unset: chosen per file),
 ``FASTCKPT_NO_PROGRESS`` (1 hides progress bars), ``FASTCKPT_CUFILE_LIBRARY`` (the libcufile
 file to open) and ``FASTCKPT_CONFIG`` (the tuned-configuration file).
 
@@ -52,6 +53,7 @@ __all__ = [
     "gds_preferred",
     "environment",
     "gds_choice",
+    "direct_io",
     "progress_hidden",
     "cufile_library",
     "async_staging_bytes",
@@ -162,6 +164,18 @@ def gds_choice() -> bool | None:
     """
     text = environment("GDS")
     return None if text is None or not text.strip() else _parse_bool("FASTCKPT_GDS", text)
+
+
+def direct_io() -> bool | None:
+    """``FASTCKPT_DIRECT_IO``: 1 forces O_DIRECT reads, 0 forces reads through the page
+    cache; None (unset) lets each read choose by what is already in memory.
+
+    Example:
+        >>> direct_io() in (True, False, None)
+        True
+    """
+    text = environment("DIRECT_IO")
+    return None if text is None or not text.strip() else _parse_bool("FASTCKPT_DIRECT_IO", text)
 
 
 def progress_hidden() -> bool:

@@ -14,8 +14,8 @@ __all__ = ["load", "resolve_device"]
 
 MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., Any]]
 
-# Reading CRC32Cs costs little (they are checked while later pieces are still being read),
-# so loads verify by default when the file has checksums. See the README's benchmark.
+# Checking CRC32Cs costs little (each step is checksummed while still in the CPU cache, on
+# every core), so loads verify by default when the file has checksums. See the benchmarks.
 VERIFY_DEFAULT = True
 
 
@@ -67,6 +67,8 @@ def load(
     keys: Sequence[str] | None = None,
     verify: bool | None = None,
     progress: bool | None = None,
+    mmap: bool = False,
+    direct_io: bool | None = None,
     gds: bool | None = None,
     engine: str | None = None,
     block_size: int | None = None,
@@ -75,8 +77,10 @@ def load(
 ) -> Any:
     """Loads what :func:`fastckpt.save` saved, or any safetensors file (as a flat dict).
 
-    The data section is read with parallel direct I/O into one page-aligned arena
-    (page-locked with ``pin_memory=True``); the returned tensors are views into it.
+    The data section is read on every core into one page-aligned arena (page-locked with
+    ``pin_memory=True``); the returned tensors are views into it. Bytes already in memory (a
+    hot page cache, tmpfs) are read through the page cache at memory speed, others with
+    O_DIRECT at the device's speed (see :attr:`fastckpt.CheckpointReader.read_mode`).
 
     Args:
         map_location: as ``torch.load``'s: a device string or ``torch.device``, a dict
@@ -91,6 +95,14 @@ def load(
         verify: check every tensor's CRC32C (``ChecksumError`` names a damaged one). Default:
             on when the file has checksums.
         progress: show a progress bar (default: on a terminal).
+        mmap: like ``torch.load(mmap=True)``: tensors are views of a copy-on-write mapping of
+            the file, read lazily as their pages are touched (zero copies; memory only for
+            touched pages; writes stay private to this process). Checksums are then checked
+            only with ``verify=True`` (which touches every page). CPU only. A file truncated
+            by another process while mapped raises SIGBUS when a missing page is touched.
+        direct_io: ``True`` reads with O_DIRECT, ``False`` through the page cache; default
+            (None, or ``FASTCKPT_DIRECT_IO``): through the page cache when most of the data
+            is already in memory or the file system refuses O_DIRECT, else O_DIRECT.
         gds: loading to CUDA, read with GPUDirect Storage straight into GPU memory
             (``True``: GDS or ``EngineUnavailableError``; default: when ``FASTCKPT_GDS=1``
             and GDS runs here). Otherwise disk reads into page-locked staging buffers
@@ -114,10 +126,15 @@ def load(
     if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
         raise TypeError("keys must be a list of tensor names")
     on_cuda = isinstance(target, torch.device) and target.type == "cuda"
+    if mmap and (on_cuda or pin_memory):
+        raise ValueError(
+            "mmap=True maps the file into CPU memory: it takes no CUDA device or pin_memory"
+        )
     with CheckpointReader(
         f,
         device=target if on_cuda else "cpu",
         gds=gds,
+        direct_io=direct_io,
         engine=engine,
         block_size=block_size,
         queue_depth=queue_depth,
@@ -128,12 +145,11 @@ def load(
             from fastckpt.errors import ChecksumError
 
             raise ChecksumError(f"{reader.path} has no checksums to verify", filename=reader.path)
-        stored = reader.read(
-            None if keys is None else list(keys),
-            pin_memory=pin_memory,
-            verify=check,
-            progress=progress,
-        )
+        names = None if keys is None else list(keys)
+        if mmap:
+            stored = reader.map(names, verify=bool(verify))
+        else:
+            stored = reader.read(names, pin_memory=pin_memory, verify=check, progress=progress)
         if isinstance(target, torch.device) and target.type not in ("cpu", "cuda"):
             stored = _to_device(stored, target)
         elif callable(target) and not isinstance(target, torch.device):

@@ -1,16 +1,28 @@
 """``fastckpt.open``: a lazy reader of fastckpt and safetensors files, and the read path
 that ``fastckpt.load`` uses.
 
-Reads go straight from the file into one page-aligned arena with parallel O_DIRECT; the
-tensors returned are views into it, so nothing is copied after the read. Each byte range is
-placed in the arena at the same offset modulo the page size as in the file, which keeps
-direct I/O possible even for files whose data does not start on an aligned offset.
-Checksums are verified piece by piece while later pieces are still being read.
+Reads go straight from the file into one page-aligned arena, split into spans that every
+core works on; the tensors returned are views into the arena, so nothing is copied after
+the read. Each byte range is placed in the arena at the same offset modulo the page size as
+in the file, which keeps direct I/O possible even for files whose data is not aligned.
+
+How the bytes come in is chosen per file (see :attr:`CheckpointReader.read_mode`):
+
+- ``"buffered"``: when the data is already in memory (a hot page cache, tmpfs) or the file
+  system refuses O_DIRECT, worker threads ``pread`` through the page cache and checksum
+  each step while it is still in the CPU cache: memory speed, one copy per byte.
+- ``"direct"``: otherwise the native engine reads with O_DIRECT (the device's speed without
+  polluting the page cache) and worker threads checksum spans as they land.
+
+Checksums of spans are joined per tensor (:func:`~fastckpt.io.checksums.crc32c_combine`),
+so even one huge tensor is verified on every core.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import mmap
 import os
 import threading
 from typing import Any, Iterable, Sequence
@@ -19,20 +31,30 @@ import torch
 
 from fastckpt import _C, format
 from fastckpt.checkpoint import dtypes
+from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
-from fastckpt.io import device_copy
-from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor
-from fastckpt.io.checksums import StreamingVerifier
+from fastckpt.io import device_copy, page_cache, parallel_io
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
+from fastckpt.io.checksums import StreamingVerifier, crc32c_combine
 from fastckpt.io.executor import Executor, shared_executor
-from fastckpt.io.files import File
+from fastckpt.io.files import File, require_regular_file
+from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
 
-# Reads are submitted in pieces of this size so checksums of finished pieces are verified
-# while the rest is read, and progress can be shown.
-_READ_PIECE = 64 << 20
+_log = logging.getLogger("fastckpt")
+
+# Direct reads are submitted in pieces of at most this size (on aligned file offsets), so
+# finished pieces are checksummed while the rest is read, and progress can be shown.
+_DIRECT_PIECE = 64 << 20
+# Buffered reads are cut into about this many spans per worker thread, so that threads
+# finishing early take more work; no span is smaller than _MIN_SPAN.
+_SPANS_PER_WORKER = 4
+_MIN_SPAN = 1 << 20
+# Read through the page cache when at least this fraction of the data is resident.
+_RESIDENT_ENOUGH = 0.5
 # Where runs of tensors start in a GPU arena, modulo which their data offsets are kept.
 _DEVICE_ALIGN = 256
 
@@ -101,6 +123,7 @@ class CheckpointReader:
         *,
         device: str | torch.device = "cpu",
         gds: bool | None = None,
+        direct_io: bool | None = None,
         engine: str | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
@@ -115,6 +138,9 @@ class CheckpointReader:
         elif self.device.type not in ("cpu", "meta"):
             raise ValueError(f"device {self.device} is not supported (use 'cpu' or 'cuda[:N]')")
         self.gds = gds
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise TypeError(f"direct_io must be True, False or None, got {direct_io!r}")
+        self._direct_io = direct_io if direct_io is not None else config_direct_io()
         config = resolve_io(
             self.path,
             dict(
@@ -125,6 +151,7 @@ class CheckpointReader:
             ),
         )
         self._staging_bytes = staging_bytes()
+        require_regular_file(self.path)
         self._file = File(self.path)
         try:
             self._executor: Executor = shared_executor(config)
@@ -133,6 +160,9 @@ class CheckpointReader:
             self._file.close()
             raise
         self._prefetched: dict[str, _PendingRead] = {}
+        self._active: set[_PendingRead] = set()  # every read using the file, for close()
+        self._closed = False
+        self._mapped: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     # -- header ---------------------------------------------------------------------------
@@ -192,6 +222,53 @@ class CheckpointReader:
             name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin
         )
 
+    @property
+    def read_mode(self) -> str:
+        """How the data section is read now: ``"buffered"`` (through the page cache: the
+        bytes are resident, the file system is memory-backed or refuses O_DIRECT, or
+        ``direct_io=False``) or ``"direct"`` (O_DIRECT). Decided again at each read, since
+        the page cache changes; ``direct_io=True``/``False`` (or ``FASTCKPT_DIRECT_IO``) forces it.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"x": torch.ones(4)}, "/dev/shm/fastckpt-mode.safetensors")
+            >>> fastckpt.open("/dev/shm/fastckpt-mode.safetensors").read_mode
+            'buffered'
+        """
+        mode, _ = self._choose_read_mode()
+        return mode
+
+    def _choose_read_mode(self) -> tuple[str, str]:
+        """(mode, why) for the next read."""
+        if self._direct_io is not None:
+            return (
+                ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
+            )
+        if self._file.direct_fd < 0:
+            return "buffered", "the file system refuses O_DIRECT"
+        resident = page_cache.resident_fraction(
+            self._file.fd, self.header.data_offset, self.header.data_size
+        )
+        if resident is not None and resident >= _RESIDENT_ENOUGH:
+            return "buffered", f"{resident:.0%} of the data is in memory"
+        known = "unknown" if resident is None else f"{resident:.0%}"
+        return "direct", f"{known} of the data is in memory"
+
+    def _source(self) -> _Source:
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{self.path}: the reader is closed")
+        mode, why = self._choose_read_mode()
+        _log.debug("reading %s: %s (%s)", self.path, mode, why)
+        return _Source(
+            self._file,
+            self._executor,
+            self.path,
+            self.header.data_offset,
+            self.meta.crcs or {},
+            direct=mode == "direct",
+        )
+
     # -- reading --------------------------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (waiting only for what is still in flight if it was prefetched)."""
@@ -216,6 +293,7 @@ class CheckpointReader:
 
         Aliases in ``names`` are read as their targets; the result is keyed by stored name.
         """
+        self._check_open()
         wanted = list(self.header.entries) if names is None else names
         entries = {}
         for n in wanted:
@@ -242,6 +320,61 @@ class CheckpointReader:
             fresh = {name: t.to(self.device) for name, t in fresh.items()}
         result.update(fresh)
         return result
+
+    def map(
+        self, names: Sequence[str] | None = None, *, verify: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Stored tensors (all when ``names`` is None) as views of a copy-on-write mapping of
+        the file: nothing is read until a tensor's pages are touched, and memory is used
+        only for the pages touched. Writing to a tensor changes only this process's copy of
+        that page, never the file.
+
+        ``verify=True`` checks the CRC32Cs now (touching every page, on every core).
+        A file truncated by someone else while mapped makes touching its missing pages
+        raise SIGBUS; that cannot be caught, so map only files nobody rewrites in place
+        (fastckpt's own saves replace files by rename, which is safe).
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.arange(6.0)}, "/tmp/fastckpt-map.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-map.safetensors") as f:
+            ...     f.map()["w"].tolist()
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        """
+        self._check_open()
+        if self.device.type != "cpu":
+            raise ValueError(f"mapping gives CPU tensors; this reader loads to {self.device}")
+        wanted = list(self.header.entries) if names is None else names
+        entries = {self._entry(n).name: self._entry(n) for n in wanted}
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        data = self._mapping()
+        if verify:
+            runs = _runs(entries.values())
+            for run in runs:
+                run.arena_pos = run.begin
+            spans, labels = _plan_spans(runs, 0, data.data_ptr(), direct=False)
+            actual = _tensor_crcs(labels, parallel_io.checksum_memory(spans))
+            _check_crcs(runs, actual, self.meta.crcs or {}, self.path)
+        return {name: _view(data, e.begin, e) for name, e in entries.items()}
+
+    def _mapping(self) -> torch.Tensor:
+        """The data section as a uint8 tensor over a private (copy-on-write) file mapping."""
+        with self._lock:
+            if self._mapped is None:
+                size = self.header.data_offset + self.header.data_size
+                if self.header.data_size == 0:
+                    self._mapped = torch.empty(0, dtype=torch.uint8)
+                else:
+                    mapping = mmap.mmap(self._file.fd, size, access=mmap.ACCESS_COPY)
+                    # frombuffer keeps the mapping alive as long as any view of it.
+                    self._mapped = torch.frombuffer(
+                        mapping,
+                        dtype=torch.uint8,
+                        count=self.header.data_size,
+                        offset=self.header.data_offset,
+                    )
+            return self._mapped
 
     def _read_to_device(
         self, entries: list[format.TensorEntry], *, verify: bool, progress: bool | None
@@ -295,9 +428,27 @@ class CheckpointReader:
         verify: bool,
         progress: bool | None,
     ) -> dict[str, torch.Tensor]:
-        return _PendingRead(self, entries, pin_memory=pin_memory, verify=verify).collect(
-            progress=progress
+        pending = self._start(entries, pin_memory=pin_memory, verify=verify, background=False)
+        return pending.collect(progress=progress)
+
+    def _start(
+        self, entries: list[format.TensorEntry], *, pin_memory: bool, verify: bool, background: bool
+    ) -> _PendingRead:
+        pending = _PendingRead(
+            self._source(), entries, pin_memory=pin_memory, verify=verify, background=background
         )
+        with self._lock:
+            self._active.add(pending)
+        pending.on_finish(self._forget)
+        return pending
+
+    def _forget(self, pending: _PendingRead) -> None:
+        with self._lock:
+            self._active.discard(pending)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: the reader is closed")
 
     def prefetch(
         self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
@@ -324,7 +475,9 @@ class CheckpointReader:
                 entries[e.name] = e
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
-        pending = _PendingRead(self, list(entries.values()), pin_memory=pin_memory, verify=verify)
+        pending = self._start(
+            list(entries.values()), pin_memory=pin_memory, verify=verify, background=True
+        )
         with self._lock:
             for name in entries:
                 self._prefetched[name] = pending
@@ -376,11 +529,13 @@ class CheckpointReader:
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        """Closes the file (waiting for any prefetch still reading it)."""
+        """Closes the file, first waiting for every read still using it (prefetches
+        included); reading afterwards raises ``ValueError``. Closing twice is harmless."""
         with self._lock:
-            pending, self._prefetched = list(self._prefetched.values()), {}
-        for p in pending:
-            p.cancel()
+            self._closed = True
+            active, self._active, self._prefetched = list(self._active), set(), {}
+        for pending in active:
+            pending.wait_quietly()
         self._file.close()
 
     def __enter__(self) -> "CheckpointReader":
@@ -390,104 +545,206 @@ class CheckpointReader:
         self.close()
 
 
-class _PendingRead:
-    """Reads of some tensors, submitted at creation into one arena.
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What a read needs of its reader (not the reader itself: a dropped reader must not be
+    kept alive by a prefetch it started)."""
 
-    :meth:`collect` waits for them (verifying checksums piece by piece as pieces complete)
-    and returns ``name -> tensor`` views of the arena. It may be called from several threads
-    and more than once: the first call does the work, later ones return its result or error.
+    file: File
+    executor: Executor
+    path: str
+    data_offset: int
+    crcs: dict[str, int]
+    direct: bool
+
+
+class _PendingRead:
+    """Reads of some tensors into one arena, started at creation (on a background thread
+    with ``background=True``, as prefetches are).
+
+    :meth:`collect` waits for them, checks checksums and returns ``name -> tensor`` views of
+    the arena. It may be called from several threads and more than once: the first call
+    does the work, later ones return its result or error.
     """
 
     def __init__(
         self,
-        reader: CheckpointReader,
+        source: _Source,
         entries: list[format.TensorEntry],
         *,
         pin_memory: bool,
         verify: bool,
+        background: bool,
     ):
-        self.reader = reader
+        self.source = source
         self.verify = verify
-        self._lock = threading.Lock()
-        self._result: dict[str, torch.Tensor] | None = None
-        self._error: BaseException | None = None
-        base = reader.header.data_offset
         self.runs = _runs(entries)
-        pos = 0
-        for run in self.runs:  # same offset modulo the page as in the file: O_DIRECT stays possible
-            pos = (
-                -(-pos // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
-                + (base + run.begin) % BUFFER_ALIGNMENT
-            )
-            run.arena_pos = pos
-            pos += run.end - run.begin
-        self.arena = aligned_tensor(pos, lock=pin_memory)
-        address = self.arena.data_ptr()
-        self.ops: list[tuple[int, _Run, int, int]] = []  # (op id, run, piece start, piece end)
-        executor, file = reader._executor, reader._file
+        self.arena = aligned_tensor(_place_runs(self.runs, source.data_offset), lock=pin_memory)
+        self.spans, self.labels = _plan_spans(
+            self.runs, source.data_offset, self.arena.data_ptr(), direct=source.direct
+        )
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._callbacks: list[Any] = []
+        self._bar: Any = None
+        self._crcs: list[list[int]] | None = None
+        self._error: BaseException | None = None
+        self._result: dict[str, torch.Tensor] | None = None
+        if background:
+            threading.Thread(target=self._transfer, name="fastckpt-prefetch", daemon=True).start()
+        else:
+            self._transfer()
+
+    def on_finish(self, callback: Any) -> None:
+        """Calls ``callback(self)`` once the transfer is over (at once if it already is)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _progress(self, nbytes: int) -> None:
+        bar = self._bar
+        if bar is not None:
+            with self._lock:
+                bar.update(nbytes)
+
+    def _transfer(self) -> None:
+        source = self.source
         try:
-            for run in self.runs:
-                start = run.begin
-                while start < run.end:
-                    stop = min(run.end, _piece_end(base + start) - base)
-                    ref = BufferRef(
-                        address + run.arena_pos + (start - run.begin), stop - start, self.arena
-                    )
-                    self.ops.append(
-                        (executor.submit(file, ref, base + start, write=False), run, start, stop)
-                    )
-                    start = stop
-        except BaseException:
-            self.cancel()
-            raise
+            if source.direct:
+                crcs = parallel_io.read_direct(
+                    source.executor,
+                    source.file,
+                    self.spans,
+                    owner=self.arena,
+                    checksum=self.verify,
+                    on_progress=self._progress,
+                )
+            else:
+                crcs = parallel_io.read_buffered(
+                    source.file, self.spans, checksum=self.verify, on_progress=self._progress
+                )
+            self._crcs = crcs
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever collects
+            self._error = exc
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def wait_quietly(self) -> None:
+        """Waits until no transfer of this read is running; raises nothing."""
+        self._done.wait()
 
     def collect(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        if not self._done.is_set():
+            total = sum(span.nbytes for span in self.spans)
+            with progress_bar(total, "loading", enabled=progress) as bar:
+                with self._lock:
+                    self._bar = bar
+                self._done.wait()
+                self._bar = None
         with self._lock:
             if self._result is None and self._error is None:
                 try:
-                    self._result = self._wait_and_view(progress)
-                except BaseException as exc:
+                    if self.verify:
+                        actual = _tensor_crcs(self.labels, self._crcs or [])
+                        _check_crcs(self.runs, actual, self.source.crcs, self.source.path)
+                    self._result = {
+                        e.name: _view(self.arena, run.arena_pos + (e.begin - run.begin), e)
+                        for run in self.runs
+                        for e in run.entries
+                    }
+                except BaseException as exc:  # noqa: BLE001 - kept for later callers too
                     self._error = exc
             if self._error is not None:
                 raise self._error
             return self._result
 
-    def cancel(self) -> None:
-        """Waits for every op without raising (no read may outlive the arena's owner)."""
-        for op, *_ in self.ops:
-            try:
-                self.reader._executor.wait(op)
-            except OSError:
-                pass
 
-    def _wait_and_view(self, progress: bool | None) -> dict[str, torch.Tensor]:
-        crcs = self.reader.meta.crcs if self.verify else None
-        verifiers = (
-            {id(run): StreamingVerifier(run.entries, crcs, self.reader.path) for run in self.runs}
-            if crcs
-            else {}
+def _check_crcs(
+    runs: list[_Run], actual: dict[str, int], expected: dict[str, int], path: str
+) -> None:
+    """ChecksumError naming the first tensor (in file order) whose CRC32C is not the recorded one."""
+    for run in runs:
+        for e in run.entries:
+            want = expected.get(e.name)
+            got = actual.get(e.name, 0)
+            if want is not None and got != want:
+                raise ChecksumError(
+                    f"tensor {e.name!r} in {path} is damaged: "
+                    f"CRC32C {got:08x}, expected {want:08x}",
+                    tensor=e.name,
+                    filename=path,
+                )
+
+
+def _place_runs(runs: list[_Run], data_offset: int) -> int:
+    """Sets each run's arena position, keeping its file offset modulo the page (so O_DIRECT
+    stays possible); returns the arena's size."""
+    pos = 0
+    for run in runs:
+        pos = (
+            -(-pos // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+            + (data_offset + run.begin) % BUFFER_ALIGNMENT
         )
-        address = self.arena.data_ptr()
-        total = sum(r.end - r.begin for r in self.runs)
-        with progress_bar(total, "loading", enabled=progress) as bar:
-            for i, (op, run, start, stop) in enumerate(self.ops):
-                try:
-                    self.reader._executor.wait(op)
-                    if verifiers:
-                        verifiers[id(run)].feed(
-                            start, address + run.arena_pos + (start - run.begin), stop - start
-                        )
-                except BaseException:
-                    self.ops = self.ops[i + 1 :]
-                    self.cancel()  # no read may outlive this failure unwaited
-                    raise
-                bar.update(stop - start)
-        for verifier in verifiers.values():
-            verifier.finish()
-        return {e.name: self._view(run, e) for run in self.runs for e in run.entries}
+        run.arena_pos = pos
+        pos += run.end - run.begin
+    return pos
 
-    def _view(self, run: _Run, e: format.TensorEntry) -> torch.Tensor:
-        return _view(self.arena, run.arena_pos + (e.begin - run.begin), e)
+
+def _span_bytes(total: int, direct: bool) -> int:
+    """The most bytes one span covers."""
+    if direct:
+        return _DIRECT_PIECE
+    share = total // (parallel_io.worker_count() * _SPANS_PER_WORKER)
+    share = -(-share // _MIN_SPAN) * _MIN_SPAN  # whole MiBs keep spans page-aligned
+    return max(_MIN_SPAN, min(_DIRECT_PIECE, share))
+
+
+def _plan_spans(
+    runs: list[_Run], data_offset: int, arena: int, *, direct: bool
+) -> tuple[list[Span], list[list[tuple[str, int]]]]:
+    """The spans that read ``runs`` into the arena at ``arena`` (cut at file offsets that
+    are multiples of the span size), and per span its checksum segments as (tensor, bytes).
+
+    A tensor can cover several spans (its CRC is then joined from theirs) and a span several
+    tensors (one segment each); empty tensors take no segment.
+    """
+    step = _span_bytes(sum(r.end - r.begin for r in runs), direct)
+    spans: list[Span] = []
+    labels: list[list[tuple[str, int]]] = []
+    for run in runs:
+        start = run.begin
+        while start < run.end:
+            absolute = data_offset + start
+            stop = min(run.end, (absolute // step + 1) * step - data_offset)
+            cuts, segments = [], []
+            for e in run.entries:
+                lo, hi = max(e.begin, start), min(e.end, stop)
+                if hi > lo:
+                    if lo > start:
+                        cuts.append(lo - start)
+                    segments.append((e.name, hi - lo))
+            spans.append(
+                Span(
+                    absolute, arena + run.arena_pos + (start - run.begin), stop - start, tuple(cuts)
+                )
+            )
+            labels.append(segments)
+            start = stop
+    return spans, labels
+
+
+def _tensor_crcs(labels: list[list[tuple[str, int]]], span_crcs: list[list[int]]) -> dict[str, int]:
+    """Each tensor's CRC32C, joined from its segments' CRCs in file order."""
+    crcs: dict[str, int] = {}
+    for segments, values in zip(labels, span_crcs):
+        for (name, nbytes), value in zip(segments, values):
+            crcs[name] = crc32c_combine(crcs[name], value, nbytes) if name in crcs else value
+    return crcs
 
 
 def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
@@ -501,16 +758,12 @@ def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tenso
     return raw.view(dtype).view(e.shape)
 
 
-def _piece_end(offset: int) -> int:
-    """The next multiple of the read piece after ``offset``."""
-    return (offset // _READ_PIECE + 1) * _READ_PIECE
-
-
 def open_checkpoint(
     f: str | os.PathLike[str],
     *,
     device: str | torch.device = "cpu",
     gds: bool | None = None,
+    direct_io: bool | None = None,
     **io: Any,
 ) -> CheckpointReader:
     """Opens a checkpoint for lazy reading (exported as ``fastckpt.open``).
@@ -521,6 +774,8 @@ def open_checkpoint(
             ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
         gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or
             ``EngineUnavailableError``; ``None``: when ``FASTCKPT_GDS=1`` and GDS runs here).
+        direct_io: ``True``/``False`` forces O_DIRECT / page-cache reads; default: chosen at
+            each read by what is in memory (see :attr:`CheckpointReader.read_mode`).
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``.
 
     Example:
@@ -530,4 +785,4 @@ def open_checkpoint(
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
-    return CheckpointReader(f, device=device, gds=gds, **io)
+    return CheckpointReader(f, device=device, gds=gds, direct_io=direct_io, **io)

@@ -219,6 +219,11 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         else:
             file = File(filename, write=write, create=write)
         try:
+            if write and ref.nbytes and file.size() < file_offset + ref.nbytes:
+                # Like fio's layout step: allocate the blocks first, so parallel out-of-order
+                # direct writes extend no file and leave one contiguous extent, and a full
+                # disk fails here, before any byte is written.
+                _C.preallocate(file.fd, file_offset + ref.nbytes, file.path)
             if not write and ref.nbytes:
                 size = file.size()
                 if file_offset + ref.nbytes > size:

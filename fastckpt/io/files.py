@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Any
 
 from fastckpt import _C
 from fastckpt.format import DEFAULT_ALIGNMENT
 
-__all__ = ["File"]
+__all__ = ["File", "require_regular_file"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -140,3 +141,33 @@ def _fd_writable(fd: int) -> bool:
     import fcntl
 
     return (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) != os.O_RDONLY
+
+
+def require_regular_file(path: str) -> None:
+    """Refuses, before opening, what is not a regular file: a directory raises
+    ``IsADirectoryError``; a FIFO, socket or device ``OSError(EINVAL)`` (opening a FIFO
+    would block until a writer appears), each naming ``path``.
+
+    Example:
+        >>> require_regular_file("/dev/null")
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 22] not a regular file (a character device): '/dev/null'
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a checkpoint file", path)
+    kind = (
+        "a named pipe"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "not a file"
+    )
+    raise OSError(errno.EINVAL, f"not a regular file ({kind})", path)

@@ -370,3 +370,19 @@ def test_engines_report():
     assert info["threads"].available
     for item in info.values():
         assert item.available or item.reason
+
+
+def test_writes_of_a_new_file_preallocate_it(tmp_path):
+    """A new file is allocated before the parallel writes: one extent's worth of blocks, and
+    the size is right even for a write at an offset."""
+    import torch
+
+    h = aio_handle(block_size=1 << 16, intra_op_parallelism=4)
+    data = torch.arange(1 << 20, dtype=torch.int32)
+    path = tmp_path / "new.bin"
+    assert h.sync_pwrite(data, str(path), file_offset=4096) == 1
+    assert path.stat().st_size == 4096 + data.numel() * 4
+    assert path.stat().st_blocks * 512 >= data.numel() * 4
+    back = torch.empty_like(data)
+    h.sync_pread(back, str(path), file_offset=4096)
+    assert torch.equal(back, data)
