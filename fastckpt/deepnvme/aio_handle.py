@@ -219,11 +219,14 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         else:
             file = File(filename, write=write, create=write)
         try:
-            if write and ref.nbytes and file.size() < file_offset + ref.nbytes:
+            aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
+            if write and ref.nbytes and file.size() < aligned_end:
                 # Like fio's layout step: allocate the blocks first, so parallel out-of-order
                 # direct writes extend no file and leave one contiguous extent, and a full
-                # disk fails here, before any byte is written.
-                _C.preallocate(file.fd, file_offset + ref.nbytes, file.path)
+                # disk fails here, before any byte is written. Only whole blocks: ext4 can
+                # lose a buffered write of a partial tail block into a preallocated
+                # (unwritten) extent that direct writes of the same file are converting.
+                _C.preallocate(file.fd, aligned_end, file.path)
             if not write and ref.nbytes:
                 size = file.size()
                 if file_offset + ref.nbytes > size:
