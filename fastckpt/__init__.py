@@ -38,6 +38,7 @@ _PUBLIC = {
     "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
     "wait_all": ("fastckpt.checkpoint.asynchronous", "wait_all"),
     "release_staging": ("fastckpt.checkpoint.asynchronous", "release_staging"),
+    "prepare_staging": ("fastckpt.checkpoint.asynchronous", "prepare_staging"),
     "CheckpointReader": ("fastckpt.checkpoint.read", "CheckpointReader"),
     "TensorInfo": ("fastckpt.checkpoint.read", "TensorInfo"),
     "engines": ("fastckpt.io.engines", "engines"),
@@ -62,6 +63,7 @@ __all__ = [
     "LoadFuture",
     "wait_all",
     "release_staging",
+    "prepare_staging",
     "CheckpointReader",
     "TensorInfo",
     "aio",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
         SaveFuture,
         async_load,
         async_save,
+        prepare_staging,
         release_staging,
         wait_all,
     )

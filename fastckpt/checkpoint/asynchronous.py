@@ -43,7 +43,15 @@ from fastckpt.format import DEFAULT_ALIGNMENT
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.staging_pool import StagingPool
 
-__all__ = ["async_save", "async_load", "SaveFuture", "LoadFuture", "wait_all", "release_staging"]
+__all__ = [
+    "async_save",
+    "async_load",
+    "SaveFuture",
+    "LoadFuture",
+    "wait_all",
+    "prepare_staging",
+    "release_staging",
+]
 
 _log = logging.getLogger("fastckpt")
 DEFAULT_MAX_PENDING = 2
@@ -161,8 +169,27 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def prepare_staging(nbytes: int, *, cuda: bool = False) -> int:
+    """Allocates the asynchronous staging pool ahead of the first :func:`async_save`, so that
+    call blocks only for its snapshot copy: ``nbytes`` (the size of the state to snapshot)
+    of page-locked memory, registered with CUDA with ``cuda=True`` (device-to-host copies
+    then run at DMA speed). Returns the bytes ready. The pool is kept and reused across
+    saves until :func:`release_staging`.
+
+    Example:
+        >>> import fastckpt
+        >>> fastckpt.prepare_staging(64 << 20) >= 64 << 20
+        True
+        >>> fastckpt.release_staging()
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    return _async_pool(None, nbytes).prepare(nbytes, cuda=cuda)
+
+
 def release_staging() -> None:
-    """Frees the idle buffers of the asynchronous staging pool (they come back on demand).
+    """Frees the idle buffers of the asynchronous staging pool (they come back on demand;
+    :func:`prepare_staging` allocates them ahead).
 
     Example:
         >>> import fastckpt

@@ -14,15 +14,19 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import numpy as np
 
 from fastckpt.config import staging_bytes
+from fastckpt.io import device_copy
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_array
 
 __all__ = ["StagingPool", "StagingBuffer", "default_pool", "DEFAULT_PIECE"]
+
+_log = logging.getLogger("fastckpt")
 
 # Large enough that each write is one efficient stream of engine requests, small enough
 # that the 256 MiB default budget gives 8 buffers to overlap copying with writing.
@@ -32,13 +36,33 @@ DEFAULT_PIECE = 32 << 20
 class StagingBuffer:
     """One page-aligned buffer of the pool: ``array`` (uint8) at ``address``."""
 
-    __slots__ = ("array", "address", "nbytes", "_tensor")
+    __slots__ = ("array", "address", "nbytes", "_tensor", "cuda_registered")
 
     def __init__(self, nbytes: int):
         self.array = aligned_array(nbytes, lock=True, strict=False)
         self.address = self.array.__array_interface__["data"][0]
         self.nbytes = nbytes
         self._tensor = None
+        self.cuda_registered = False
+
+    def register_for_cuda(self) -> bool:
+        """Registers the buffer with CUDA (``cudaHostRegister``) once, so device-to-host
+        copies into it run at DMA speed instead of pageable-memory speed. False (and the
+        buffer stays usable, just slower for CUDA) where CUDA cannot register it."""
+        if not self.cuda_registered:
+            try:
+                device_copy.pin_host_tensor(self.tensor())
+            except (RuntimeError, TypeError) as exc:
+                _log.debug("staging buffer stays unregistered for CUDA: %s", exc)
+                return False
+            self.cuda_registered = True
+        return True
+
+    def free(self) -> None:
+        """Undoes the CUDA registration; the memory goes when the last reference does."""
+        if self.cuda_registered:
+            device_copy.unpin_host_tensor(self.tensor())
+            self.cuda_registered = False
 
     def tensor(self):
         """A uint8 torch tensor over the buffer (shares memory)."""
@@ -117,7 +141,28 @@ class StagingPool:
         """Frees every buffer not in use (they are re-allocated on demand)."""
         with self._cond:
             self._allocated -= len(self._free)
-            self._free.clear()
+            freed, self._free = self._free, []
+        for buf in freed:
+            buf.free()
+
+    def prepare(self, nbytes: int, *, cuda: bool = False) -> int:
+        """Allocates (page-locks, and with ``cuda`` registers with CUDA) buffers up front
+        until ``nbytes`` are ready, growing the capacity if needed; returns the bytes ready.
+        Later acquisitions then cost nothing."""
+        self.grow_to(nbytes)
+        taken = []
+        try:
+            while sum(b.nbytes for b in taken) < nbytes:
+                buf = self.try_acquire()
+                if buf is None:
+                    break
+                taken.append(buf)
+                if cuda:
+                    buf.register_for_cuda()
+        finally:
+            for buf in taken:
+                self.release(buf)
+        return sum(b.nbytes for b in taken)
 
 
 _pools: dict[int, StagingPool] = {}

@@ -241,3 +241,32 @@ def test_future_result_timeout(tmp_path):
     gate.set()
     assert future.result(timeout=10) is None
     time.sleep(0)
+
+
+def test_prepare_staging_allocates_the_pool_ahead(tmp_path):
+    """After prepare_staging, an async save takes its buffers from the prepared pool."""
+    ready = fastckpt.prepare_staging(96 << 20)
+    assert ready >= 96 << 20
+    pool = background._pool
+    allocated = pool._allocated
+    state = {"w": torch.randn(16 << 18)}  # 16 MiB
+    fastckpt.async_save(state, tmp_path / "a.safetensors").result()
+    assert background._pool is pool and pool._allocated == allocated
+    assert torch.equal(fastckpt.load(tmp_path / "a.safetensors")["w"], state["w"])
+    with pytest.raises(ValueError, match="nbytes"):
+        fastckpt.prepare_staging(-1)
+    fastckpt.release_staging()
+    assert pool._allocated == 0
+
+
+@pytest.mark.cuda
+def test_prepared_cuda_staging_is_registered_and_snapshots_device_tensors(tmp_path):
+    assert fastckpt.prepare_staging(64 << 20, cuda=True) >= 64 << 20
+    assert all(b.cuda_registered for b in background._pool._free)
+    state = {"w": torch.randn(4 << 18, device="cuda")}
+    future = fastckpt.async_save(state, tmp_path / "c.safetensors")
+    expected = state["w"].cpu()
+    state["w"].zero_()
+    future.result()
+    assert torch.equal(fastckpt.load(tmp_path / "c.safetensors")["w"], expected)
+    fastckpt.release_staging()
