@@ -19,7 +19,6 @@ Memory each function uses:
   host memory, taken from PyTorch's pinned-memory caching allocator and reused.
 - :func:`read_into_device` / :func:`write_from_device`: ``staging_bytes`` of pinned host
   memory in up to 8 buffers; none with ``gds=True`` (cuFile uses its own buffers).
-- :func:`copy_device_to_host_async`: none of its own.
 
 Example (needs a CUDA GPU)::
 
@@ -51,7 +50,6 @@ __all__ = [
     "CHUNK",
     "DEPTH",
     "PIPELINES",
-    "copy_device_to_host_async",
     "device_arena",
     "pin_host_tensor",
     "read_into_device",
@@ -530,40 +528,6 @@ def write_from_device(
         depth=depth,
         ready=_ready_event(torch, src),
     )
-
-
-def copy_device_to_host_async(src: Any, dst: Any, stream: Any = None) -> Any:
-    """Queues a copy of a contiguous CUDA tensor's bytes into the start of a host uint8 tensor
-    on ``stream`` (default: a stream of the pool) after the work already queued on ``src``;
-    returns the ``torch.cuda.Event`` that marks its end.
-
-    The copy overlaps other work only when ``dst`` is page-locked (``pin_memory()``, or a
-    buffer passed to :func:`pin_host_tensor`); otherwise PyTorch completes it before
-    returning. ``dst`` must not be read, nor ``src`` changed, before the event completes.
-
-    Example (needs a CUDA GPU)::
-
-        ev = copy_device_to_host_async(weight, staging[: weight.nbytes])
-        ev.synchronize()  # staging now holds weight's bytes
-    """
-    _check_device_bytes(src, "src")
-    if not (hasattr(dst, "is_cuda") and hasattr(dst, "data_ptr")) or dst.is_cuda:
-        raise TypeError("dst: expected a host (CPU) torch.Tensor")
-    if dst.dtype != _uint8() or dst.dim() != 1 or not dst.is_contiguous():
-        raise TypeError("dst: expected a contiguous 1-D uint8 tensor")
-    flat = _as_bytes(src)
-    if dst.numel() < flat.numel():
-        raise ValueError(f"dst: {dst.numel()} bytes cannot hold src's {flat.numel()}")
-    torch = require_cuda()
-    if stream is None:
-        stream = torch.cuda.Stream(src.device)
-    stream.wait_stream(torch.cuda.current_stream(src.device))
-    with torch.cuda.stream(stream):
-        dst[: flat.numel()].copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    src.record_stream(stream)  # the allocator must not reuse src's memory before the copy ends
-    return event
 
 
 def pin_host_tensor(tensor: Any) -> None:
