@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import tempfile
 import threading
 from typing import Any
 
@@ -158,6 +159,34 @@ class _Probe:
     mode: str | None  # "gds", "compat" or None
 
 
+def _register_problem() -> str | None:
+    """Why cuFile cannot register a real file (in the temporary directory), or None.
+
+    An open driver alone proves little: registration is where cuFile checks the file
+    system and its compatibility-mode settings, so "available" is said only after it works.
+    """
+    fd = -1
+    try:
+        with tempfile.NamedTemporaryFile(prefix="fastckpt-gds-probe-") as probe:
+            probe.write(b"\0" * 4096)
+            probe.flush()
+            flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+            try:
+                fd = os.open(probe.name, flags)
+            except OSError:
+                fd = os.open(
+                    probe.name, os.O_RDONLY
+                )  # no O_DIRECT here: compat mode may still work
+            handle = _C.cufile_handle_register(fd, probe.name)
+            _C.cufile_handle_deregister(handle)
+    except (CuFileError, OSError) as exc:
+        return str(exc)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _probe() -> _Probe:
     problems = []
@@ -175,6 +204,11 @@ def _probe() -> _Probe:
         _C.cufile_driver_open()
     except CuFileError as exc:
         return _Probe(False, f"{exc} (libcufile at {text})", None)
+    problem = _register_problem()
+    if problem is not None:
+        return _Probe(
+            False, f"cuFile cannot register a file here: {problem} (libcufile at {text})", None
+        )
     force = _C.cufile_get_bool_parameter(_PARAM_FORCE_COMPAT_MODE)
     if force:
         return _Probe(
