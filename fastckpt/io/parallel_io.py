@@ -146,19 +146,7 @@ def read_buffered(
     Raises:
         OSError: a read failed, or the file ended early (``ENODATA``); filename included.
     """
-
-    def work(span: Span) -> list[int]:
-        return _C.pread_crc(
-            file.fd,
-            span.address,
-            span.nbytes,
-            span.file_offset,
-            list(span.cuts),
-            checksum,
-            file.path,
-        )
-
-    return _run_all(spans, work, on_progress)
+    return _buffered(_C.pread_crc, file, spans, checksum, on_progress)
 
 
 def write_buffered(
@@ -170,16 +158,20 @@ def write_buffered(
 ) -> list[list[int]]:
     """Writes every span through the page cache on the worker threads (not durable until
     the file is fsynced)."""
+    return _buffered(_C.pwrite_crc, file, spans, checksum, on_progress)
 
+
+def _buffered(
+    native: Callable[..., list[int]],
+    file: File,
+    spans: Sequence[Span],
+    checksum: bool,
+    on_progress: Progress | None,
+) -> list[list[int]]:
     def work(span: Span) -> list[int]:
-        return _C.pwrite_crc(
-            file.fd,
-            span.address,
-            span.nbytes,
-            span.file_offset,
-            list(span.cuts),
-            checksum,
-            file.path,
+        cuts = list(span.cuts)
+        return native(
+            file.fd, span.address, span.nbytes, span.file_offset, cuts, checksum, file.path
         )
 
     return _run_all(spans, work, on_progress)
