@@ -45,7 +45,7 @@ from typing import Any
 
 from fastckpt import _C, config
 from fastckpt.errors import EngineUnavailableError
-from fastckpt.io.aligned_memory import BufferRef, buffer_ref
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, buffer_ref
 from fastckpt.io.files import File
 
 __all__ = [
