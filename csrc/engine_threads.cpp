@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "engine.h"
@@ -22,7 +23,19 @@ class ThreadsEngine final : public Engine {
  public:
   explicit ThreadsEngine(unsigned depth) {
     unsigned n = std::max(1u, std::min(depth, kMaxThreads));
-    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
+    workers_.reserve(n);
+    // Fewer threads than asked (the system refused more) only cost parallelism. With none,
+    // throw: no thread has started, so there is nothing to join.
+    for (unsigned i = 0; i < n; ++i) {
+      try {
+        workers_.emplace_back([this] { run(); });
+      } catch (const std::exception& e) {
+        if (!workers_.empty()) break;
+        if (auto* se = dynamic_cast<const std::system_error*>(&e))
+          throw IoError(se->code().value(), "starting an I/O thread");
+        throw;
+      }
+    }
   }
 
   ~ThreadsEngine() override {
