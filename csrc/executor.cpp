@@ -258,6 +258,17 @@ void Executor::run_task(Engine& engine, Task& task) {
     err = e;
     err_what = std::move(what);
   };
+  // For the handlers below, which must not throw while requests are in flight: the errno is
+  // recorded first; the message is best effort.
+  auto fail_in_handler = [&](int e, const char* what) noexcept {
+    if (err) return;
+    err = e;
+    try {
+      err_what = describe(s, s.len, s.offset) + ": " + what;
+    } catch (...) {
+      err_what.clear();
+    }
+  };
 
   auto issue = [&](Slot* sl) {
     char* base = sl->use_bounce ? sl->bounce : s.ptr + sl->rel;
@@ -362,13 +373,13 @@ void Executor::run_task(Engine& engine, Task& task) {
       for (const Completion& c : completions) complete(c);
       failed_rounds = 0;
     } catch (const IoError& e) {
-      fail(e.err(), e.message());
+      fail_in_handler(e.err(), e.message().c_str());
       backoff(++failed_rounds, in_flight);
     } catch (const std::bad_alloc&) {
-      fail(ENOMEM, "out of memory during a " + describe(s, s.len, s.offset));
+      fail_in_handler(ENOMEM, "out of memory");
       backoff(++failed_rounds, in_flight);
     } catch (const std::exception& e) {
-      fail(EIO, e.what());
+      fail_in_handler(EIO, e.what());
       backoff(++failed_rounds, in_flight);
     }
   }

@@ -87,7 +87,7 @@ def test_bounce_buffer_enomem_mid_batch_drains_in_flight_reads(engine, tmp_path)
     require_o_direct(path)
     out = run_child(
         f"""
-        import errno, os
+        import errno
         import numpy as np, torch
         from fastckpt.aio import aio_handle
 
@@ -106,7 +106,6 @@ def test_bounce_buffer_enomem_mid_batch_drains_in_flight_reads(engine, tmp_path)
             except OSError as exc:
                 assert exc.errno == errno.ENOMEM, exc
                 assert exc.filename == path, exc
-                assert str(exc).count(os.strerror(errno.ENOMEM)) == 1, str(exc)
             else:
                 raise AssertionError("the read succeeded with room for one bounce buffer")
         lift_limit()
