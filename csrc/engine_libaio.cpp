@@ -52,25 +52,30 @@ class LibaioEngine final : public Engine {
     ready_.reserve(ready_.size() + batch.size());
     size_t done = 0;
     unsigned busy_rounds = 0;
-    while (done < batch.size()) {
-      long n = sys_io_submit(ctx_, static_cast<long>(batch.size() - done), batch.data() + done);
-      if (n >= 0) {
-        done += static_cast<size_t>(n);
-        in_kernel_ += n;
-        continue;
+    try {
+      while (done < batch.size()) {
+        long n = sys_io_submit(ctx_, static_cast<long>(batch.size() - done), batch.data() + done);
+        if (n > 0) {
+          done += static_cast<size_t>(n);
+          in_kernel_ += n;
+          continue;
+        }
+        const int err = n == 0 ? EAGAIN : errno;  // none taken without an error: treat as busy
+        if (err == EINTR) continue;
+        if (err == EAGAIN && in_kernel_ > 0 && ++busy_rounds <= kMaxBusyRounds) {
+          // Out of kernel resources: collecting a completion frees some; retrying without
+          // that could spin.
+          collect(1);
+          continue;
+        }
+        // The kernel refused the first iocb outright: report it as that request's result
+        // so the executor applies its usual policy (e.g. retry without O_DIRECT).
+        ready_.push_back({reinterpret_cast<Request*>(batch[done]->aio_data), -err});
+        ++done;
       }
-      const int err = errno;
-      if (err == EINTR) continue;
-      if (err == EAGAIN && in_kernel_ > 0 && ++busy_rounds <= kMaxBusyRounds) {
-        // Out of kernel resources: collecting a completion frees some; retrying without
-        // that could spin.
-        collect(1);
-        continue;
-      }
-      // The kernel refused the first iocb outright: report it as that request's result
-      // so the executor applies its usual policy (e.g. retry without O_DIRECT).
-      ready_.push_back({reinterpret_cast<Request*>(batch[done]->aio_data), -err});
-      ++done;
+    } catch (...) {  // collect() failed: keep only what the kernel has not seen, for next time
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+      throw;
     }
     pending_.clear();  // the kernel copied each iocb at submission
   }

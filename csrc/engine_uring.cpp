@@ -107,12 +107,12 @@ class UringEngine final : public Engine {
     unsigned busy_rounds = 0;
     while (unsubmitted_ > 0) {
       int n = sys_enter(fd_, unsubmitted_, 0, 0);
-      if (n >= 0) {
+      if (n > 0) {
         unsubmitted_ -= static_cast<unsigned>(n);
         in_kernel_ += static_cast<unsigned>(n);
         continue;
       }
-      const int err = errno;
+      const int err = n == 0 ? EAGAIN : errno;  // none taken without an error: treat as busy
       if (err == EINTR) continue;
       if ((err == EAGAIN || err == EBUSY) && ++busy_rounds <= kMaxBusyRounds) {
         // The kernel is short of request memory (EAGAIN) or its completion queue is full
