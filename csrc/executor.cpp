@@ -61,6 +61,16 @@ void backoff(unsigned failed_rounds, unsigned in_flight) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
+// `make()`'s text, or "" where building it runs out of memory: the errno says enough then.
+template <typename F>
+std::string message_or_empty(F make) noexcept {
+  try {
+    return make();
+  } catch (...) {
+    return std::string();
+  }
+}
+
 }  // namespace
 
 Executor::Executor(const ExecutorConfig& config) : config_(config) {
@@ -129,15 +139,25 @@ uint64_t Executor::submit(const OpSpec& spec) {
     begin = end;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  uint64_t id = next_id_++;
-  ops_[id] = op;
+  const uint64_t id = next_id_;
   op->parts_left = static_cast<unsigned>(tasks.size());
-  if (tasks.empty()) {
-    op->done = true;
-  } else {
-    for (auto& t : tasks) tasks_.push_back(std::move(t));
-    work_cv_.notify_all();
+  op->done = tasks.empty();
+  auto slot = ops_.emplace(id, op).first;
+  // All or nothing (workers cannot take a task while the lock is held): an op with only
+  // some of its parts queued would never finish.
+  size_t queued = 0;
+  try {
+    for (auto& t : tasks) {
+      tasks_.push_back(t);
+      ++queued;
+    }
+  } catch (...) {
+    for (; queued > 0; --queued) tasks_.pop_back();
+    ops_.erase(slot);
+    throw;
   }
+  ++next_id_;
+  if (!tasks.empty()) work_cv_.notify_all();
   return id;
 }
 
@@ -192,19 +212,25 @@ void Executor::worker_main(unsigned index) {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
+    // Nothing here may throw: the part must be counted finished, or wait() never returns.
+    int err = 0;
+    std::string what;
     try {
       run_task(engine, task);
     } catch (const IoError& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!task.op->err) {
-        task.op->err = e.err();
-        task.op->err_what = e.message();  // wait() throws a new IoError, which adds strerror
-      }
+      err = e.err();
+      what = message_or_empty([&] { return e.message(); });
+    } catch (const std::bad_alloc&) {
+      err = ENOMEM;
     } catch (const std::exception& e) {
+      err = EIO;
+      what = message_or_empty([&] { return std::string(e.what()); });
+    }
+    if (err) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!task.op->err) {
-        task.op->err = EIO;
-        task.op->err_what = e.what();
+        task.op->err = err;
+        task.op->err_what = std::move(what);  // wait() throws a new IoError: it adds strerror
       }
     }
     finish_part(task.op);
@@ -263,11 +289,7 @@ void Executor::run_task(Engine& engine, Task& task) {
   auto fail_in_handler = [&](int e, const char* what) noexcept {
     if (err) return;
     err = e;
-    try {
-      err_what = describe(s, s.len, s.offset) + ": " + what;
-    } catch (...) {
-      err_what.clear();
-    }
+    err_what = message_or_empty([&] { return describe(s, s.len, s.offset) + ": " + what; });
   };
 
   auto issue = [&](Slot* sl) {

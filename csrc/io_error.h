@@ -12,7 +12,7 @@ class IoError : public std::runtime_error {
  public:
   // `what` says what failed, without the errno's text: what() appends strerror(err) once.
   IoError(int err, const std::string& what, std::string path = "")
-      : std::runtime_error(what + ": " + std::strerror(err)),
+      : std::runtime_error(what.empty() ? std::strerror(err) : what + ": " + std::strerror(err)),
         err_(err),
         message_(what),
         path_(std::move(path)) {}
