@@ -15,7 +15,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -57,7 +56,7 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
                                             kHugePage * kHugePage);
     const size_t head = static_cast<size_t>(aligned - start);
     const size_t tail = reserve - head - mapped_;
-    // Trimming splits the mapping; the kernel may refuse (ENOMEM: too many mappings). Then
+    // munmap can fail (ENOMEM where it would split a mapping past vm.max_map_count); then
     // give all of it back rather than keep a half-trimmed reservation.
     if ((head && munmap(start, head) != 0) || (tail && munmap(aligned + mapped_, tail) != 0)) {
       const int err = errno;
