@@ -26,6 +26,7 @@ long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, io_event* events)
 class LibaioEngine final : public Engine {
  public:
   explicit LibaioEngine(unsigned depth) : depth_(depth), events_(depth) {
+    ready_.reserve(depth);  // collecting never allocates, so it cannot drop an event
     if (sys_io_setup(depth, &ctx_) < 0) throw IoError(errno, "io_setup");
   }
   ~LibaioEngine() override { sys_io_destroy(ctx_); }
@@ -42,48 +43,75 @@ class LibaioEngine final : public Engine {
     pending_.push_back(std::move(cb));
   }
 
+  // Never leaves a request in limbo: each prepared request is either taken by the kernel or
+  // handed back through reap() with the submission's -errno as its result.
   void flush() override {
     std::vector<iocb*> batch;
+    batch.reserve(pending_.size());
     for (auto& cb : pending_) batch.push_back(cb.get());
+    ready_.reserve(ready_.size() + batch.size());
     size_t done = 0;
-    while (done < batch.size()) {
-      long n = sys_io_submit(ctx_, static_cast<long>(batch.size() - done), batch.data() + done);
-      if (n < 0) {
-        if (errno == EINTR || errno == EAGAIN) continue;
+    unsigned busy_rounds = 0;
+    try {
+      while (done < batch.size()) {
+        long n = sys_io_submit(ctx_, static_cast<long>(batch.size() - done), batch.data() + done);
+        if (n > 0) {
+          done += static_cast<size_t>(n);
+          in_kernel_ += n;
+          continue;
+        }
+        const int err = n == 0 ? EAGAIN : errno;  // none taken without an error: treat as busy
+        if (err == EINTR) continue;
+        if (err == EAGAIN && in_kernel_ > 0 && ++busy_rounds <= kMaxBusyRounds) {
+          // Out of kernel resources: collecting a completion frees some; retrying without
+          // that could spin.
+          collect(1);
+          continue;
+        }
         // The kernel refused the first iocb outright: report it as that request's result
         // so the executor applies its usual policy (e.g. retry without O_DIRECT).
-        refused_.push_back({reinterpret_cast<Request*>(batch[done]->aio_data), -errno});
+        ready_.push_back({reinterpret_cast<Request*>(batch[done]->aio_data), -err});
         ++done;
-        continue;
       }
-      done += static_cast<size_t>(n);
+    } catch (...) {  // collect() failed: keep only what the kernel has not seen, for next time
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+      throw;
     }
-    pending_.clear();
+    pending_.clear();  // the kernel copied each iocb at submission
   }
 
   void reap(size_t min_complete, std::vector<Completion>& out) override {
-    size_t got = refused_.size();
-    out.insert(out.end(), refused_.begin(), refused_.end());
-    refused_.clear();
-    while (got < min_complete) {
-      long n =
-          sys_io_getevents(ctx_, static_cast<long>(min_complete - got), depth_, events_.data());
+    // Collected into ready_ first: if waiting throws, nothing is lost, the next reap() has it.
+    if (ready_.size() < min_complete) collect(min_complete - ready_.size());
+    out.insert(out.end(), ready_.begin(), ready_.end());
+    ready_.clear();
+  }
+
+ private:
+  static constexpr unsigned kMaxBusyRounds = 1000;
+
+  // Waits for `want` completions and moves them to ready_.
+  void collect(size_t want) {
+    size_t got = 0;
+    while (got < want) {
+      long n = sys_io_getevents(ctx_, static_cast<long>(want - got), depth_, events_.data());
       if (n < 0) {
         if (errno == EINTR) continue;
         throw IoError(errno, "io_getevents");
       }
       for (long i = 0; i < n; ++i)
-        out.push_back({reinterpret_cast<Request*>(events_[i].data), events_[i].res});
+        ready_.push_back({reinterpret_cast<Request*>(events_[i].data), events_[i].res});
       got += static_cast<size_t>(n);
+      in_kernel_ -= n;
     }
   }
 
- private:
   aio_context_t ctx_ = 0;
   long depth_;
   std::vector<io_event> events_;
   std::vector<std::unique_ptr<iocb>> pending_;
-  std::vector<Completion> refused_;
+  long in_kernel_ = 0;             // submitted and not yet collected
+  std::vector<Completion> ready_;  // collected or refused, not yet handed out by reap()
 };
 
 }  // namespace

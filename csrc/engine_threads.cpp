@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "engine.h"
@@ -22,7 +23,20 @@ class ThreadsEngine final : public Engine {
  public:
   explicit ThreadsEngine(unsigned depth) {
     unsigned n = std::max(1u, std::min(depth, kMaxThreads));
-    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
+    done_.reserve(std::max(1u, depth));  // so a worker's push_back never allocates (or throws)
+    workers_.reserve(n);
+    // Fewer threads than asked (the system refused more) only cost parallelism. With none,
+    // throw: no thread has started, so there is nothing to join.
+    for (unsigned i = 0; i < n; ++i) {
+      try {
+        workers_.emplace_back([this] { run(); });
+      } catch (const std::exception& e) {
+        if (!workers_.empty()) break;
+        if (auto* se = dynamic_cast<const std::system_error*>(&e))
+          throw IoError(se->code().value(), "starting an I/O thread");
+        throw;
+      }
+    }
   }
 
   ~ThreadsEngine() override {
@@ -40,7 +54,17 @@ class ThreadsEngine final : public Engine {
     if (prepared_.empty()) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (Request* r : prepared_) queue_.push_back(r);
+      // All or nothing: if the queue cannot grow, the requests stay prepared for next time.
+      size_t added = 0;
+      try {
+        for (Request* r : prepared_) {
+          queue_.push_back(r);
+          ++added;
+        }
+      } catch (...) {
+        for (; added > 0; --added) queue_.pop_back();
+        throw;
+      }
     }
     prepared_.clear();
     work_cv_.notify_all();

@@ -11,6 +11,7 @@
 
 #include "engine.h"
 #include "io_error.h"
+#include "memory.h"
 
 namespace fastckpt {
 namespace {
@@ -45,10 +46,15 @@ class UringEngine final : public Engine {
     cq_len_ = p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe);
     single_mmap_ = (p.features & IORING_FEAT_SINGLE_MMAP) != 0;
     if (single_mmap_) sq_len_ = cq_len_ = std::max(sq_len_, cq_len_);
-    sq_ring_ = map(sq_len_, IORING_OFF_SQ_RING);
-    cq_ring_ = single_mmap_ ? sq_ring_ : map(cq_len_, IORING_OFF_CQ_RING);
     sqes_len_ = p.sq_entries * sizeof(io_uring_sqe);
-    sqes_ = static_cast<io_uring_sqe*>(map(sqes_len_, IORING_OFF_SQES));
+    try {  // a constructor that throws gets no destructor call: undo by hand
+      sq_ring_ = map(sq_len_, IORING_OFF_SQ_RING);
+      cq_ring_ = single_mmap_ ? sq_ring_ : map(cq_len_, IORING_OFF_CQ_RING);
+      sqes_ = static_cast<io_uring_sqe*>(map(sqes_len_, IORING_OFF_SQES));
+    } catch (...) {
+      release();
+      throw;
+    }
     char* sq = static_cast<char*>(sq_ring_);
     sq_head_ = reinterpret_cast<unsigned*>(sq + p.sq_off.head);
     sq_tail_ = reinterpret_cast<unsigned*>(sq + p.sq_off.tail);
@@ -60,13 +66,19 @@ class UringEngine final : public Engine {
     cq_mask_ = *reinterpret_cast<unsigned*>(cq + p.cq_off.ring_mask);
     cqes_ = reinterpret_cast<io_uring_cqe*>(cq + p.cq_off.cqes);
     local_tail_ = *sq_tail_;
+    ready_.reserve(depth);
   }
 
-  ~UringEngine() override {
-    if (sqes_) munmap(sqes_, sqes_len_);
-    if (cq_ring_ && !single_mmap_) munmap(cq_ring_, cq_len_);
-    if (sq_ring_) munmap(sq_ring_, sq_len_);
+  ~UringEngine() override { release(); }
+
+  void release() {
+    if (sqes_) unmap_or_report(sqes_, sqes_len_, "io_uring submission entries");
+    if (cq_ring_ && !single_mmap_) unmap_or_report(cq_ring_, cq_len_, "io_uring completion ring");
+    if (sq_ring_) unmap_or_report(sq_ring_, sq_len_, "io_uring submission ring");
     if (fd_ >= 0) close(fd_);
+    sqes_ = nullptr;
+    cq_ring_ = sq_ring_ = nullptr;
+    fd_ = -1;
   }
 
   void prepare(Request* r) override {
@@ -87,39 +99,74 @@ class UringEngine final : public Engine {
     ++unsubmitted_;
   }
 
+  // Never leaves a request in limbo: each prepared request is either taken by the kernel or
+  // handed back through reap() with the submission's -errno as its result.
   void flush() override {
     if (unsubmitted_ == 0) return;
     store_release(sq_tail_, local_tail_);
+    unsigned busy_rounds = 0;
     while (unsubmitted_ > 0) {
       int n = sys_enter(fd_, unsubmitted_, 0, 0);
-      if (n < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == EBUSY) continue;
-        throw IoError(errno, "io_uring_enter (submit)");
+      if (n > 0) {
+        unsubmitted_ -= static_cast<unsigned>(n);
+        in_kernel_ += static_cast<unsigned>(n);
+        continue;
       }
-      unsubmitted_ -= static_cast<unsigned>(n);
+      const int err = n == 0 ? EAGAIN : errno;  // none taken without an error: treat as busy
+      if (err == EINTR) continue;
+      if ((err == EAGAIN || err == EBUSY) && ++busy_rounds <= kMaxBusyRounds) {
+        // The kernel is short of request memory (EAGAIN) or its completion queue is full
+        // (EBUSY): collecting completions frees both; retrying without that could spin.
+        collect(in_kernel_ > 0 ? 1 : 0);
+        continue;
+      }
+      refuse_unsubmitted(-err);
     }
   }
 
   void reap(size_t min_complete, std::vector<Completion>& out) override {
+    // Collected into ready_ first: if waiting throws, nothing is lost, the next reap() has it.
+    if (ready_.size() < min_complete) collect(min_complete - ready_.size());
+    out.insert(out.end(), ready_.begin(), ready_.end());
+    ready_.clear();
+  }
+
+ private:
+  static constexpr unsigned kMaxBusyRounds = 1000;
+
+  // Moves completions from the ring to ready_ until `want` have arrived (0: only those there).
+  void collect(size_t want) {
     size_t got = 0;
     for (;;) {
       unsigned head = *cq_head_;
       unsigned tail = load_acquire(cq_tail_);
+      ready_.reserve(ready_.size() + (tail - head));
       while (head != tail) {
         const io_uring_cqe& cqe = cqes_[head & cq_mask_];
-        out.push_back({reinterpret_cast<Request*>(cqe.user_data), cqe.res});
+        ready_.push_back({reinterpret_cast<Request*>(cqe.user_data), cqe.res});
         ++head;
         ++got;
+        --in_kernel_;
       }
       store_release(cq_head_, head);
-      if (got >= min_complete) return;
-      int n = sys_enter(fd_, 0, static_cast<unsigned>(min_complete - got), IORING_ENTER_GETEVENTS);
+      if (got >= want) return;
+      int n = sys_enter(fd_, 0, static_cast<unsigned>(want - got), IORING_ENTER_GETEVENTS);
       if (n < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY)
         throw IoError(errno, "io_uring_enter (wait)");
     }
   }
 
- private:
+  // Takes the requests the kernel has not consumed back out of the submission queue (only
+  // io_uring_enter consumes them, and only this thread calls it) and fails each with `res`.
+  void refuse_unsubmitted(int res) {
+    const unsigned head = load_acquire(sq_head_);
+    for (unsigned i = head; i != local_tail_; ++i)
+      ready_.push_back({reinterpret_cast<Request*>(sqes_[i & sq_mask_].user_data), res});
+    local_tail_ = head;
+    store_release(sq_tail_, local_tail_);
+    unsubmitted_ = 0;
+  }
+
   void* map(size_t len, off_t what) {
     void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, what);
     if (p == MAP_FAILED) throw IoError(errno, "mmap io_uring ring");
@@ -139,6 +186,8 @@ class UringEngine final : public Engine {
   io_uring_cqe* cqes_ = nullptr;
   unsigned local_tail_ = 0;
   unsigned unsubmitted_ = 0;
+  unsigned in_kernel_ = 0;         // submitted and not yet collected
+  std::vector<Completion> ready_;  // collected, not yet handed out by reap()
 };
 
 }  // namespace

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 
 #include "io_error.h"
 
@@ -27,6 +29,8 @@ namespace {
 
 // Bounce buffers cost block_size each; cap how many a worker keeps in flight.
 constexpr unsigned kMaxBounceSlots = 8;
+// A request answered EINTR/EAGAIN this many times in a row fails with that errno.
+constexpr unsigned kMaxRetries = 64;
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
@@ -39,11 +43,32 @@ struct Slot {
   bool direct = false;      // through the O_DIRECT descriptor
   bool use_bounce = false;  // staged through `bounce` (memory not aligned)
   char* bounce = nullptr;   // owned by the slot, allocated on first use
+  unsigned retries = 0;     // EINTR/EAGAIN results in a row
 };
 
 std::string describe(const OpSpec& s, uint64_t len, uint64_t offset) {
   return std::string(s.write ? "write of " : "read of ") + std::to_string(len) +
          " bytes at offset " + std::to_string(offset);
+}
+
+// After the engine itself failed (flush/reap threw) with requests still in flight: those
+// requests may still write into memory the executor owns or was lent, so the only safe way
+// out is to collect them. Wait a little before each new try, so a persistent failure costs
+// sleep, not CPU.
+void backoff(unsigned failed_rounds, unsigned in_flight) {
+  if (in_flight == 0) return;
+  const unsigned ms = std::min(100u, 1u << std::min(failed_rounds, 7u));
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+// `make()`'s text, or "" where building it runs out of memory: the errno says enough then.
+template <typename F>
+std::string message_or_empty(F make) noexcept {
+  try {
+    return make();
+  } catch (...) {
+    return std::string();
+  }
 }
 
 }  // namespace
@@ -54,8 +79,19 @@ Executor::Executor(const ExecutorConfig& config) : config_(config) {
   // Engines are built here, on the caller's thread, so a failure surfaces as an exception.
   for (unsigned i = 0; i < config_.parallelism; ++i)
     engines_.push_back(make_engine(config_.engine, config_.queue_depth));
-  for (unsigned i = 0; i < config_.parallelism; ++i)
-    workers_.emplace_back([this, i] { worker_main(i); });
+  // Any worker runs any part of any op, so fewer threads than asked (the system refused
+  // more) only cost parallelism. With none, throw: nothing has started that needs joining.
+  workers_.reserve(config_.parallelism);
+  for (unsigned i = 0; i < config_.parallelism; ++i) {
+    try {
+      workers_.emplace_back([this, i] { worker_main(i); });
+    } catch (const std::exception& e) {
+      if (!workers_.empty()) break;
+      if (auto* se = dynamic_cast<const std::system_error*>(&e))
+        throw IoError(se->code().value(), "starting an I/O worker thread");
+      throw;
+    }
+  }
 }
 
 Executor::~Executor() {
@@ -72,13 +108,29 @@ uint64_t Executor::submit(const OpSpec& spec) {
   op->spec = spec;
   const uint64_t a = spec.alignment ? spec.alignment : 4096;
   op->spec.alignment = a;
+  // Every file offset of the op, rounded up to the alignment, must fit an off_t; so must
+  // the memory range. Checked here so the arithmetic below cannot wrap.
+  constexpr uint64_t kMaxOff = static_cast<uint64_t>(INT64_MAX);
+  if (a > kMaxOff || spec.len > kMaxOff - a || spec.offset > kMaxOff - a - spec.len) {
+    throw IoError(EOVERFLOW,
+                  "the byte range of a " + describe(spec, spec.len, spec.offset) +
+                      " goes past the largest file offset",
+                  spec.path);
+  }
+  if (spec.len > UINTPTR_MAX - reinterpret_cast<uintptr_t>(spec.ptr)) {
+    throw IoError(EINVAL,
+                  "the memory of a " + describe(spec, spec.len, spec.offset) +
+                      " wraps around the address space",
+                  spec.path);
+  }
   const unsigned parts =
       spec.max_parts ? std::min(spec.max_parts, config_.parallelism) : config_.parallelism;
   // Parts end on aligned file offsets so that each keeps its blocks O_DIRECT-able.
-  const uint64_t share = (spec.len + parts - 1) / parts;
+  const uint64_t share = spec.len / parts + (spec.len % parts != 0);
   std::vector<Task> tasks;
   uint64_t begin = 0;
   for (unsigned k = 1; k <= parts && begin < spec.len; ++k) {
+    // k * share < len + parts, and offset + len + a <= INT64_MAX: nothing below wraps.
     uint64_t end = k == parts
                        ? spec.len
                        : std::min(spec.len, round_up(spec.offset + k * share, a) - spec.offset);
@@ -87,15 +139,25 @@ uint64_t Executor::submit(const OpSpec& spec) {
     begin = end;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  uint64_t id = next_id_++;
-  ops_[id] = op;
+  const uint64_t id = next_id_;
   op->parts_left = static_cast<unsigned>(tasks.size());
-  if (tasks.empty()) {
-    op->done = true;
-  } else {
-    for (auto& t : tasks) tasks_.push_back(std::move(t));
-    work_cv_.notify_all();
+  op->done = tasks.empty();
+  auto slot = ops_.emplace(id, op).first;
+  // All or nothing (workers cannot take a task while the lock is held): an op with only
+  // some of its parts queued would never finish.
+  size_t queued = 0;
+  try {
+    for (auto& t : tasks) {
+      tasks_.push_back(t);
+      ++queued;
+    }
+  } catch (...) {
+    for (; queued > 0; --queued) tasks_.pop_back();
+    ops_.erase(slot);
+    throw;
   }
+  ++next_id_;
+  if (!tasks.empty()) work_cv_.notify_all();
   return id;
 }
 
@@ -107,6 +169,10 @@ void Executor::wait(uint64_t id) {
     if (it == ops_.end()) return;  // already collected
     op = it->second;
     done_cv_.wait(lock, [&] { return op->done; });
+    // Another thread may have collected the op (wait(id), wait_all()) while this one slept,
+    // which invalidates `it`: look the id up again. Only the collector raises its error.
+    it = ops_.find(id);
+    if (it == ops_.end() || it->second != op) return;
     ops_.erase(it);
   }
   if (op->err) throw IoError(op->err, op->err_what, op->spec.path);
@@ -146,19 +212,25 @@ void Executor::worker_main(unsigned index) {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
+    // Nothing here may throw: the part must be counted finished, or wait() never returns.
+    int err = 0;
+    std::string what;
     try {
       run_task(engine, task);
     } catch (const IoError& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!task.op->err) {
-        task.op->err = e.err();
-        task.op->err_what = e.what();
-      }
+      err = e.err();
+      what = message_or_empty([&] { return e.message(); });
+    } catch (const std::bad_alloc&) {
+      err = ENOMEM;
     } catch (const std::exception& e) {
+      err = EIO;
+      what = message_or_empty([&] { return std::string(e.what()); });
+    }
+    if (err) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!task.op->err) {
-        task.op->err = EIO;
-        task.op->err_what = e.what();
+        task.op->err = err;
+        task.op->err_what = std::move(what);  // wait() throws a new IoError: it adds strerror
       }
     }
     finish_part(task.op);
@@ -186,6 +258,7 @@ void Executor::run_task(Engine& engine, Task& task) {
 
   std::vector<Slot> slots(depth);
   std::vector<Slot*> free_slots;
+  free_slots.reserve(depth);
   for (auto& sl : slots) {
     sl.req.owner = &sl;
     free_slots.push_back(&sl);
@@ -197,6 +270,28 @@ void Executor::run_task(Engine& engine, Task& task) {
     }
   } guard{slots};
 
+  uint64_t pos = task.begin;
+  // Requests handed to the engine and not yet reaped. The loop below only ends when this is
+  // 0: a request still in flight writes into `slots`, its bounce buffer and the caller's
+  // memory, so none of them may go away before its completion has been collected.
+  unsigned in_flight = 0;
+  int err = 0;
+  std::string err_what;
+  std::vector<Completion> completions;
+  completions.reserve(depth);
+  auto fail = [&](int e, std::string what) {
+    if (err) return;
+    err = e;
+    err_what = std::move(what);
+  };
+  // For the handlers below, which must not throw while requests are in flight: the errno is
+  // recorded first; the message is best effort.
+  auto fail_in_handler = [&](int e, const char* what) noexcept {
+    if (err) return;
+    err = e;
+    err_what = message_or_empty([&] { return describe(s, s.len, s.offset) + ": " + what; });
+  };
+
   auto issue = [&](Slot* sl) {
     char* base = sl->use_bounce ? sl->bounce : s.ptr + sl->rel;
     sl->req.fd = sl->direct ? s.fd_direct : s.fd_buffered;
@@ -205,23 +300,19 @@ void Executor::run_task(Engine& engine, Task& task) {
     sl->req.offset = s.offset + sl->rel + sl->done;
     sl->req.write = s.write;
     engine.prepare(&sl->req);
+    ++in_flight;  // counted once the engine holds it, so a throwing prepare() leaks no count
     if (config_.single_submit) engine.flush();
   };
 
-  uint64_t pos = task.begin;
-  unsigned in_flight = 0;
-  int err = 0;
-  std::string err_what;
-  std::vector<Completion> completions;
-
-  for (;;) {
+  // Starts new chunks while slots are free; stops at the first error.
+  auto start_chunks = [&] {
     while (!err && !free_slots.empty() && pos < task.end) {
       Slot* sl = free_slots.back();
-      free_slots.pop_back();
       const uint64_t abs = s.offset + pos;
       const uint64_t left = task.end - pos;
       sl->rel = pos;
       sl->done = 0;
+      sl->retries = 0;
       if (direct_ok && abs % a != 0) {  // unaligned head: page cache
         sl->len = std::min(left, a - abs % a);
         sl->direct = false;
@@ -237,56 +328,81 @@ void Executor::run_task(Engine& engine, Task& task) {
       }
       sl->use_bounce = sl->direct && needs_bounce;
       if (sl->use_bounce) {
-        if (!sl->bounce && posix_memalign(reinterpret_cast<void**>(&sl->bounce), a, block) != 0)
-          throw IoError(ENOMEM, "allocating an aligned bounce buffer", s.path);
+        if (!sl->bounce && posix_memalign(reinterpret_cast<void**>(&sl->bounce), a, block) != 0) {
+          sl->bounce = nullptr;
+          fail(ENOMEM, "allocating an aligned bounce buffer of " + std::to_string(block) +
+                           " bytes for a " + describe(s, s.len, s.offset));
+          return;  // the requests already in flight are collected before run_task returns
+        }
         if (s.write) std::memcpy(sl->bounce, s.ptr + sl->rel, sl->len);
       }
+      free_slots.pop_back();
       issue(sl);
       pos += sl->len;
-      ++in_flight;
     }
-    if (in_flight == 0) break;
-    engine.flush();
-    completions.clear();
-    engine.reap(config_.overlap_events ? 1 : in_flight, completions);
-    for (const Completion& c : completions) {
-      Slot* sl = static_cast<Slot*>(c.req->owner);
-      if (c.result < 0) {
-        const int e = static_cast<int>(-c.result);
-        if (e == EINTR || e == EAGAIN) {
-          issue(sl);
-          continue;
-        }
-        if (e == EINVAL && sl->direct) {
-          // The file system took O_DIRECT at open but not for this I/O: stop using it.
-          direct_ok = false;
-          sl->direct = false;
-          issue(sl);
-          continue;
-        }
-        if (!err) {
-          err = e;
-          err_what = describe(s, sl->len - sl->done, s.offset + sl->rel + sl->done) + " failed";
-        }
-      } else if (c.result == 0 && sl->done < sl->len) {
-        if (!err) {
-          err = s.write ? EIO : ENODATA;
-          err_what = describe(s, sl->len - sl->done, s.offset + sl->rel + sl->done) +
-                     (s.write ? " made no progress" : " hit the end of the file");
-        }
-      } else {
-        sl->done += static_cast<uint64_t>(c.result);
-        if (sl->done < sl->len) {
-          // Short transfer: continue where it stopped; an unaligned resume point cannot
-          // stay O_DIRECT.
-          if (sl->done % a != 0) sl->direct = false;
-          issue(sl);
-          continue;
-        }
-        if (sl->use_bounce && !s.write) std::memcpy(s.ptr + sl->rel, sl->bounce, sl->len);
-      }
+  };
+
+  // Checks one completion: continues, retries or retires its slot.
+  auto complete = [&](const Completion& c) {
+    Slot* sl = static_cast<Slot*>(c.req->owner);
+    if (err) {  // the op has failed: collect what is in flight, start nothing more
       free_slots.push_back(sl);
-      --in_flight;
+      return;
+    }
+    if (c.result < 0) {
+      const int e = static_cast<int>(-c.result);
+      if ((e == EINTR || e == EAGAIN) && ++sl->retries <= kMaxRetries) {
+        issue(sl);
+        return;
+      }
+      if (e == EINVAL && sl->direct) {
+        // The file system took O_DIRECT at open but not for this I/O: stop using it.
+        direct_ok = false;
+        sl->direct = false;
+        issue(sl);
+        return;
+      }
+      fail(e, describe(s, sl->len - sl->done, s.offset + sl->rel + sl->done) + " failed");
+    } else if (c.result == 0 && sl->done < sl->len) {
+      fail(s.write ? EIO : ENODATA,
+           describe(s, sl->len - sl->done, s.offset + sl->rel + sl->done) +
+               (s.write ? " made no progress" : " hit the end of the file"));
+    } else {
+      sl->done += static_cast<uint64_t>(c.result);
+      sl->retries = 0;
+      if (sl->done < sl->len) {
+        // Short transfer: continue where it stopped; an unaligned resume point cannot
+        // stay O_DIRECT.
+        if (sl->done % a != 0) sl->direct = false;
+        issue(sl);
+        return;
+      }
+      if (sl->use_bounce && !s.write) std::memcpy(s.ptr + sl->rel, sl->bounce, sl->len);
+    }
+    free_slots.push_back(sl);
+  };
+
+  unsigned failed_rounds = 0;
+  for (;;) {
+    try {
+      start_chunks();
+      if (in_flight == 0) break;
+      engine.flush();
+      completions.clear();
+      engine.reap(config_.overlap_events ? 1 : in_flight, completions);
+      // Reaped requests are out of the engine whatever happens to them below.
+      in_flight -= static_cast<unsigned>(completions.size());
+      for (const Completion& c : completions) complete(c);
+      failed_rounds = 0;
+    } catch (const IoError& e) {
+      fail_in_handler(e.err(), e.message().c_str());
+      backoff(++failed_rounds, in_flight);
+    } catch (const std::bad_alloc&) {
+      fail_in_handler(ENOMEM, "out of memory");
+      backoff(++failed_rounds, in_flight);
+    } catch (const std::exception& e) {
+      fail_in_handler(EIO, e.what());
+      backoff(++failed_rounds, in_flight);
     }
   }
   if (err) throw IoError(err, err_what, s.path);

@@ -6,10 +6,14 @@
 // - O_DIRECT is used for every block whose file offset and length are aligned; unaligned
 //   heads and tails go through the buffered descriptor, and memory that is not aligned is
 //   staged through aligned bounce buffers.
-// - A short transfer is continued; EINTR/EAGAIN are retried; EINVAL from an O_DIRECT
-//   request (a file system that accepted O_DIRECT at open but not for this I/O) is retried
-//   buffered; anything else becomes the op's error, raised by wait() once every part of the
-//   op has finished, so no request still touches the caller's memory when it returns.
+// - A short transfer is continued; EINTR/EAGAIN are retried (a bounded number of times);
+//   EINVAL from an O_DIRECT request (a file system that accepted O_DIRECT at open but not
+//   for this I/O) is retried buffered; anything else becomes the op's error, raised by
+//   wait() once every part of the op has finished, so no request still touches the caller's
+//   memory when it returns.
+// - A part that fails (an I/O error, no memory for a bounce buffer, an engine call that
+//   throws) starts nothing more and collects every request it has in flight before it
+//   returns: those requests write into its slots and bounce buffers and the caller's memory.
 #pragma once
 #include <condition_variable>
 #include <cstdint>

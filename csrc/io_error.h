@@ -10,13 +10,20 @@ namespace fastckpt {
 
 class IoError : public std::runtime_error {
  public:
+  // `what` says what failed, without the errno's text: what() appends strerror(err) once.
   IoError(int err, const std::string& what, std::string path = "")
-      : std::runtime_error(what + ": " + std::strerror(err)), err_(err), path_(std::move(path)) {}
+      : std::runtime_error(what.empty() ? std::strerror(err) : what + ": " + std::strerror(err)),
+        err_(err),
+        message_(what),
+        path_(std::move(path)) {}
   int err() const { return err_; }
+  // What failed, without strerror(err): pass this, not what(), to rethrow as a new IoError.
+  const std::string& message() const { return message_; }
   const std::string& path() const { return path_; }
 
  private:
   int err_;
+  std::string message_;
   std::string path_;
 };
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -53,9 +54,16 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
   if (huge) {
     char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) /
                                             kHugePage * kHugePage);
-    if (aligned > start) munmap(start, static_cast<size_t>(aligned - start));
-    size_t tail = reserve - static_cast<size_t>(aligned - start) - mapped_;
-    if (tail) munmap(aligned + mapped_, tail);
+    const size_t head = static_cast<size_t>(aligned - start);
+    const size_t tail = reserve - head - mapped_;
+    // munmap can fail (ENOMEM where it would split a mapping past vm.max_map_count); then
+    // give all of it back rather than keep a half-trimmed reservation.
+    if ((head && munmap(start, head) != 0) || (tail && munmap(aligned + mapped_, tail) != 0)) {
+      const int err = errno;
+      unmap_or_report(aligned, mapped_ + tail, "an aligned buffer");
+      if (head) unmap_or_report(start, head, "an aligned buffer");
+      throw IoError(err, "trimming a " + std::to_string(reserve) + "-byte reservation");
+    }
     start = aligned;
   }
   data_ = start;
@@ -66,7 +74,7 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
     locked_ranges()[reinterpret_cast<uintptr_t>(data_)] = mapped_;
   } else if (strict) {
     int err = errno;
-    munmap(data_, mapped_);
+    unmap_or_report(data_, mapped_, "an aligned buffer");
     data_ = nullptr;
     throw IoError(err, "mlock of " + std::to_string(nbytes) +
                            " bytes failed (the locked-memory limit, `ulimit -l`, may be too low)");
@@ -79,7 +87,16 @@ AlignedBuffer::~AlignedBuffer() {
     std::lock_guard<std::mutex> g(g_locked_mu);
     locked_ranges().erase(reinterpret_cast<uintptr_t>(data_));
   }
-  munmap(data_, mapped_);  // also unlocks
+  unmap_or_report(data_, mapped_, "an aligned buffer");  // also unlocks
+}
+
+void unmap_or_report(void* addr, size_t len, const char* what) {
+  if (munmap(addr, len) == 0) return;
+  // Only callers that cannot throw (destructors, clean-up after an error) come here. The
+  // mapping stays: a leak of address space, not a corruption; say so rather than stay silent.
+  const int err = errno;
+  std::fprintf(stderr, "fastckpt: munmap of %s (%zu bytes at %p) failed: %s; it stays mapped\n",
+               what, len, addr, std::strerror(err));
 }
 
 bool is_locked(const void* ptr) {
@@ -142,9 +159,17 @@ void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
   }
   const size_t share = (n + threads - 1) / threads / 64 * 64 + 64;
   std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
   for (unsigned i = 1; i < threads; ++i) {
-    size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
-    if (begin < end) pool.emplace_back([=] { copy_block(out + begin, in + begin, end - begin); });
+    const size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
+    if (begin >= end) continue;
+    try {
+      pool.emplace_back([=] { copy_block(out + begin, in + begin, end - begin); });
+    } catch (const std::exception&) {
+      // No thread to be had (thread or memory limits): this part is copied here instead.
+      // Throwing would destroy the running threads unjoined, which terminates the process.
+      copy_block(out + begin, in + begin, end - begin);
+    }
   }
   copy_block(out, in, std::min(n, share));
   for (auto& t : pool) t.join();

@@ -28,6 +28,10 @@ class AlignedBuffer {
   bool locked_ = false;
 };
 
+// munmap() for callers that cannot throw; a failure (a leak, not a corruption) is reported on
+// stderr. `what` names the mapping in that report.
+void unmap_or_report(void* addr, size_t len, const char* what);
+
 // Whether `ptr` lies in a live AlignedBuffer that is page-locked.
 bool is_locked(const void* ptr);
 
