@@ -168,7 +168,7 @@ def _register_problem() -> str | None:
     fd = -1
     try:
         with tempfile.NamedTemporaryFile(prefix="fastckpt-gds-probe-") as probe:
-            probe.write(b"\0" * 4096)
+            probe.write(bytes(BUFFER_ALIGNMENT))
             probe.flush()
             flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
             try:
