@@ -220,7 +220,8 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             file = File(filename, write=write, create=write)
         try:
             aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
-            if write and ref.nbytes and file.size() < aligned_end:
+            # (a range past the largest file offset is left for the engine to refuse)
+            if write and ref.nbytes and file.size() < aligned_end < 2**63:
                 # Like fio's layout step: allocate the blocks first, so parallel out-of-order
                 # direct writes extend no file and leave one contiguous extent, and a full
                 # disk fails here, before any byte is written. Only whole blocks: ext4 can
