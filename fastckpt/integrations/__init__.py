@@ -1,0 +1,1 @@
+"""Integrations of fastckpt with other frameworks' checkpointing (torch.distributed.checkpoint)."""
