@@ -192,9 +192,10 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt inspect``; exit status 1 when any file could not be read."""
     from fastckpt.errors import HeaderError
 
-    files = [f for target in args.paths for f in checkpoint_files(target)]
     status = 0
     described: list[dict[str, Any]] = []
+    targets = _inspect_dcp_dirs(args, described)
+    files = [f for target in targets for f in checkpoint_files(target)]
     for n, path in enumerate(files):
         try:
             info = describe_file(path)
@@ -217,3 +218,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(described, indent=2))
     return status
+
+
+def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
+    """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
+    the other paths."""
+    from fastckpt.integrations import dcp
+
+    others = []
+    for target in args.paths:
+        if not dcp.is_dcp_checkpoint(target):
+            others.append(target)
+            continue
+        info = dcp.describe_dcp(target)
+        described.append(info)
+        if not args.json:
+            print(dcp.format_dcp(info), flush=True)
+    return others

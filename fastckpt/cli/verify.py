@@ -87,6 +87,10 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     from fastckpt.errors import HeaderError
 
     name = os.fspath(path)
+    if os.path.isdir(name):  # a torch.distributed.checkpoint directory
+        from fastckpt.integrations.dcp import verify_dcp
+
+        return Verdict(*verify_dcp(name))
     try:
         info = describe_file(path)  # validates the header without reading any data
     except HeaderError as exc:
@@ -136,7 +140,13 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
     from fastckpt._progress import progress_bar
 
-    files = [f for target in args.paths for f in checkpoint_files(target)]
+    from fastckpt.integrations.dcp import is_dcp_checkpoint
+
+    files = [
+        f
+        for target in args.paths
+        for f in ([target] if is_dcp_checkpoint(target) else checkpoint_files(target))
+    ]
     counts: dict[str, int] = {}
     with progress_bar(
         len(files), "verifying", unit="file", enabled=None if len(files) > 1 else False

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import io
@@ -40,7 +41,8 @@ import re
 import secrets
 import threading
 import uuid
-from typing import Any, Iterable
+import warnings
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -75,6 +77,7 @@ __all__ = [
     "consolidate",
     "to_dcp",
     "describe_dcp",
+    "format_dcp",
     "load_full",
     "verify_dcp",
 ]
@@ -110,9 +113,7 @@ def _fsync_dir(path: str) -> None:
 
 def _local_path(checkpoint_id: str | os.PathLike[str]) -> str:
     if not isinstance(checkpoint_id, (str, os.PathLike)):
-        raise TypeError(
-            f"path must be a str or os.PathLike, got {type(checkpoint_id).__name__}"
-        )
+        raise TypeError(f"path must be a str or os.PathLike, got {type(checkpoint_id).__name__}")
     path = os.fspath(checkpoint_id)
     if "://" in path:
         raise ValueError(f"path {path!r}: URLs are not supported here, only local directories")
@@ -675,6 +676,16 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 # -- whole-checkpoint tools: consolidation, conversion, inspection, verification ---------------
 
 
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Silences DCP's warning that a ``no_dist=True`` call runs in one process (it is meant to)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
+
+
 def _reader_for(path: str, metadata: Metadata) -> StorageReader:
     if not metadata.storage_data or _is_ours(metadata):
         return FastCkptReader(path)
@@ -731,12 +742,13 @@ def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
             flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         else:
             flat[fqn] = None  # filled with the unpickled value
-    dcp.load(
-        flat,
-        storage_reader=_reader_for(path, metadata),
-        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        no_dist=True,
-    )
+    with _single_process():
+        dcp.load(
+            flat,
+            storage_reader=_reader_for(path, metadata),
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,
+        )
     return _unflatten(flat, metadata.planner_data)
 
 
@@ -775,7 +787,8 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     state = fastckpt.load(src)
     if not isinstance(state, dict):
         raise TypeError(f"{src}: holds a {type(state).__name__}; a DCP checkpoint needs a dict")
-    dcp.save(state, storage_writer=FastCkptWriter(dst), no_dist=True)
+    with _single_process():
+        dcp.save(state, storage_writer=FastCkptWriter(dst), no_dist=True)
 
 
 def describe_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -884,3 +897,36 @@ def verify_dcp(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
         f"{name} (DCP checkpoint, {len(metadata.state_dict_metadata)} keys, {len(per_file)} files)",
         [],
     )
+
+
+def format_dcp(info: dict[str, Any]) -> str:
+    """The text ``fastckpt inspect`` prints for :func:`describe_dcp`'s result.
+
+    Example:
+        >>> info = {"path": "ckpt", "writer": "fastckpt", "total_bytes": 16, "files": [],
+        ...         "entries": [{"key": "w", "type": "tensor", "dtype": "float32",
+        ...                      "shape": [4], "chunks": 2, "bytes": 16}]}
+        >>> print(format_dcp(info))  # doctest: +NORMALIZE_WHITESPACE
+        ckpt: DCP checkpoint written by fastckpt, 1 keys, 16 bytes of tensors in 0 files
+          key  type    dtype    shape  chunks  bytes
+          w    tensor  float32  [4]         2     16
+    """
+    lines = [
+        f"{info['path']}: DCP checkpoint written by "
+        f"{'fastckpt' if info['writer'] == 'fastckpt' else 'DCP FileSystemWriter'}, "
+        f"{len(info['entries'])} keys, {info['total_bytes']} bytes of tensors "
+        f"in {len(info['files'])} files"
+    ]
+    rows = [("key", "type", "dtype", "shape", "chunks", "bytes")]
+    for e in info["entries"]:
+        shape = "[" + ", ".join(map(str, e["shape"])) + "]" if e["type"] == "tensor" else ""
+        rows.append((e["key"], e["type"], e["dtype"], shape, str(e["chunks"]), str(e["bytes"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    for row in rows:
+        left = "  ".join(row[i].ljust(widths[i]) for i in range(4))
+        right = "  ".join(row[i].rjust(widths[i]) for i in range(4, 6))
+        lines.append(f"  {left}  {right}")
+    for f in info["files"]:
+        size = "missing" if f["bytes"] is None else f"{f['bytes']} bytes"
+        lines.append(f"  file {f['name']}: {size}")
+    return "\n".join(lines)
