@@ -139,7 +139,6 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
     from fastckpt._progress import progress_bar
-
     from fastckpt.integrations.dcp import is_dcp_checkpoint
 
     files = [
