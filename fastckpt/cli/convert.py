@@ -8,6 +8,10 @@
 - DST ending in ``.pt``, ``.pth`` or ``.bin`` is written with ``torch.save``; any other name
   gets the fastckpt layout (a safetensors file aligned for direct I/O, with checksums).
 
+- SRC a torch.distributed.checkpoint directory (written by ``fastckpt.dcp.FastCkptWriter``
+  or DCP's ``FileSystemWriter``) is consolidated into the single file DST (full tensors);
+  ``--to-dcp`` goes the other way: DST becomes a DCP checkpoint directory of fastckpt files.
+
 DST is written atomically (a temporary file renamed over it) and never overwritten
 unless ``--force`` is given.
 
@@ -15,6 +19,8 @@ Example (shell)::
 
     $ fastckpt convert pytorch_model.bin model.safetensors
     $ fastckpt convert model.safetensors model.pt
+    $ fastckpt convert checkpoints/step-1000 step-1000.safetensors
+    $ fastckpt convert --to-dcp step-1000.safetensors checkpoints/step-1000-copy
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
 the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
 CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file).
-A directory means every ``*.safetensors`` file directly inside it. ``--json`` prints a
+A directory means every ``*.safetensors`` file directly inside it, except a
+torch.distributed.checkpoint directory (one holding ``.metadata``), which is described as one
+checkpoint: its keys, dtypes, global shapes, chunk counts and files. ``--json`` prints a
 JSON list with one object per file instead. Only headers are read, never tensor data.
 
 Example (shell)::
@@ -45,7 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Prints a table of the tensors of a safetensors/fastckpt file (name, dtype, shape, "
             "bytes, file offset, alignment of the offset), the totals, the user metadata and "
-            "whether checksums are present. A directory means every *.safetensors file in it. "
+            "whether checksums are present. A directory means every *.safetensors file in it; a "
+            "torch.distributed.checkpoint directory is described as one checkpoint. "
             "Exit status 1 when a file is not a valid safetensors file."
         ),
     )

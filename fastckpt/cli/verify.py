@@ -7,6 +7,10 @@ Each file is reported as one of:
 - ``UNVERIFIABLE``: the file has no checksums (written with ``checksum=False`` or by another
   library) — which is not the same as intact; ``fastckpt convert`` can add them.
 
+A torch.distributed.checkpoint directory (one holding ``.metadata``) is checked as one
+checkpoint: its metadata, that every file and tensor it names exists, and every CRC32C (DCP's
+own ``FileSystemWriter`` format has no checksums: ``UNVERIFIABLE``).
+
 Exit status: 0 when every file is OK, 1 when any is damaged, unverifiable or unreadable,
 2 on usage errors (no such path, no ``*.safetensors`` files in a directory).
 
