@@ -175,7 +175,6 @@ class _Snapshot:
     plan: Any  # fastckpt.saver.SavePlan
     names: dict[int, str]
     keep: list[Any]  # the stand-ins, so their ids stay unique while registered
-    consumed: bool = False
 
 
 def _stand_in(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
