@@ -20,7 +20,15 @@ from fastckpt.integrations.dcp import (
     FastCkptWriter,
     consolidate,
     is_dcp_checkpoint,
+    load_full,
     to_dcp,
 )
 
-__all__ = ["FastCkptWriter", "FastCkptReader", "consolidate", "to_dcp", "is_dcp_checkpoint"]
+__all__ = [
+    "FastCkptWriter",
+    "FastCkptReader",
+    "consolidate",
+    "to_dcp",
+    "load_full",
+    "is_dcp_checkpoint",
+]

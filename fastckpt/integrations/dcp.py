@@ -979,23 +979,24 @@ class _DirectReads:
         ]
         if not candidates:
             return reqs
-        header = _read_header(path)
-        crcs = header[1] if self.reader.verify else None
+        infos, crcs = _read_header(path)
         if self.reader.verify and crcs is None:
             return reqs  # no checksums: the arena path says so
+        if not self.reader.verify:
+            crcs = None
         rest = [r for r in reqs if not any(r is req for _, req in candidates)]
         for name, req in candidates:
-            entry = header[0].entries.get(name)
+            info = infos.get(name)
             target = planner.resolve_tensor(req).detach()
-            if entry is None or not _fits_whole(entry, req, target):
+            if info is None or not _fits_whole(info, req, target):
                 rest.append(req)
                 continue
             if self.handle is None:
                 from fastckpt.aio import aio_handle
 
                 self.handle = aio_handle(block_size=8 << 20, queue_depth=32, intra_op_parallelism=4)
-            if entry.nbytes:
-                self.handle.async_pread(target, path, header[0].data_offset + entry.begin)
+            if info.nbytes:
+                self.handle.async_pread(target, path, info.offset)
             self.pending.append((req, target, path, name, None if crcs is None else crcs.get(name)))
         return rest
 
@@ -1021,37 +1022,32 @@ class _DirectReads:
             planner.commit_tensor(req, target)
 
 
-def _read_header(path: str) -> tuple[Any, dict[str, int] | None]:
-    """The parsed header of a rank file and its CRC32C table (None without checksums)."""
+def _read_header(path: str) -> tuple[dict[str, fastckpt.TensorInfo], dict[str, int] | None]:
+    """What the header of a rank file says of each tensor, and its CRC32C table (None
+    without checksums)."""
     from fastckpt import format as fmt
 
+    with fastckpt.open(path) as reader:
+        infos = {name: reader.info(name) for name in reader.keys()}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         try:
-            n = fmt.parse_header_length(f.read(8), size)
-            header = fmt.parse_header(f.read(n), size)
-            crcs = fmt.split_metadata(header.metadata).crcs
+            header = fmt.parse_header(f.read(fmt.parse_header_length(f.read(8), size)), size)
         except fastckpt.HeaderError as exc:
             raise fastckpt.HeaderError(f"{path}: {exc}") from None
-    return header, crcs
+    return infos, fmt.split_metadata(header.metadata).crcs
 
 
-def _fits_whole(entry: Any, req: ReadItem, target: torch.Tensor) -> bool:
-    """Whether ``req`` wants the stored tensor ``entry`` whole into a plain CPU ``target``."""
-    from fastckpt import dtypes
-
-    try:
-        dtype = dtypes.to_torch(entry.dtype)
-    except FastCkptError:
-        return False
+def _fits_whole(info: fastckpt.TensorInfo, req: ReadItem, target: torch.Tensor) -> bool:
+    """Whether ``req`` wants the stored tensor ``info`` whole into a plain CPU ``target``."""
     return (
-        target.device.type == "cpu"
+        type(target) is torch.Tensor
+        and target.device.type == "cpu"
         and target.is_contiguous()
-        and target.dtype == dtype
-        and tuple(target.shape) == tuple(entry.shape)
-        and tuple(req.lengths) == tuple(entry.shape)
+        and target.dtype == info.dtype
+        and tuple(target.shape) == tuple(info.shape)
+        and tuple(req.lengths) == tuple(info.shape)
         and not any(req.storage_offsets)
         and not target.is_conj()
         and not target.is_neg()
-        and type(target) is torch.Tensor
     )
