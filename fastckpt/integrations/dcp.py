@@ -86,7 +86,7 @@ __all__ = [
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_([0-9a-f]+)\.safetensors$")
 _MAX_PENDING_SNAPSHOTS = 2
-_RANK_TMP = re.compile(r"^__\d+_[0-9a-f]+\.safetensors\.[0-9a-f]+\.tmp$")
+_STALE_TMP = re.compile(r"^(__\d+_[0-9a-f]+\.safetensors|\.metadata)\.[0-9a-f]+\.tmp$")
 
 
 # -- names and paths ---------------------------------------------------------------------------
@@ -499,7 +499,7 @@ class FastCkptWriter(StorageWriter):
     def _remove_unreferenced(self, referenced: set[str]) -> None:
         """Removes rank files and temporaries of earlier or failed saves (after the commit)."""
         for entry in os.listdir(self.path):
-            stale = (_RANK_FILE.match(entry) and entry not in referenced) or _RANK_TMP.match(entry)
+            stale = (_RANK_FILE.match(entry) and entry not in referenced) or _STALE_TMP.match(entry)
             if stale:
                 try:
                     os.unlink(os.path.join(self.path, entry))
