@@ -16,6 +16,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     [
         ("quickstart.py", ["epoch 1", "checksums intact: True", "kept the old weights: True"]),
         ("deepnvme.py", ["completed writes: 4", "completed reads: 4", "identical: True"]),
+        (
+            "dcp_resharding.py",
+            [
+                "2 ranks resharded step 100: identical: True",
+                "one process loaded step 100: identical: True",
+            ],
+        ),
     ],
 )
 def test_example_runs(tmp_path, script, expected):

@@ -8,6 +8,10 @@
 - DST ending in ``.pt``, ``.pth`` or ``.bin`` is written with ``torch.save``; any other name
   gets the fastckpt layout (a safetensors file aligned for direct I/O, with checksums).
 
+- SRC a torch.distributed.checkpoint directory (written by ``fastckpt.dcp.FastCkptWriter``
+  or DCP's ``FileSystemWriter``) is consolidated into the single file DST (full tensors);
+  ``--to-dcp`` goes the other way: DST becomes a DCP checkpoint directory of fastckpt files.
+
 DST is written atomically (a temporary file renamed over it) and never overwritten
 unless ``--force`` is given.
 
@@ -15,6 +19,8 @@ Example (shell)::
 
     $ fastckpt convert pytorch_model.bin model.safetensors
     $ fastckpt convert model.safetensors model.pt
+    $ fastckpt convert checkpoints/step-1000 step-1000.safetensors
+    $ fastckpt convert --to-dcp step-1000.safetensors checkpoints/step-1000-copy
 """
 
 from __future__ import annotations
@@ -49,6 +55,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("src", metavar="SRC", help="the file to convert")
     parser.add_argument("dst", metavar="DST", help="the file to write")
     parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    parser.add_argument(
+        "--to-dcp",
+        dest="to_dcp",
+        action="store_true",
+        help="write DST as a torch.distributed.checkpoint directory (fastckpt files, loadable "
+        "with fastckpt.dcp.FastCkptReader by any number of ranks); a DCP directory as SRC is "
+        "always consolidated into the single file DST",
+    )
     parser.add_argument(
         "--allow-pickle",
         dest="allow_pickle",
@@ -180,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     import fastckpt
 
     src, dst = args.src, args.dst
+    if _convert_dcp(args):
+        return 0
     if not os.path.isfile(src):
         raise CliError(
             f"no such file: {src}" if not os.path.exists(src) else f"not a file: {src}", USAGE
@@ -236,3 +252,30 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     print(f"Converted {src} ({kind}) -> {dst} ({written}) in {seconds:.1f} s")
     return 0
+
+
+def _convert_dcp(args: argparse.Namespace) -> bool:
+    """Consolidates a DCP directory SRC into DST, or writes DST as one with ``--to-dcp``;
+    False when neither applies (an ordinary file conversion)."""
+    from fastckpt.integrations import dcp
+
+    src, dst = args.src, args.dst
+    to_dcp = getattr(args, "to_dcp", False)
+    if not to_dcp and not dcp.is_dcp_checkpoint(src):
+        return False
+    if os.path.exists(dst) and not args.force:
+        raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+    started = time.perf_counter()
+    if to_dcp:
+        if not os.path.isfile(src):
+            raise CliError(f"no such file: {src}", USAGE)
+        dcp.to_dcp(src, dst)
+        written = "DCP checkpoint directory"
+    else:
+        if os.path.isdir(dst):
+            raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
+        dcp.consolidate(src, dst, allow_pickle=args.allow_pickle)
+        written = f"one file, {format_bytes(os.path.getsize(dst))}"
+    seconds = time.perf_counter() - started
+    print(f"Converted {src} -> {dst} ({written}) in {seconds:.1f} s")
+    return True

@@ -3,7 +3,9 @@
 For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
 the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
 CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file).
-A directory means every ``*.safetensors`` file directly inside it. ``--json`` prints a
+A directory means every ``*.safetensors`` file directly inside it, except a
+torch.distributed.checkpoint directory (one holding ``.metadata``), which is described as one
+checkpoint: its keys, dtypes, global shapes, chunk counts and files. ``--json`` prints a
 JSON list with one object per file instead. Only headers are read, never tensor data.
 
 Example (shell)::
@@ -46,7 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Prints a table of the tensors of a safetensors/fastckpt file (name, dtype, shape, "
             "bytes, file offset, alignment of the offset), the totals, the user metadata and "
-            "whether checksums are present. A directory means every *.safetensors file in it. "
+            "whether checksums are present. A directory means every *.safetensors file in it; a "
+            "torch.distributed.checkpoint directory is described as one checkpoint. "
             "Exit status 1 when a file is not a valid safetensors file."
         ),
     )
@@ -193,9 +196,10 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt inspect``; exit status 1 when any file could not be read."""
     from fastckpt.errors import HeaderError
 
-    files = [f for target in args.paths for f in checkpoint_files(target)]
     status = 0
     described: list[dict[str, Any]] = []
+    targets = _inspect_dcp_dirs(args, described)
+    files = [f for target in targets for f in checkpoint_files(target)]
     for n, path in enumerate(files):
         try:
             info = describe_file(path)
@@ -218,3 +222,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(described, indent=2))
     return status
+
+
+def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
+    """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
+    the other paths."""
+    from fastckpt.integrations import dcp
+
+    others = []
+    for target in args.paths:
+        if not dcp.is_dcp_checkpoint(target):
+            others.append(target)
+            continue
+        info = dcp.describe_dcp(target)
+        described.append(info)
+        if not args.json:
+            print(dcp.format_dcp(info), flush=True)
+    return others

@@ -7,6 +7,10 @@ Each file is reported as one of:
 - ``UNVERIFIABLE``: the file has no checksums (written with ``checksum=False`` or by another
   library) — which is not the same as intact; ``fastckpt convert`` can add them.
 
+A torch.distributed.checkpoint directory (one holding ``.metadata``) is checked as one
+checkpoint: its metadata, that every file and tensor it names exists, and every CRC32C (DCP's
+own ``FileSystemWriter`` format has no checksums: ``UNVERIFIABLE``).
+
 Exit status: 0 when every file is OK, 1 when any is damaged, unverifiable or unreadable,
 2 on usage errors (no such path, no ``*.safetensors`` files in a directory).
 
@@ -87,6 +91,10 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     from fastckpt.errors import HeaderError
 
     name = os.fspath(path)
+    if os.path.isdir(name):  # a torch.distributed.checkpoint directory
+        from fastckpt.integrations.dcp import verify_dcp
+
+        return Verdict(*verify_dcp(name))
     try:
         info = describe_file(path)  # validates the header without reading any data
     except HeaderError as exc:
@@ -134,9 +142,14 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
+    from fastckpt.integrations.dcp import is_dcp_checkpoint
     from fastckpt.progress import progress_bar
 
-    files = [f for target in args.paths for f in checkpoint_files(target)]
+    files = [
+        f
+        for target in args.paths
+        for f in ([target] if is_dcp_checkpoint(target) else checkpoint_files(target))
+    ]
     counts: dict[str, int] = {}
     with progress_bar(
         len(files), "verifying", unit="file", enabled=None if len(files) > 1 else False

@@ -1,1 +1,2 @@
-"""Adapters that bring fastckpt to other frameworks; they use only fastckpt's public names."""
+"""Adapters that bring fastckpt to other frameworks' checkpointing: Lightning and
+torch.distributed.checkpoint."""

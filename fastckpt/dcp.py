@@ -1,0 +1,34 @@
+"""torch.distributed.checkpoint on fastckpt files: ``FastCkptWriter`` and ``FastCkptReader``.
+
+DCP plans multi-rank saves and loads (and reshards between world sizes); these move the
+bytes, one aligned, checksummed fastckpt file per rank, committed atomically.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> import torch.distributed.checkpoint as dcp
+    >>> from fastckpt.dcp import FastCkptReader, FastCkptWriter
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = dcp.save({"w": torch.ones(3)}, storage_writer=FastCkptWriter(path), no_dist=True)
+    >>> out = {"w": torch.zeros(3)}
+    >>> dcp.load(out, storage_reader=FastCkptReader(path), no_dist=True)
+    >>> out["w"].tolist()
+    [1.0, 1.0, 1.0]
+"""
+
+from fastckpt.integrations.dcp import (
+    FastCkptReader,
+    FastCkptWriter,
+    consolidate,
+    is_dcp_checkpoint,
+    load_full,
+    to_dcp,
+)
+
+__all__ = [
+    "FastCkptWriter",
+    "FastCkptReader",
+    "consolidate",
+    "to_dcp",
+    "load_full",
+    "is_dcp_checkpoint",
+]
