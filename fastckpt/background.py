@@ -231,6 +231,7 @@ def async_save(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    storage_options: Any = None,
 ) -> SaveFuture:
     """Saves like :func:`fastckpt.save`, returning once the tensors are snapshotted.
 
@@ -241,6 +242,8 @@ def async_save(
             done, or the file may hold a mix of old and new values (DeepNVMe's contract).
         max_pending: at most this many saves in flight; a further call waits for the oldest.
         staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size).
+        storage_options: for a URL, passed to its fsspec file system (the upload runs in a
+            background thread; see :mod:`fastckpt.integrations.remote`).
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
@@ -255,6 +258,11 @@ def async_save(
         [None, None, None]
     """
     global _last_commit
+    arguments = {k: v for k, v in locals().items() if k != "obj"}
+    from fastckpt.integrations import remote  # lazy: it imports the checkpoint layer
+
+    if remote.handles(f):  # URLs
+        return remote.route_async_save(obj, **arguments)
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
     future = SaveFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))

@@ -72,6 +72,7 @@ def load(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Loads what :func:`fastckpt.save` saved, or any safetensors file (as a flat dict).
 
@@ -95,6 +96,8 @@ def load(
             (``True``: GDS or ``EngineUnavailableError``; default: when ``FASTCKPT_GDS=1``
             and GDS runs here). Otherwise disk reads into page-locked staging buffers
             overlap the copies to the GPU.
+        storage_options: for a URL, passed to its fsspec file system. ``f`` may also be a
+            sharded directory or its ``*.index.json`` (Hugging Face convention).
 
     Raises:
         FileNotFoundError: no such file (an ``OSError`` with errno and filename).
@@ -110,6 +113,11 @@ def load(
         >>> back["param_groups"][0]["lr"], list(back["state"])
         (0.1, [0])
     """
+    arguments = dict(locals())  # exactly the parameters, handed on as they are
+    from fastckpt.integrations import remote  # lazy: it imports this module
+
+    if remote.routed(f):  # URLs and sharded directories
+        return remote.route_load(**arguments)
     target = resolve_device(map_location, device)
     if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
         raise TypeError("keys must be a list of tensor names")

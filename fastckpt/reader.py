@@ -506,6 +506,7 @@ def open_checkpoint(
     *,
     device: str | torch.device = "cpu",
     gds: bool | None = None,
+    storage_options: Any = None,
     **io: Any,
 ) -> CheckpointReader:
     """Opens a checkpoint for lazy reading (exported as ``fastckpt.open``).
@@ -516,6 +517,8 @@ def open_checkpoint(
             ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
         gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or
             ``EngineUnavailableError``; ``None``: when ``FASTCKPT_GDS=1`` and GDS runs here).
+        storage_options: for a URL, passed to its fsspec file system. ``f`` may also be a
+            sharded directory or its ``*.index.json`` (Hugging Face convention).
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``.
 
     Example:
@@ -525,4 +528,8 @@ def open_checkpoint(
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
+    from fastckpt.integrations import remote  # lazy: it imports the checkpoint layer
+
+    if remote.routed(f):  # URLs and sharded directories
+        return remote.route_open(f, device=device, gds=gds, storage_options=storage_options, **io)
     return CheckpointReader(f, device=device, gds=gds, **io)

@@ -335,6 +335,8 @@ def save(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -358,6 +360,11 @@ def save(
         staging_bytes: staging-memory budget (default 256 MiB; see :mod:`fastckpt.config`).
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
+        storage_options: for a URL (``s3://``, ``gs://``, ``memory://``, any fsspec
+            protocol), passed to its fsspec file system (see
+            :mod:`fastckpt.integrations.remote`).
+        max_shard_size: write Hugging Face shards plus index into the directory ``f``, each
+            at most this size (``"5GB"``, an int; see :mod:`fastckpt.integrations.hf_shards`).
 
     Example:
         >>> import torch, fastckpt
@@ -366,6 +373,11 @@ def save(
         >>> fastckpt.load("/tmp/fastckpt-doc.safetensors")["epoch"]
         3
     """
+    arguments = dict(locals())  # exactly the parameters, handed on as they are
+    from fastckpt.integrations import remote  # lazy: it imports this module
+
+    if max_shard_size is not None or remote.routed(f):  # URLs and sharded directories
+        return remote.route_save(**arguments)
     path = check_destination(f)
     plan = plan_save(
         obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle
