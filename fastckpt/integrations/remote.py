@@ -282,6 +282,15 @@ def _s3_upload(
     fs: Any, path: str, url: str, pieces: Iterator[Any], total: int, part_size: int, parallel: int
 ) -> None:
     """One multipart upload with ``parallel`` parts in flight; aborted on any failure."""
+    try:
+        _s3_upload_parts(fs, path, url, pieces, total, part_size, parallel)
+    finally:
+        fs.invalidate_cache(path)  # s3fs may hold a listing from before the upload
+
+
+def _s3_upload_parts(
+    fs: Any, path: str, url: str, pieces: Iterator[Any], total: int, part_size: int, parallel: int
+) -> None:
     bucket, key, _ = fs.split_path(path)
     part_size = _s3_part_size(total, part_size)
     parts = _Parts(part_size, parallel + 1)
