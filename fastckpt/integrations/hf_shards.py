@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from fastckpt import tree
 from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
 
@@ -166,7 +167,7 @@ def plan_shards(
         >>> import torch
         >>> w = torch.zeros(100)  # 400 bytes
         >>> plan_shards({"a": w, "b": torch.zeros(100), "tied": w, "big": torch.zeros(300)}, 800)
-        [['a', 'tied', 'b'], ['big']]
+        [['big'], ['a', 'b', 'tied']]
     """
     limit = parse_shard_size(max_shard_size)
     shards: list[list[str]] = []
@@ -278,7 +279,8 @@ def save_sharded(
         >>> import tempfile, torch
         >>> d = tempfile.mkdtemp()
         >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
-        >>> json.load(open(os.path.join(d, INDEX_NAME)))["weight_map"]
+        >>> with open(os.path.join(d, INDEX_NAME)) as f:
+        ...     json.load(f)["weight_map"]
         {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}
     """
     _check_state_dict(state_dict)
@@ -294,9 +296,13 @@ def save_sharded(
         groups = [[]]
     names = _shard_names(len(groups))
     options = dict(save_options, metadata=metadata, storage_options=storage_options)
+    shards = [{n: state_dict[n] for n in group} for group in groups]
+    # A tied tensor is stored once per shard; its other names live in that shard's header
+    # (fastckpt.load restores them) and, as in transformers' own indexes, not in the weight map.
+    stored = [tree.flatten(shard).tensors for shard in shards]
 
     def write(i: int) -> None:
-        _save_one({n: state_dict[n] for n in groups[i]}, _join(directory, names[i]), options)
+        _save_one(shards[i], _join(directory, names[i]), options)
 
     with concurrent.futures.ThreadPoolExecutor(min(parallel, len(groups))) as pool:
         for f in [pool.submit(write, i) for i in range(len(groups))]:
@@ -305,16 +311,10 @@ def save_sharded(
         if local is not None:
             _remove_stale(local, {WEIGHTS_NAME})
         return
-    seen: set[tuple[Any, ...]] = set()
-    total = 0
-    for t in state_dict.values():
-        key = _storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
+    total = sum(t.numel() * t.element_size() for tensors in stored for t in tensors.values())
     index = {
         "metadata": {**dict(metadata or {}), "total_size": total},
-        "weight_map": {n: names[i] for i, group in enumerate(groups) for n in group},
+        "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
     }
     data = (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
     if local is not None:
@@ -348,9 +348,7 @@ def _resolve(
     single = _join(directory, WEIGHTS_NAME)
     if _exists(single, storage_options):
         return directory, None, single
-    raise FileNotFoundError(
-        2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path
-    )
+    raise FileNotFoundError(2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path)
 
 
 def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[str, str]:
@@ -368,9 +366,16 @@ def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[s
     if not isinstance(weight_map, dict):
         raise HeaderError(f"{index}: no 'weight_map' object")
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (
-            ".",
-            "..",
+        if (
+            not isinstance(shard, str)
+            or not shard
+            or "/" in shard
+            or "\\" in shard
+            or shard
+            in (
+                ".",
+                "..",
+            )
         ):
             raise HeaderError(f"{index}: tensor {name!r} maps to {shard!r}, not a file name")
     return weight_map
@@ -379,11 +384,11 @@ def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[s
 def _index_metadata(index: str | None, storage_options: Mapping[str, Any] | None) -> dict:
     if index is None:
         return {}
-    data = (
-        remote.read_bytes(index, storage_options)
-        if remote.is_url(index)
-        else open(index, "rb").read()
-    )
+    if remote.is_url(index):
+        data = remote.read_bytes(index, storage_options)
+    else:
+        with open(index, "rb") as f:
+            data = f.read()
     meta = json.loads(data).get("metadata") or {}
     return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
@@ -463,7 +468,9 @@ def _load_one(path: str, keys: Sequence[str] | None, options: dict[str, Any]) ->
 
         options = {k: v for k, v in options.items() if k != "storage_options"}
         result = fastckpt.load(path, keys=keys, **options)
-    if not isinstance(result, dict) or not all(isinstance(t, torch.Tensor) for t in result.values()):
+    if not isinstance(result, dict) or not all(
+        isinstance(t, torch.Tensor) for t in result.values()
+    ):
         raise HeaderError(f"{path}: a shard must hold a flat dict of tensors")
     return result
 

@@ -141,14 +141,16 @@ def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
             f"{url}: URLs need fsspec (pip install 'fastckpt[s3]' for S3, or fsspec)"
         ) from None
     if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise TypeError(
-            f"storage_options must be a dict, got {type(storage_options).__name__}"
-        )
+        raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
 
 
-_ERRNO = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES,
-          IsADirectoryError: errno.EISDIR, FileExistsError: errno.EEXIST}  # fmt: skip
+_ERRNO = {
+    FileNotFoundError: errno.ENOENT,
+    PermissionError: errno.EACCES,
+    IsADirectoryError: errno.EISDIR,
+    FileExistsError: errno.EEXIST,
+}
 
 
 def _named(url: str, what: str, exc: BaseException) -> BaseException:
@@ -471,9 +473,13 @@ def async_save(
     options = dict(metadata=metadata, alignment=alignment, checksum=checksum)
     if not is_url(url):
         return fastckpt.async_save(
-            obj, _local_path(url), snapshot=snapshot, allow_pickle=allow_pickle, **options,
+            obj,
+            _local_path(url),
+            snapshot=snapshot,
+            allow_pickle=allow_pickle,
+            **options,
             **local_options,
-        )  # fmt: skip
+        )
     future = fastckpt.SaveFuture(url)
     try:
         plan = plan_save(obj, allow_pickle=allow_pickle, **options)
@@ -579,7 +585,9 @@ class RemoteReader:
         parallel: int = DEFAULT_PARALLEL,
     ):
         if part_size < 1 or parallel < 1:
-            raise ValueError(f"part_size and parallel must be positive, got {part_size}, {parallel}")
+            raise ValueError(
+                f"part_size and parallel must be positive, got {part_size}, {parallel}"
+            )
         self.path = url
         self.part_size, self.parallel = part_size, parallel
         with _Errors(url, "resolving the URL"):
@@ -682,8 +690,11 @@ class RemoteReader:
                 stop = min(run.end, start + self.part_size)
                 ranges.append((start, stop, run.arena_pos + start - run.begin))
         self._fetch(arena, ranges)
-        views = {e.name: _view(arena, run.arena_pos + e.begin - run.begin, e) for run in runs
-                 for e in run.entries}  # fmt: skip
+        views = {
+            e.name: _view(arena, run.arena_pos + e.begin - run.begin, e)
+            for run in runs
+            for e in run.entries
+        }
         if verify:
             self._verify(views)
         return views
@@ -693,8 +704,9 @@ class RemoteReader:
 
         def fetch(item: tuple[int, int, int]) -> None:
             start, stop, at = item
-            data = self._cat(base + start, base + stop, f"ranged read of [{base + start}, "
-                             f"{base + stop})")  # fmt: skip
+            data = self._cat(
+                base + start, base + stop, f"ranged read of [{base + start}, {base + stop})"
+            )
             ctypes.memmove(address + at, data, len(data))
 
         _run_parallel(fetch, ranges, self.parallel)
@@ -778,8 +790,9 @@ def open_url(
     if torch.device(device).type != "cpu":
         raise ValueError(f"{url}: readers of URLs put tensors on the CPU, not {device}")
     try:
-        return RemoteReader(url, storage_options=storage_options, part_size=part_size,
-                            parallel=parallel)  # fmt: skip
+        return RemoteReader(
+            url, storage_options=storage_options, part_size=part_size, parallel=parallel
+        )
     except IsADirectoryError:  # a sharded checkpoint's directory
         from fastckpt.integrations import hf_shards
 
@@ -818,24 +831,36 @@ def load(
         import fastckpt
 
         return fastckpt.load(
-            _local_path(url), map_location, device=device, weights_only=weights_only, keys=keys,
-            verify=verify, **local_options,
-        )  # fmt: skip
+            _local_path(url),
+            map_location,
+            device=device,
+            weights_only=weights_only,
+            keys=keys,
+            verify=verify,
+            **local_options,
+        )
     from fastckpt.loader import resolve_device
 
     target = resolve_device(map_location, device)
     if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
         raise TypeError("keys must be a list of tensor names")
     try:
-        reader = RemoteReader(url, storage_options=storage_options, part_size=part_size,
-                              parallel=parallel)  # fmt: skip
+        reader = RemoteReader(
+            url, storage_options=storage_options, part_size=part_size, parallel=parallel
+        )
     except IsADirectoryError:  # a sharded checkpoint's directory
         from fastckpt.integrations import hf_shards
 
         return hf_shards.load_sharded(
-            url, map_location, storage_options=storage_options, device=device, keys=keys,
-            verify=verify, part_size=part_size, parallel=parallel,
-        )  # fmt: skip
+            url,
+            map_location,
+            storage_options=storage_options,
+            device=device,
+            keys=keys,
+            verify=verify,
+            part_size=part_size,
+            parallel=parallel,
+        )
     if verify and not reader.has_checksums:
         raise ChecksumError(f"{url} has no checksums to verify", filename=url)
     check = reader.has_checksums and verify is not False
@@ -863,8 +888,16 @@ def _map(fn: Callable[..., Any], t: torch.Tensor) -> torch.Tensor:
 # ``fastckpt.save``/``load``/``open``/``async_save`` hand their arguments here, unchanged, when
 # the target is a URL or a sharded directory.
 
-_NATIVE_ONLY = ("progress", "staging_bytes", "engine", "block_size", "queue_depth",
-                "intra_op_parallelism", "pin_memory", "gds")  # fmt: skip
+_NATIVE_ONLY = (
+    "progress",
+    "staging_bytes",
+    "engine",
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "pin_memory",
+    "gds",
+)
 
 
 def routed(f: Any) -> bool:
@@ -897,9 +930,12 @@ def route_save(
 
     if max_shard_size is not None:
         hf_shards.save_sharded(
-            obj, f, max_shard_size=max_shard_size, storage_options=storage_options,
+            obj,
+            f,
+            max_shard_size=max_shard_size,
+            storage_options=storage_options,
             **(_for_url(options) if is_url(f) else options),
-        )  # fmt: skip
+        )
     elif is_url(f):
         save(obj, f, storage_options=storage_options, **_for_url(options))
     else:
@@ -909,9 +945,12 @@ def route_save(
 
 
 def route_load(
-    f: Any, map_location: Any = None, *, storage_options: Mapping[str, Any] | None = None,
+    f: Any,
+    map_location: Any = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
-) -> Any:  # fmt: skip
+) -> Any:
     """``fastckpt.load`` of a URL or a sharded directory."""
     from fastckpt.integrations import hf_shards
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import sys
 import textwrap
@@ -323,8 +322,9 @@ def test_s3_sharded_directory(s3):
     ]
     back = fastckpt.load(url, storage_options=options)
     assert list(back) == list(state) and all(torch.equal(back[k], state[k]) for k in state)
-    only = fastckpt.load(f"{url}/model.safetensors.index.json", storage_options=options,
-                         keys=["layer4.weight"])  # fmt: skip
+    only = fastckpt.load(
+        f"{url}/model.safetensors.index.json", storage_options=options, keys=["layer4.weight"]
+    )
     assert list(only) == ["layer4.weight"]
     with fastckpt.open(url + "/", storage_options=options) as reader:
         assert torch.equal(reader.get_tensor("layer2.weight"), state["layer2.weight"])
