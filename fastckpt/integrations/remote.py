@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 #: Bytes per uploaded part and per ranged read (S3 needs parts of at least 5 MiB).
-DEFAULT_PART_SIZE = 32 << 20
+DEFAULT_PART_SIZE = 16 << 20
 #: Parts uploaded, or ranges read, at the same time.
 DEFAULT_PARALLEL = 8
 _S3_MIN_PART = 5 << 20
@@ -299,7 +299,7 @@ def _s3_upload_parts(
     if total <= part_size:  # one request: the object appears when it completes
         (buf, used), *_ = list(parts.cut(pieces)) or [(bytearray(), 0)]
         with _Errors(url, "upload"):
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(memoryview(buf)[:used]))
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=buf[:used])
         return
     with _Errors(url, "starting the multipart upload"):
         upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
@@ -308,7 +308,7 @@ def _s3_upload_parts(
     def put(number: int, buf: bytearray, used: int) -> dict[str, Any]:
         try:
             with _Errors(url, f"upload of part {number}"):
-                body = bytes(memoryview(buf)[:used])
+                body = buf if used == len(buf) else buf[:used]  # botocore takes no memoryview
                 reply = fs.call_s3("upload_part", PartNumber=number, Body=body, **ids)
         finally:
             parts.give_back(buf)
