@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
+import json
 import os
 import secrets
 import threading
@@ -140,9 +141,25 @@ def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
         raise ImportError(
             f"{url}: URLs need fsspec (pip install 'fastckpt[s3]' for S3, or fsspec)"
         ) from None
-    if storage_options is not None and not isinstance(storage_options, Mapping):
+    if storage_options is None:
+        storage_options = _options_from_environment()
+    if not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-    return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    return fsspec.core.url_to_fs(url, **dict(storage_options))
+
+
+def _options_from_environment() -> dict[str, Any]:
+    """``FASTCKPT_STORAGE_OPTIONS`` (a JSON object): storage options when a call passes none."""
+    text = os.environ.get("FASTCKPT_STORAGE_OPTIONS", "").strip()
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"FASTCKPT_STORAGE_OPTIONS is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError("FASTCKPT_STORAGE_OPTIONS must be a JSON object")
+    return options
 
 
 _ERRNO = {
@@ -728,8 +745,15 @@ class RemoteReader:
 
         _run_parallel(check, list(views), os.cpu_count() or 1)
 
-    def verify(self, names: Sequence[str] | None = None) -> list[str]:
-        """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact)."""
+    def verify(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> list[str]:
+        """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
+
+        Tensors are fetched one at a time, so memory stays at the largest tensor's size.
+        ``progress`` is accepted for symmetry with ``fastckpt.open`` readers (no bar here).
+        """
+        del progress
         if not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         damaged = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import subprocess
 import sys
 import textwrap
@@ -328,3 +329,28 @@ def test_s3_sharded_directory(s3):
     assert list(only) == ["layer4.weight"]
     with fastckpt.open(url + "/", storage_options=options) as reader:
         assert torch.equal(reader.get_tensor("layer2.weight"), state["layer2.weight"])
+
+
+def test_cli_inspect_verify_convert_take_urls(s3, tmp_path, monkeypatch, capsys):
+    from fastckpt.cli import main
+
+    base, options, fs = s3
+    monkeypatch.setenv("FASTCKPT_STORAGE_OPTIONS", json.dumps(options))
+    url = f"{base}/cli.safetensors"
+    fastckpt.save({"w": torch.ones(4, 4), "step": 2}, url)  # options from the environment
+    assert main(["inspect", url]) == 0
+    assert url in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+    assert "OK" in capsys.readouterr().out
+    local = tmp_path / "copy.safetensors"
+    assert main(["convert", url, str(local)]) == 0
+    assert fastckpt.load(local)["step"] == 2
+    assert main(["convert", str(local), f"{base}/back.safetensors"]) == 0
+    assert torch.equal(fastckpt.load(f"{base}/back.safetensors")["w"], torch.ones(4, 4))
+    # damage a byte of the data: verify names the tensor
+    data = bytearray(fs.cat_file(url))
+    data[-1] ^= 0xFF
+    fs.pipe_file(url, bytes(data))
+    assert main(["verify", url]) == 1
+    assert "does not match its checksum: w" in capsys.readouterr().out
+    assert main(["inspect", f"{base}/absent.safetensors"]) == 1
