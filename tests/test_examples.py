@@ -16,6 +16,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     [
         ("quickstart.py", ["epoch 1", "checksums intact: True", "kept the old weights: True"]),
         ("deepnvme.py", ["completed writes: 4", "completed reads: 4", "identical: True"]),
+        (
+            "remote_and_shards.py",
+            ["identical: True", "3 shards + model.safetensors.index.json", "round trip: True"],
+        ),
     ],
 )
 def test_example_runs(tmp_path, script, expected):
