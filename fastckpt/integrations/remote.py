@@ -80,7 +80,10 @@ DEFAULT_PARALLEL = 8
 _S3_MIN_PART = 5 << 20
 _S3_MAX_PARTS = 10_000
 _HEADER_PROBE = 1 << 20  # first read of a load: the length and, usually, the whole header
-_ARENA_ALIGN = 64  # tensors keep their data-section offset modulo this in the arena
+_ARENA_ALIGN = 64
+_STREAM_CHUNK = (
+    1 << 20
+)  # bytes taken from a streamed GET at a time  # tensors keep their data-section offset modulo this in the arena
 _LOCAL_PROTOCOLS = ("file", "local")
 #: Stores where a written object appears only once its upload completes (no rename needed).
 _OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss")
@@ -316,7 +319,7 @@ def _s3_upload_parts(
     if total <= part_size:  # one request: the object appears when it completes
         (buf, used), *_ = list(parts.cut(pieces)) or [(bytearray(), 0)]
         with _Errors(url, "upload"):
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=buf[:used])
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(memoryview(buf)[:used]))
         return
     with _Errors(url, "starting the multipart upload"):
         upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
@@ -325,7 +328,8 @@ def _s3_upload_parts(
     def put(number: int, buf: bytearray, used: int) -> dict[str, Any]:
         try:
             with _Errors(url, f"upload of part {number}"):
-                body = buf if used == len(buf) else buf[:used]  # botocore takes no memoryview
+                # bytes: botocore refuses a memoryview, and aiohttp warns on a large bytearray
+                body = bytes(memoryview(buf)[:used])
                 reply = fs.call_s3("upload_part", PartNumber=number, Body=body, **ids)
         finally:
             parts.give_back(buf)
@@ -701,12 +705,21 @@ class RemoteReader:
             run.arena_pos = pos
             pos += run.end - run.begin
         arena = torch.empty(pos, dtype=torch.uint8)
+        streamed = _is_s3(self._fs)
+        # A streamed GET costs no buffer of its size, so S3 reads take fewer, larger ranges
+        # (about `parallel` of them, never smaller than part_size): fewer requests, as many
+        # in flight. Other stores return each range whole, so ranges stay at part_size.
+        total = sum(run.end - run.begin for run in runs)
+        step = max(self.part_size, -(-total // self.parallel)) if streamed else self.part_size
         ranges = []  # (data begin, data end, arena position)
         for run in runs:
-            for start in range(run.begin, run.end, self.part_size):
-                stop = min(run.end, start + self.part_size)
+            for start in range(run.begin, run.end, step):
+                stop = min(run.end, start + step)
                 ranges.append((start, stop, run.arena_pos + start - run.begin))
-        self._fetch(arena, ranges)
+        if streamed:
+            self._fetch_streamed(arena, ranges)
+        else:
+            self._fetch(arena, ranges)
         views = {
             e.name: _view(arena, run.arena_pos + e.begin - run.begin, e)
             for run in runs
@@ -727,6 +740,55 @@ class RemoteReader:
             ctypes.memmove(address + at, data, len(data))
 
         _run_parallel(fetch, ranges, self.parallel)
+
+    def _fetch_streamed(self, arena: torch.Tensor, ranges: list[tuple[int, int, int]]) -> None:
+        """S3: one GET per range, its body copied into the arena as it arrives (1 MiB at a time),
+        ``parallel`` GETs at once on s3fs's event loop."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        fs, url = self._fs, self.path
+        bucket, key, version = fs.split_path(self._path)
+        extra = {"VersionId": version} if version else {}
+        base, address = self.header.data_offset, arena.data_ptr()
+
+        async def fetch(start: int, stop: int, at: int, gate: asyncio.Semaphore) -> None:
+            first, last = base + start, base + stop - 1
+            async with gate:
+                reply = await fs._call_s3(
+                    "get_object", Bucket=bucket, Key=key, Range=f"bytes={first}-{last}", **extra
+                )
+                body, got = reply["Body"], 0
+                try:
+                    while got < stop - start:
+                        data = await body.read(min(_STREAM_CHUNK, stop - start - got))
+                        if not data:
+                            break
+                        ctypes.memmove(address + at + got, data, len(data))
+                        got += len(data)
+                finally:
+                    body.close()
+            if got != stop - start:
+                raise OSError(
+                    errno.EIO,
+                    f"{url}: ranged read of [{first}, {last + 1}) returned {got} bytes"
+                    " (was the object replaced while being read?)",
+                    url,
+                )
+
+        async def fetch_all() -> None:
+            gate = asyncio.Semaphore(self.parallel)
+            tasks = [asyncio.ensure_future(fetch(*r, gate)) for r in ranges]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # no read may still write into the arena once this returns
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        with _Errors(url, "ranged read"):
+            sync(fs.loop, fetch_all)
 
     def _verify(self, views: Mapping[str, torch.Tensor]) -> None:
         crcs = self.meta.crcs or {}
