@@ -315,7 +315,10 @@ def _s3_upload_parts(
 ) -> None:
     bucket, key, _ = fs.split_path(path)
     part_size = _s3_part_size(total, part_size)
-    parts = _Parts(part_size, parallel + 1)
+    # One buffer is filled at a time; each full one is copied into the bytes object that
+    # botocore sends (it takes neither a memoryview nor, without a warning from aiohttp, a
+    # large bytearray), and at most `parallel` of those are in flight.
+    parts = _Parts(part_size, 1)
     if total <= part_size:  # one request: the object appears when it completes
         (buf, used), *_ = list(parts.cut(pieces)) or [(bytearray(), 0)]
         with _Errors(url, "upload"):
@@ -324,25 +327,31 @@ def _s3_upload_parts(
     with _Errors(url, "starting the multipart upload"):
         upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
     ids = dict(Bucket=bucket, Key=key, UploadId=upload_id)
+    in_flight = threading.BoundedSemaphore(parallel)
+    failed: list[BaseException] = []
 
-    def put(number: int, buf: bytearray, used: int) -> dict[str, Any]:
+    def put(number: int, body: bytes) -> dict[str, Any]:
         try:
             with _Errors(url, f"upload of part {number}"):
-                # bytes: botocore refuses a memoryview, and aiohttp warns on a large bytearray
-                body = bytes(memoryview(buf)[:used])
                 reply = fs.call_s3("upload_part", PartNumber=number, Body=body, **ids)
+        except BaseException as exc:
+            failed.append(exc)
+            raise
         finally:
-            parts.give_back(buf)
+            in_flight.release()
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     pool = concurrent.futures.ThreadPoolExecutor(parallel, thread_name_prefix="fastckpt-s3")
     futures: list[concurrent.futures.Future] = []
     try:
         for number, (buf, used) in enumerate(parts.cut(pieces), start=1):
-            for f in futures:  # stop early when a part failed
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            futures.append(pool.submit(put, number, buf, used))
+            body = bytes(memoryview(buf)[:used])
+            parts.give_back(buf)
+            in_flight.acquire()
+            if failed:  # stop early when a part failed
+                raise failed[0]
+            futures.append(pool.submit(put, number, body))
+            del body
         done = [f.result() for f in futures]
         with _Errors(url, "completing the multipart upload"):
             fs.call_s3("complete_multipart_upload", MultipartUpload={"Parts": done}, **ids)
