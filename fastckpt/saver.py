@@ -376,7 +376,7 @@ def save(
     arguments = dict(locals())  # exactly the parameters, handed on as they are
     from fastckpt.integrations import remote  # lazy: it imports this module
 
-    if max_shard_size is not None or remote.routed(f):  # URLs and sharded directories
+    if max_shard_size is not None or remote.handles(f):  # sharded directories and URLs
         return remote.route_save(**arguments)
     path = check_destination(f)
     plan = plan_save(
