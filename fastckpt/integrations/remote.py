@@ -6,10 +6,10 @@ resolved with ``fsspec.core.url_to_fs(url, **storage_options)``.
 
 Save. The layout is planned before any byte is written (:func:`fastckpt.saver.plan_save`), and
 the CRC32Cs are computed in a first pass over the tensors in memory, so the header is known up
-front and goes out first, followed by the data, in file order. Bytes travel through a fixed
-set of part buffers (``parallel`` of them, ``part_size`` each): the memory used is bounded
-whatever the checkpoint's size. On S3 the parts are uploaded in parallel as one multipart
-upload; elsewhere they are written in order to one file object.
+front and goes out first, followed by the data, in file order. Bytes travel through one
+fill buffer of ``part_size`` and at most ``parallel`` parts in flight: the memory used is
+bounded whatever the checkpoint's size. On S3 the parts are uploaded in parallel as one
+multipart upload; elsewhere they are written in order to one file object.
 
 Commit. A checkpoint at a URL is complete or absent:
 
@@ -22,7 +22,9 @@ Commit. A checkpoint at a URL is complete or absent:
 
 Load. The header is read with one or two ranged reads; the tensors' bytes are then fetched
 with parallel ranged reads straight into one arena (the returned tensors are views into it),
-and every tensor's CRC32C is checked. ``keys=`` fetches only those tensors' bytes.
+and every tensor's CRC32C is checked. On S3 each range is one streamed GET whose body is
+copied into the arena as it arrives; other stores return ranges whole (``cat_file``), so
+their ranges stay at ``part_size``. ``keys=`` fetches only those tensors' bytes.
 
 Example:
     >>> import torch, fastckpt
@@ -441,7 +443,8 @@ def save(
 ) -> None:
     """Saves ``obj`` at ``url`` (what ``fastckpt.save`` does for a URL).
 
-    Memory: at most ``parallel + 1`` part buffers of ``part_size`` bytes beyond the tensors.
+    Memory: at most ``parallel + 1`` parts of ``part_size`` bytes beyond the tensors (plus the
+    HTTP client's copies of the parts in flight).
 
     Args:
         storage_options: passed to the fsspec file system (``key``, ``secret``,
