@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 import uuid
@@ -355,3 +356,45 @@ def test_cli_inspect_verify_convert_take_urls(s3, tmp_path, monkeypatch, capsys)
     assert main(["verify", url]) == 1
     assert "does not match its checksum: w" in capsys.readouterr().out
     assert main(["inspect", f"{base}/absent.safetensors"]) == 1
+
+
+def test_s3_upload_refused_half_way_raises_and_leaves_no_object(s3, s3_endpoint):
+    """The server starts refusing parts mid-upload: the save fails naming the URL, and the
+    key never appears (the upload is aborted, or left uncompleted when even that is refused)."""
+    base, options, fs = s3
+    url = f"{base}/refused.safetensors"
+    bucket = base[len("s3://") :]
+    state = {f"t{i}": torch.full((2 * MiB,), float(i)) for i in range(8)}  # 64 MiB
+    refused = threading.Event()
+
+    def refuse_after_two_parts() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+            if uploads:
+                listing = fs.call_s3(
+                    "list_parts",
+                    Bucket=bucket,
+                    Key=uploads[0]["Key"],
+                    UploadId=uploads[0]["UploadId"],
+                )
+                if len(listing.get("Parts", [])) >= 2:
+                    _set_auth(s3_endpoint, "0")  # every later request needs real credentials
+                    refused.set()
+                    return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=refuse_after_two_parts)
+    watcher.start()
+    try:
+        with pytest.raises(PermissionError) as info:
+            remote.save(state, url, storage_options=options, part_size=5 * MiB, parallel=1)
+    finally:
+        watcher.join()
+        _set_auth(s3_endpoint, "inf")
+    assert refused.is_set()
+    assert url in str(info.value) and "part" in str(info.value)
+    fs.invalidate_cache()
+    assert not fs.exists(url)
+    with pytest.raises(FileNotFoundError):
+        fastckpt.load(url, storage_options=options)
