@@ -29,10 +29,10 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute in it)
 _PUBLIC = {
-    "save": ("fastckpt.checkpoint.save", "save"),
-    "load": ("fastckpt.checkpoint.load", "load"),
-    "open": ("fastckpt.checkpoint.read", "open_checkpoint"),
-    "async_save": ("fastckpt.checkpoint.asynchronous", "async_save"),
+    "save": ("fastckpt.api", "save"),
+    "load": ("fastckpt.api", "load"),
+    "open": ("fastckpt.api", "open"),
+    "async_save": ("fastckpt.api", "async_save"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
     "SaveFuture": ("fastckpt.checkpoint.asynchronous", "SaveFuture"),
     "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
@@ -79,19 +79,16 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastckpt import aio
+    from fastckpt.api import async_save, load, open, save  # noqa: A004
     from fastckpt.checkpoint.asynchronous import (
         LoadFuture,
         SaveFuture,
         async_load,
-        async_save,
         prepare_staging,
         release_staging,
         wait_all,
     )
-    from fastckpt.checkpoint.load import load
     from fastckpt.checkpoint.read import CheckpointReader, TensorInfo
-    from fastckpt.checkpoint.read import open_checkpoint as open  # noqa: A001
-    from fastckpt.checkpoint.save import save
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,

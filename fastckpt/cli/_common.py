@@ -309,8 +309,9 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 # ------------------------------------------------------------------------ paths
 
 
-def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path]:
-    """``target`` itself when it is a file; the ``pattern`` files directly inside a directory.
+def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path | str]:
+    """``target`` itself when it is a file or a URL; the ``pattern`` files directly inside a
+    directory.
 
     Raises:
         CliError: (status 2) the path does not exist, or a directory holds no such file.
@@ -322,6 +323,10 @@ def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path]:
         ...     print(err.status, err)
         2 no such file or directory: /no/such/path
     """
+    from fastckpt.integrations.remote import is_url
+
+    if is_url(target):  # one object at a URL (credentials: FASTCKPT_STORAGE_OPTIONS or AWS_*)
+        return [target]
     path = Path(target)
     if path.is_dir():
         found = sorted(p for p in path.glob(pattern) if p.is_file())

@@ -189,29 +189,62 @@ def _torch_save_atomic(obj: Any, dst: str) -> None:
         os.close(dir_fd)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt convert``; 1 when DST exists without ``--force`` or the source is refused."""
-    import fastckpt
+def _check_source(src: str) -> None:
+    from fastckpt.integrations.remote import is_url
 
-    src, dst = args.src, args.dst
-    if _convert_dcp(args):
-        return 0
-    if not os.path.isfile(src):
+    if not is_url(src) and not os.path.isfile(src):
         raise CliError(
             f"no such file: {src}" if not os.path.exists(src) else f"not a file: {src}", USAGE
         )
+
+
+def _check_destination(src: str, dst: str, force: bool) -> None:
+    from fastckpt.integrations.remote import is_url, url_to_fs
+
+    if is_url(dst):
+        if Path(dst).suffix.lower() in TORCH_SUFFIXES:
+            raise CliError(f"DST {dst}: torch files are written to local paths only", USAGE)
+        if src == dst:
+            raise CliError("SRC and DST are the same file", USAGE)
+        fs, path = url_to_fs(dst)
+        if not force and fs.exists(path):
+            raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+        return
     if os.path.isdir(dst):
         raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
     if os.path.exists(dst):
-        if os.path.samefile(src, dst):
+        if not is_url(src) and os.path.samefile(src, dst):
             raise CliError("SRC and DST are the same file", USAGE)
-        if not args.force:
+        if not force:
             raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
     if not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
         raise CliError(f"the directory of {dst} does not exist", USAGE)
 
+
+def _url_kind(src: str) -> str:
+    """A source at a URL must be a safetensors file (torch files: download them first)."""
+    from fastckpt.cli.inspect import read_header
+    from fastckpt.errors import HeaderError
+
+    try:
+        read_header(src)
+    except HeaderError as exc:
+        raise CliError(f"{src}: only safetensors files are read from URLs ({exc})") from None
+    return "safetensors"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``fastckpt convert``; 1 when DST exists without ``--force`` or the source is refused."""
+    import fastckpt
+    from fastckpt.integrations.remote import is_url
+
+    src, dst = args.src, args.dst
+    if _convert_dcp(args):
+        return 0
+    _check_source(src)
+    _check_destination(src, dst, args.force)
     started = time.perf_counter()
-    kind = source_kind(src)
+    kind = _url_kind(src) if is_url(src) else source_kind(src)
     metadata: dict[str, str] = {}
     if kind == "torch":
         obj = _load_torch(src, args.allow_pickle)

@@ -90,7 +90,10 @@ def read_header(path: str | os.PathLike[str]) -> Any:
         FileNotFoundError: [Errno 2] No such file or directory: '/no/such.safetensors'
     """
     from fastckpt.format import parse_header, parse_header_length
+    from fastckpt.integrations.remote import RemoteReader, is_url
 
+    if is_url(path):
+        return RemoteReader(path).header  # reads the header's bytes only
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         length = parse_header_length(f.read(8), size)

@@ -1,2 +1,2 @@
-"""Adapters that bring fastckpt to other frameworks' checkpointing: Lightning and
-torch.distributed.checkpoint."""
+"""Adapters that bring fastckpt to other frameworks and storage: Lightning,
+torch.distributed.checkpoint, fsspec URLs and Hugging Face sharded directories."""

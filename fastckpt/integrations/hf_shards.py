@@ -1,0 +1,571 @@
+"""Sharded checkpoints in the Hugging Face convention: shards plus ``model.safetensors.index.json``.
+
+``fastckpt.save(state_dict, directory, max_shard_size="5GB")`` writes::
+
+    directory/model-00001-of-00003.safetensors
+    directory/model-00002-of-00003.safetensors
+    directory/model-00003-of-00003.safetensors
+    directory/model.safetensors.index.json   {"metadata": {"total_size": ...}, "weight_map": {...}}
+
+as ``transformers``' ``save_pretrained`` and ``huggingface_hub``'s ``save_torch_state_dict``
+do, so each reads what the other writes. A state dict that fits in one shard is written as
+``directory/model.safetensors`` alone, as they do too. Sizes are decimal (``"5GB"`` is
+5 * 10**9 bytes, as ``huggingface_hub`` counts); ``"5GiB"`` means 5 * 2**30.
+
+Sharding: tensors are taken in the state dict's order and a new shard starts when the next
+one would overflow the limit; a tensor larger than the limit gets a shard of its own;
+tensors sharing storage (tied weights) go to one shard, where the file stores the bytes once.
+
+Each shard is a fastckpt file (aligned for direct I/O, with checksums), written in parallel
+and committed on its own; the index is written last, once every shard is durable, so a
+reader that finds the index finds every shard complete. Shards of an earlier save into the
+same directory that the new index does not name are then removed.
+
+``fastckpt.load(directory)`` (or the index file's path) reads every shard in parallel and
+returns one flat dict; ``fastckpt.open(directory)`` reads tensors lazily. Both take the
+directories that ``transformers`` and ``huggingface_hub`` write. The directory may be a URL
+(see :mod:`fastckpt.integrations.remote`).
+
+Example:
+    >>> import tempfile, torch, fastckpt
+    >>> directory = tempfile.mkdtemp()
+    >>> state = {f"layer{i}.weight": torch.full((256,), float(i)) for i in range(4)}
+    >>> fastckpt.save(state, directory, max_shard_size="2KB")
+    >>> sorted(os.listdir(directory))[:2]
+    ['model-00001-of-00004.safetensors', 'model-00002-of-00004.safetensors']
+    >>> fastckpt.load(directory)["layer3.weight"][0].item()
+    3.0
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fastckpt.checkpoint import tree
+from fastckpt.errors import HeaderError
+from fastckpt.integrations import remote
+
+__all__ = [
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "ShardedReader",
+    "is_sharded",
+    "load_sharded",
+    "open_sharded",
+    "parse_shard_size",
+    "plan_shards",
+    "save_sharded",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+#: Shards written or read at the same time.
+DEFAULT_PARALLEL = 4
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or ``"5GB"`` (decimal, as huggingface_hub) / ``"5GiB"``.
+
+    Example:
+        >>> parse_shard_size("5GB"), parse_shard_size("1.5MiB"), parse_shard_size(100)
+        (5000000000, 1572864, 100)
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"max_shard_size must be an int or a str like '5GB', got {size!r}")
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"max_shard_size {size!r} is not a size (examples: '5GB', '500MB', '2GiB')"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size}")
+    return size
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _join(directory: str, name: str) -> str:
+    if remote.is_url(directory):
+        return directory.rstrip("/") + "/" + name
+    return os.path.join(directory, name)
+
+
+def _local(path: Any) -> str | None:
+    """The local path of ``path`` (str, PathLike or ``file://`` URL), or None for a URL."""
+    if isinstance(path, os.PathLike):
+        return os.fspath(path)
+    if not isinstance(path, str):
+        return None
+    if remote.is_url(path):
+        return None
+    return path.split("://", 1)[1] if remote.handles(path) else path
+
+
+def is_sharded(path: Any) -> bool:
+    """Whether ``path`` names a sharded checkpoint: a local directory or an ``*.index.json``.
+
+    A URL counts when it ends with ``.index.json`` or ``/`` (object stores have no cheap
+    directory test; :mod:`~fastckpt.integrations.remote` also hands over URLs it finds to
+    be directories).
+
+    Example:
+        >>> import tempfile
+        >>> is_sharded(tempfile.mkdtemp()), is_sharded("s3://b/run/model.safetensors.index.json")
+        (True, True)
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    text = os.fspath(path)
+    if text.endswith(".index.json"):
+        return True
+    local = _local(text)
+    if local is None:
+        return text.endswith("/")
+    return os.path.isdir(local)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    # Tensors sharing storage (tied weights, views of one buffer) must land in one shard.
+    if t.device.type == "meta":
+        return ("tensor", id(t))
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def plan_shards(
+    state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str
+) -> list[list[str]]:
+    """Names per shard, in the state dict's order (see the module docstring for the rules).
+
+    Example:
+        >>> import torch
+        >>> w = torch.zeros(100)  # 400 bytes
+        >>> plan_shards({"a": w, "b": torch.zeros(100), "tied": w, "big": torch.zeros(300)}, 800)
+        [['big'], ['a', 'b', 'tied']]
+    """
+    limit = parse_shard_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    group_of: dict[tuple[Any, ...], list[str]] = {}
+    for name, t in state_dict.items():
+        key = _storage_key(t)
+        if key in group_of:  # shares storage with a tensor already placed: same shard
+            group_of[key].append(name)
+            continue
+        size = t.numel() * t.element_size()
+        if size > limit:
+            shards.append([name])
+            group_of[key] = shards[-1]
+            continue
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+        group_of[key] = current
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _check_state_dict(state_dict: Any) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"a sharded save takes a flat str -> Tensor dict (a state_dict), "
+            f"got {type(state_dict).__name__}"
+        )
+    for name, t in state_dict.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"a sharded save takes a flat str -> Tensor dict; entry {name!r} holds "
+                f"{type(t).__name__}"
+            )
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _save_one(state: dict[str, torch.Tensor], target: str, options: dict[str, Any]) -> None:
+    if remote.is_url(target):
+        remote.save(state, target, **options)
+    else:
+        import fastckpt
+
+        options = {k: v for k, v in options.items() if k != "storage_options"}
+        fastckpt.save(state, target, **options)
+
+
+def _write_index_local(directory: str, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync of the directory: the index appears whole or not at all."""
+    final = os.path.join(directory, INDEX_NAME)
+    temp = f"{final}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(temp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(directory: str, keep: set[str]) -> None:
+    """Deletes shards of an earlier save that the new index does not name."""
+    for name in os.listdir(directory):
+        stale = _SHARD_PATTERN.fullmatch(name) or name in (WEIGHTS_NAME, INDEX_NAME)
+        if stale and name not in keep:
+            os.unlink(os.path.join(directory, name))
+
+
+def save_sharded(
+    state_dict: Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    **save_options: Any,
+) -> None:
+    """Writes ``state_dict`` as Hugging Face shards plus index into ``directory``.
+
+    Args:
+        state_dict: a flat ``str -> Tensor`` dict.
+        directory: a local directory (created if missing) or a URL.
+        max_shard_size: bytes per shard, an int or ``"5GB"``/``"500MB"``/``"2GiB"``.
+        metadata: str -> str stored in every shard's header and in the index's ``metadata``.
+        storage_options: for a URL, passed to the fsspec file system.
+        parallel: shards written at the same time.
+        save_options: as :func:`fastckpt.save` (``checksum``, ``engine``, ...).
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> with open(os.path.join(d, INDEX_NAME)) as f:
+        ...     json.load(f)["weight_map"]
+        {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}
+    """
+    _check_state_dict(state_dict)
+    if parallel < 1:
+        raise ValueError(f"parallel must be positive, got {parallel}")
+    directory = os.fspath(directory)
+    local = _local(directory)
+    if local is not None:
+        os.makedirs(local, exist_ok=True)
+        directory = local
+    groups = plan_shards(state_dict, max_shard_size)
+    if not groups:
+        groups = [[]]
+    names = _shard_names(len(groups))
+    options = dict(save_options, metadata=metadata, storage_options=storage_options)
+    shards = [{n: state_dict[n] for n in group} for group in groups]
+    # A tied tensor is stored once per shard; its other names live in that shard's header
+    # (fastckpt.load restores them) and, as in transformers' own indexes, not in the weight map.
+    stored = [tree.flatten(shard).tensors for shard in shards]
+
+    def write(i: int) -> None:
+        _save_one(shards[i], _join(directory, names[i]), options)
+
+    with concurrent.futures.ThreadPoolExecutor(min(parallel, len(groups))) as pool:
+        for f in [pool.submit(write, i) for i in range(len(groups))]:
+            f.result()  # the first failure is raised; no index is written then
+    if len(groups) == 1:
+        if local is not None:
+            _remove_stale(local, {WEIGHTS_NAME})
+        return
+    total = sum(t.numel() * t.element_size() for tensors in stored for t in tensors.values())
+    index = {
+        "metadata": {**dict(metadata or {}), "total_size": total},
+        "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
+    }
+    data = (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
+    if local is not None:
+        _write_index_local(local, data)
+        _remove_stale(local, set(names) | {INDEX_NAME})
+    else:
+        remote.write_bytes(_join(directory, INDEX_NAME), data, storage_options)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:
+    if not remote.is_url(path):
+        return os.path.isfile(path)
+    fs, inner = remote.url_to_fs(path, storage_options)
+    return fs.isfile(inner)
+
+
+def _resolve(
+    path: str, storage_options: Mapping[str, Any] | None
+) -> tuple[str, str | None, str | None]:
+    """``(directory, index path or None, single weights file or None)`` for a directory or index."""
+    if path.endswith(".index.json"):
+        directory = path.rsplit("/", 1)[0] if remote.is_url(path) else os.path.dirname(path)
+        return directory, path, None
+    directory = path.rstrip("/") if remote.is_url(path) else path
+    index = _join(directory, INDEX_NAME)
+    if _exists(index, storage_options):
+        return directory, index, None
+    single = _join(directory, WEIGHTS_NAME)
+    if _exists(single, storage_options):
+        return directory, None, single
+    raise FileNotFoundError(2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path)
+
+
+def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[str, str]:
+    """The weight map of an index file, checked: shard names must be plain file names."""
+    if remote.is_url(index):
+        data = remote.read_bytes(index, storage_options)
+    else:
+        with open(index, "rb") as f:
+            data = f.read()
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
+        raise HeaderError(f"{index}: not a JSON index: {exc}") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise HeaderError(f"{index}: no 'weight_map' object")
+    for name, shard in weight_map.items():
+        if (
+            not isinstance(shard, str)
+            or not shard
+            or "/" in shard
+            or "\\" in shard
+            or shard
+            in (
+                ".",
+                "..",
+            )
+        ):
+            raise HeaderError(f"{index}: tensor {name!r} maps to {shard!r}, not a file name")
+    return weight_map
+
+
+def _index_metadata(index: str | None, storage_options: Mapping[str, Any] | None) -> dict:
+    if index is None:
+        return {}
+    if remote.is_url(index):
+        data = remote.read_bytes(index, storage_options)
+    else:
+        with open(index, "rb") as f:
+            data = f.read()
+    meta = json.loads(data).get("metadata") or {}
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def load_sharded(
+    path: str | os.PathLike[str],
+    map_location: Any = None,
+    *,
+    keys: Sequence[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    **load_options: Any,
+) -> dict[str, torch.Tensor]:
+    """Loads a sharded directory (or its index file) into one flat dict, shards in parallel.
+
+    Args:
+        path: the directory, or the path of its ``*.safetensors.index.json``; local or a URL.
+        keys: load only these tensors (and only the shards that hold them).
+        storage_options: for a URL, passed to the fsspec file system.
+        parallel: shards read at the same time.
+        load_options: as :func:`fastckpt.load` (``device``, ``verify``, ...).
+
+    Raises:
+        FileNotFoundError: no index or weights file in the directory, or a missing shard.
+        HeaderError: a malformed index, or a shard that lacks a tensor its index names.
+        KeyError: a name in ``keys`` is not in the index.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> load_sharded(d, keys=["b"])["b"].sum().item()
+        1000.0
+    """
+    if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
+        raise TypeError("keys must be a list of tensor names")
+    text = _local(path) or os.fspath(path)
+    directory, index, single = _resolve(text, storage_options)
+    options = dict(load_options, map_location=map_location)
+    if remote.is_url(text):
+        options["storage_options"] = storage_options
+    if single is not None:
+        return _load_one(single, keys, options)
+    weight_map = _read_index(index, storage_options)
+    by_shard: dict[str, list[str]] = {}
+    for name in weight_map if keys is None else keys:
+        if name not in weight_map:
+            raise KeyError(f"no tensor named {name!r} in {index}")
+        by_shard.setdefault(weight_map[name], []).append(name)
+    shards = list(by_shard)
+
+    def read(shard: str) -> dict[str, torch.Tensor]:
+        wanted = None if keys is None else by_shard[shard]
+        found = _load_one(_join(directory, shard), wanted, options)
+        missing = [n for n in by_shard[shard] if n not in found]
+        if missing:
+            raise HeaderError(
+                f"{_join(directory, shard)}: lacks tensor {missing[0]!r} that {index} maps to it"
+            )
+        return found
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(parallel, len(shards)))) as pool:
+        parts = list(pool.map(read, shards))
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    ordered = {n: merged[n] for n in (weight_map if keys is None else keys)}
+    ordered.update(merged)  # aliases of tied tensors recorded in a shard
+    return ordered
+
+
+def _load_one(path: str, keys: Sequence[str] | None, options: dict[str, Any]) -> dict:
+    if remote.is_url(path):
+        result = remote.load(path, keys=keys, **options)
+    else:
+        import fastckpt
+
+        options = {k: v for k, v in options.items() if k != "storage_options"}
+        result = fastckpt.load(path, keys=keys, **options)
+    if not isinstance(result, dict) or not all(
+        isinstance(t, torch.Tensor) for t in result.values()
+    ):
+        raise HeaderError(f"{path}: a shard must hold a flat dict of tensors")
+    return result
+
+
+class ShardedReader:
+    """A sharded checkpoint opened for lazy reading: what ``fastckpt.open(directory)`` returns.
+
+    Opening reads the index and each shard's header; tensors are read when asked for.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> with open_sharded(d) as r:
+        ...     sorted(r.keys()), r.get_tensor("b")[:2].tolist()
+        (['a', 'b'], [1.0, 1.0])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        **open_options: Any,
+    ):
+        text = _local(path) or os.fspath(path)
+        self.path = text
+        directory, index, single = _resolve(text, storage_options)
+        self._metadata = _index_metadata(index, storage_options)
+        files = [single] if single else sorted(set(_read_index(index, storage_options).values()))
+        self._parallel = parallel
+        self._readers: dict[str, Any] = {}
+        self._owner: dict[str, str] = {}  # tensor name -> shard
+        try:
+            for name in files:
+                shard = single or _join(directory, name)
+                if remote.is_url(shard):
+                    reader = remote.open_url(shard, storage_options=storage_options, **open_options)
+                else:
+                    import fastckpt
+
+                    reader = fastckpt.open(shard, **open_options)
+                self._readers[shard] = reader
+                for key in reader.keys():
+                    self._owner[key] = shard
+        except BaseException:
+            self.close()
+            raise
+
+    def keys(self) -> list[str]:
+        """Every tensor name in every shard."""
+        return list(self._owner)
+
+    def metadata(self) -> dict[str, str]:
+        """The index's ``metadata`` (``total_size`` and any saved metadata), as strings."""
+        if self._metadata:
+            return dict(self._metadata)
+        return next(iter(self._readers.values())).metadata() if self._readers else {}
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Reads one tensor from the shard that holds it."""
+        return self.get_tensors([name])[name]
+
+    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
+        """Reads several tensors, shards in parallel."""
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self._owner:
+                raise KeyError(f"no tensor named {name!r} in {self.path}")
+            by_shard.setdefault(self._owner[name], []).append(name)
+
+        def read(shard: str) -> dict[str, torch.Tensor]:
+            return self._readers[shard].get_tensors(by_shard[shard], verify=verify)
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self._parallel, len(by_shard)))) as p:
+            parts = list(p.map(read, by_shard))
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {n: merged[n] for n in names}
+
+    def close(self) -> None:
+        """Closes every shard."""
+        for reader in self._readers.values():
+            reader.close()
+        self._readers = {}
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_sharded(path: str | os.PathLike[str], **options: Any) -> ShardedReader:
+    """Opens a sharded directory (or index) for lazy reading (see :class:`ShardedReader`)."""
+    return ShardedReader(path, **options)

@@ -1,0 +1,262 @@
+"""Sharded checkpoints in the Hugging Face convention, and interop with transformers and
+huggingface_hub both ways (tiny models built locally: no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fastckpt  # noqa: E402
+from fastckpt import format  # noqa: E402
+from fastckpt.integrations import hf_shards  # noqa: E402
+
+INDEX = "model.safetensors.index.json"
+
+
+def _state(n: int = 6, numel: int = 1000) -> dict:
+    torch.manual_seed(1)
+    return {f"layers.{i}.weight": torch.randn(numel) for i in range(n)}
+
+
+def _header(path) -> format.Header:
+    with open(path, "rb") as f:
+        first = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        n = format.parse_header_length(first, size)
+        return format.parse_header(f.read(n), size)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("2KB", 2000),
+        ("1.5GiB", 3 * 2**29),
+        ("64MiB", 64 * 2**20),
+        (12345, 12345),
+    ],
+)
+def test_parse_shard_size(text, expected):
+    assert hf_shards.parse_shard_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "", "GB", -1, 0, 1.5, True])
+def test_parse_shard_size_rejects(bad):
+    with pytest.raises((ValueError, TypeError)):
+        hf_shards.parse_shard_size(bad)
+
+
+def test_plan_shards_rules():
+    w = torch.zeros(100)  # 400 bytes
+    state = {
+        "a": w,
+        "b": torch.zeros(100),
+        "huge": torch.zeros(1000),  # over the limit: a shard of its own
+        "c": torch.zeros(50),
+        "tied": w,  # shares a's storage: a's shard
+        "view": w[:10],  # a view of a's storage: a's shard
+    }
+    # as huggingface_hub: an oversized tensor is closed off at once, before the running shard
+    assert hf_shards.plan_shards(state, 800) == [["huge"], ["a", "b", "tied", "view"], ["c"]]
+
+
+# --------------------------------------------------------------------------- local directories
+
+
+def test_round_trip_local(tmp_path):
+    state = _state()
+    state["tied"] = state["layers.1.weight"]
+    fastckpt.save(state, tmp_path, max_shard_size="10KB", metadata={"run": "7"})
+    names = sorted(os.listdir(tmp_path))
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [INDEX]
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert index["metadata"] == {"run": "7", "total_size": 6 * 4000}
+    assert "tied" not in index["weight_map"]  # stored once; its header names the alias
+    assert set(index["weight_map"].values()) == set(names[:-1])
+    for name in names[:-1]:
+        header = _header(tmp_path / name)
+        assert header.data_offset % 4096 == 0  # each shard is laid out for direct I/O
+        assert header.metadata["run"] == "7"
+    back = fastckpt.load(tmp_path)
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert back["tied"] is back["layers.1.weight"]
+    # the index written last: no shard is newer than it
+    index_time = (tmp_path / INDEX).stat().st_mtime_ns
+    assert all((tmp_path / n).stat().st_mtime_ns <= index_time for n in names[:-1])
+
+
+def test_load_index_path_keys_and_open(tmp_path):
+    state = _state()
+    fastckpt.save(state, str(tmp_path), max_shard_size="10KB")
+    part = fastckpt.load(str(tmp_path / INDEX), keys=["layers.5.weight", "layers.0.weight"])
+    assert list(part) == ["layers.5.weight", "layers.0.weight"]
+    assert torch.equal(part["layers.5.weight"], state["layers.5.weight"])
+    # keys= reads only the shards that hold them: the others may even be gone
+    index = json.loads((tmp_path / INDEX).read_text())
+    (tmp_path / index["weight_map"]["layers.2.weight"]).unlink()
+    assert list(fastckpt.load(tmp_path, keys=["layers.0.weight"])) == ["layers.0.weight"]
+    with pytest.raises(FileNotFoundError):
+        fastckpt.load(tmp_path)
+    fastckpt.save(state, str(tmp_path), max_shard_size="10KB")
+    with fastckpt.open(tmp_path) as reader:
+        assert reader.keys() == list(state)
+        assert reader.metadata() == {"total_size": str(6 * 4000)}
+        got = reader.get_tensors(["layers.4.weight", "layers.0.weight"], verify=True)
+        assert torch.equal(got["layers.4.weight"], state["layers.4.weight"])
+        with pytest.raises(KeyError, match="nope"):
+            reader.get_tensor("nope")
+
+
+def test_resave_removes_stale_shards(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    fastckpt.save(_state(), tmp_path, max_shard_size="10KB")
+    fastckpt.save(_state(2), tmp_path, max_shard_size="10KB")  # one shard now
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert list(fastckpt.load(tmp_path)) == ["layers.0.weight", "layers.1.weight"]
+
+
+def test_failed_shard_writes_no_index(tmp_path):
+    state = _state()
+    state["layers.4.weight"] = torch.zeros(3, device="meta")
+    with pytest.raises(TypeError):
+        fastckpt.save(state, tmp_path, max_shard_size="10KB")
+    assert INDEX not in os.listdir(tmp_path)
+
+
+def test_errors_name_the_place(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):
+        fastckpt.load(tmp_path)
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
+    with pytest.raises(fastckpt.HeaderError, match="not a file name"):
+        fastckpt.load(tmp_path)
+    (tmp_path / INDEX).write_text("{not json")
+    with pytest.raises(fastckpt.HeaderError, match="not a JSON index"):
+        fastckpt.load(tmp_path)
+    with pytest.raises(TypeError, match="flat str -> Tensor"):
+        fastckpt.save({"nested": {"w": torch.ones(1)}}, tmp_path / "x", max_shard_size="1KB")
+
+
+def test_round_trip_memory_url():
+    url = f"memory://shards-{uuid.uuid4().hex}/model"
+    state = _state()
+    fastckpt.save(state, url, max_shard_size="10KB")
+    back = fastckpt.load(url)
+    assert list(back) == list(state) and all(torch.equal(back[k], state[k]) for k in state)
+    with fastckpt.open(url + "/" + INDEX) as reader:
+        assert torch.equal(reader.get_tensor("layers.3.weight"), state["layers.3.weight"])
+
+
+# --------------------------------------------------------------------------- interop
+
+
+def test_huggingface_hub_reads_ours_and_we_read_theirs(tmp_path):
+    hub = pytest.importorskip("huggingface_hub")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = _state(8, 3000)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    fastckpt.save(state, ours, max_shard_size="30KB")
+    # their loader, shard by shard through the index
+    index = json.loads((ours / INDEX).read_text())
+    loaded = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        loaded.update(safetensors_torch.load_file(ours / shard))
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    model = torch.nn.Module()
+    for i in range(8):
+        model.register_buffer(f"b{i}", torch.zeros(3000))
+    renamed = {f"b{i}": state[f"layers.{i}.weight"] for i in range(8)}
+    fastckpt.save(renamed, tmp_path / "module", max_shard_size="30KB")
+    hub.load_torch_model(model, tmp_path / "module")
+    assert all(torch.equal(getattr(model, k), v) for k, v in renamed.items())
+    # theirs, read by us
+    theirs.mkdir()
+    hub.save_torch_state_dict(state, theirs, max_shard_size="30KB")
+    assert (theirs / INDEX).is_file()
+    back = fastckpt.load(theirs)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def _tiny_bert(transformers):
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel(config).eval()
+
+
+def _assert_same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_transformers_loads_fastckpt_directory(tmp_path, transformers):
+    model = _tiny_bert(transformers)
+    model.config.save_pretrained(tmp_path)
+    fastckpt.save(model.state_dict(), tmp_path, max_shard_size="20KB")
+    assert (tmp_path / INDEX).is_file()
+    again = transformers.AutoModel.from_pretrained(tmp_path)
+    _assert_same_model(model, again)
+
+
+def test_fastckpt_loads_save_pretrained_directory(tmp_path, transformers):
+    model = _tiny_bert(transformers)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / INDEX).is_file()
+    back = fastckpt.load(tmp_path)
+    expected = model.state_dict()
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    with fastckpt.open(tmp_path) as reader:
+        assert sorted(reader.keys()) == sorted(expected)
+
+
+def test_tied_weights_round_trip_through_transformers(tmp_path, transformers):
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    model.config.save_pretrained(tmp_path)
+    fastckpt.save(state, tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # as transformers writes it
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    _assert_same_model(model, again)
+    back = fastckpt.load(tmp_path)
+    assert back["lm_head.weight"] is back["transformer.wte.weight"]
+
+
+def test_directory_without_max_shard_size_is_not_a_file(tmp_path):
+    with pytest.raises(IsADirectoryError):
+        fastckpt.save({"w": torch.ones(2)}, tmp_path)  # a sharded save needs max_shard_size
+    assert os.listdir(tmp_path) == []
