@@ -1,0 +1,235 @@
+"""The savers and loaders benchmarks compare: fastckpt and its peers, one registry.
+
+Each method is set up outside the timed section (imports, first-use warm-ups, checks that
+it can run here) and returns a thunk that does exactly the timed work:
+
+* :data:`SAVERS`: ``setup(state, path) -> thunk()`` that saves ``state`` to ``path`` and
+  returns once the data is durable (fsync of the file and its directory).
+* :data:`LOADERS`: ``setup(path, device) -> thunk()`` returning the loaded tensors as a
+  flat ``name -> tensor`` dict (the parallel-``preadv`` ceiling returns one byte tensor).
+
+A method that cannot run here (a peer not installed, an argument this fastckpt lacks)
+raises :class:`Skip` from its setup, with the reason.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from fastckpt.cli.peers import LOADERS, SAVERS
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> SAVERS["fastckpt"].setup({"w": torch.ones(3)}, path)()
+    >>> LOADERS["safetensors"].setup(path, "cpu")()["w"].tolist()
+    [1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastckpt.cli.measure import make_durable, preadv_file
+
+__all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "install_hint"]
+
+#: What installs the peers without pulling a CUDA build of torch.
+PEERS_INSTALL = 'pip install -c benchmarks/constraints.txt -e ".[bench]"'
+
+
+class Skip(Exception):
+    """A method cannot run here; the message says why."""
+
+
+def install_hint(module: str) -> str:
+    """Why a peer is left out, with the command that installs it."""
+    return f"{module} is not installed ({PEERS_INSTALL})"
+
+
+def _require(module: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise Skip(f"{install_hint(module)}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Saver:
+    """A way to save: ``label`` for tables, ``file`` the kind of file written."""
+
+    label: str
+    file: str
+    setup: Callable[[dict[str, Any], str], Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Loader:
+    """A way to load: ``label`` for tables, ``file`` the kind of file it reads."""
+
+    label: str
+    file: str
+    setup: Callable[[str, str], Callable[[], Any]]
+
+
+# ----------------------------------------------------------------------------- saves
+
+
+def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
+    import fastckpt
+
+    return lambda: fastckpt.save(state, path, progress=False)  # fsyncs and commits itself
+
+
+def _save_torch(state: dict[str, Any], path: str) -> Callable[[], None]:
+    import torch
+
+    def run() -> None:
+        torch.save(state, path)
+        make_durable(path)
+
+    return run
+
+
+def _save_safetensors(state: dict[str, Any], path: str) -> Callable[[], None]:
+    _require("safetensors.torch")
+    from safetensors.torch import save_file
+
+    def run() -> None:
+        save_file(state, path)
+        make_durable(path)
+
+    return run
+
+
+#: Savers by name; every one is timed until the data is durable.
+SAVERS: dict[str, Saver] = {
+    "fastckpt": Saver("fastckpt.save", "fastckpt", _save_fastckpt),
+    "safetensors": Saver("safetensors save_file + fsync", "safetensors", _save_safetensors),
+    "torch": Saver("torch.save + fsync", "torch", _save_torch),
+}
+
+# ----------------------------------------------------------------------------- loads
+
+
+def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    return lambda: fastckpt.load(path, map_location=device, progress=False)
+
+
+def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    if "mmap" not in inspect.signature(fastckpt.load).parameters:
+        raise Skip("fastckpt.load takes no mmap argument in this version")
+    if device != "cpu":
+        raise Skip("mmap loads are for CPU tensors")
+    return lambda: fastckpt.load(path, mmap=True, progress=False)
+
+
+def _load_safetensors(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors.torch")
+    import safetensors.torch
+
+    safetensors.torch.load(safetensors.torch.save({"w": _ones()}))  # first-use setup
+    return lambda: safetensors.torch.load_file(path, device=device)
+
+
+def _load_safe_open(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors")
+    from safetensors import safe_open
+
+    def run() -> dict[str, Any]:
+        with safe_open(path, framework="pt", device=device) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+
+    return run
+
+
+def _load_torch_mmap(path: str, device: str) -> Callable[[], Any]:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": _ones()}, buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)  # the unpickler's lazy imports, outside the timing
+    return lambda: torch.load(path, map_location=device, weights_only=True, mmap=True)
+
+
+def _load_torch(path: str, device: str) -> Callable[[], Any]:
+    _load_torch_mmap(path, device)
+    import torch
+
+    return lambda: torch.load(path, map_location=device, weights_only=True)
+
+
+def _load_runai(path: str, device: str) -> Callable[[], Any]:
+    _require("runai_model_streamer")
+    import logging
+
+    from runai_model_streamer import SafetensorsStreamer
+
+    logging.getLogger("runai_model_streamer").setLevel(logging.WARNING)  # no throughput lines
+
+    def run() -> dict[str, Any]:
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(path, device=device)  # owned tensors: valid after the loop
+            return dict(streamer.get_tensors())
+
+    return run
+
+
+def _load_fastsafetensors(path: str, device: str) -> Callable[[], Any]:
+    _require("fastsafetensors")
+    from fastsafetensors import fastsafe_open
+
+    nogds = device == "cpu"
+
+    def run() -> dict[str, Any]:
+        # The tensors share ownership of their buffer: valid after the context closes.
+        with fastsafe_open(path, framework="pt", device=device, nogds=nogds) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+
+    return run
+
+
+def _preadv(prefault: bool) -> Callable[[str, str], Callable[[], Any]]:
+    def setup(path: str, device: str) -> Callable[[], Any]:
+        import torch
+
+        if device != "cpu":
+            raise Skip("the preadv ceiling reads into host memory")
+        threads = len(os.sched_getaffinity(0))
+
+        def run() -> dict[str, Any]:
+            buffer, _ = preadv_file(path, threads, prefault=prefault)
+            return {"file": torch.frombuffer(buffer, dtype=torch.uint8)}
+
+        return run
+
+    return setup
+
+
+def _ones() -> Any:
+    import torch
+
+    return torch.ones(2)
+
+
+#: Loaders by name. ``file`` says which saver's file each reads ("any" reads the file given).
+LOADERS: dict[str, Loader] = {
+    "fastckpt": Loader("fastckpt.load", "fastckpt", _load_fastckpt),
+    "fastckpt-mmap": Loader("fastckpt.load(mmap=True)", "fastckpt", _load_fastckpt_mmap),
+    "safetensors": Loader("safetensors load_file", "safetensors", _load_safetensors),
+    "safe_open": Loader("safetensors safe_open + get_tensor", "safetensors", _load_safe_open),
+    "torch": Loader("torch.load", "torch", _load_torch),
+    "torch-mmap": Loader("torch.load(mmap=True)", "torch", _load_torch_mmap),
+    "runai": Loader("Run:ai SafetensorsStreamer", "safetensors", _load_runai),
+    "fastsafetensors": Loader("fastsafetensors (nogds)", "safetensors", _load_fastsafetensors),
+    "preadv": Loader("parallel preadv ceiling", "safetensors", _preadv(prefault=False)),
+    "preadv-prefault": Loader(
+        "parallel preadv ceiling, prefaulted buffer", "safetensors", _preadv(prefault=True)
+    ),
+}
