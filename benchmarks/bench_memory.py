@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.cli import measure as M
-from fastckpt.cli.peers import LOADERS, SAVERS, Skip
+from fastckpt.cli.peers import LOADERS, SAVERS, Skip, child_load, child_save
 
 REPO = Path(__file__).resolve().parent.parent
 FILES = {"fastckpt": "fastckpt.safetensors", "safetensors": "st.safetensors", "torch": "torch.pt"}
@@ -98,59 +98,6 @@ def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
         "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
         "tensors": len(state),
     }
-
-
-def child_save(spec: dict[str, Any]) -> dict[str, Any]:
-    state = _state(spec)
-    try:
-        run = SAVERS[spec["method"]].setup(state, spec["file"])
-    except Skip as why:
-        return {"skipped": str(why)}
-    os.sync()  # start from clean writeback state
-    with M.Measure() as m:
-        run()
-    return {
-        **m.as_dict(),
-        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-        "file_bytes": os.path.getsize(spec["file"]),
-    }
-
-
-def child_load(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    method, path = spec["method"], spec["file"]
-    try:
-        run = LOADERS[method].setup(path, "cpu")
-    except Skip as why:
-        return {"skipped": str(why)}
-    M.touch({"warm": torch.ones(1024)})  # first-op setup outside the timed section
-    cache = M.drop_page_cache([path]) if spec["cold"] else "hot"
-    if spec["sample"]:
-        with M.ThreadSampler() as sampler, M.Measure() as m:
-            loaded = run()
-            M.touch(loaded)
-        extra = {"streams": sampler.streams, "streams_max": sampler.busy_max}
-    else:
-        with M.Measure() as m:
-            loaded = run()
-            M.touch(loaded)
-        extra = {}
-    with open(spec["crc_file"], encoding="utf-8") as f:
-        expected = json.load(f)
-    if method.startswith("preadv"):
-        got = M.file_crc32(path)  # the whole file, as the ceiling read it
-        bad = [] if got == expected["file"] else ["(file bytes)"]
-        payload = spec["payload_bytes"]
-    else:
-        crcs = M.tensor_crc32s(loaded)
-        bad = sorted(
-            n
-            for n in set(crcs) | set(expected["tensors"])
-            if crcs.get(n) != expected["tensors"].get(n)
-        )
-        payload = sum(t.numel() * t.element_size() for t in loaded.values())
-    return {**m.as_dict(), **extra, "payload_bytes": payload, "cache": cache, "wrong": bad[:3]}
 
 
 HANDLERS = {"prepare": child_prepare, "save": child_save, "load": child_load}
