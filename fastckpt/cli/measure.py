@@ -47,6 +47,7 @@ __all__ = [
     "MiB",
     "Measure",
     "PageCache",
+    "Results",
     "ThreadSampler",
     "available_memory",
     "child_main",
@@ -62,12 +63,15 @@ __all__ = [
     "fsync_path",
     "gbps",
     "log",
+    "machine",
     "make_durable",
     "markdown_table",
     "median",
     "parse_size",
     "preadv_file",
+    "rate_of",
     "report",
+    "require_directory",
     "rotate",
     "run_child",
     "summarize",
@@ -602,9 +606,7 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     skipped = sorted({r["skipped"] for r in results if "skipped" in r})
     if not ok:
         return {"n": 0, "errors": errors, "skipped": skipped}
-    rates = [
-        r["payload_bytes"] / r["seconds"] / 1e9 if "payload_bytes" in r else r["gbps"] for r in ok
-    ]
+    rates = [rate_of(r) for r in ok]
     rss = [r.get("extra_rss") for r in ok]
     return {
         "n": len(ok),
@@ -674,3 +676,111 @@ def version_of(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def rate_of(result: Mapping[str, Any]) -> float:
+    """GB/s of one measured result: ``payload_bytes / seconds``, or its own ``gbps`` (fio)."""
+    if "payload_bytes" in result:
+        return result["payload_bytes"] / result["seconds"] / 1e9
+    return result["gbps"]
+
+
+class Results:
+    """Every child's result of a benchmark run, tagged (op, method, round, more) and logged.
+
+    Example:
+        >>> r = Results(quiet=True)
+        >>> r.record("load", "a", 0, {"payload_bytes": 1e9, "seconds": 0.5})
+        >>> r.record("load", "a", 1, {"error": "boom"})
+        >>> r.stats("load", ["a"])["a"]["gbps"], r.per_round("load", "a", 2)
+        (2.0, [2.0, None])
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.raw: list[dict[str, Any]] = []
+        self.quiet = quiet
+
+    def record(
+        self, op: str, method: str, rnd: int, result: Mapping[str, Any], **tags: Any
+    ) -> None:
+        """Keeps one result; logs it on stderr (round -1: an extra, untimed round)."""
+        self.raw.append({**tags, "op": op, "method": method, "round": rnd, **result})
+        if self.quiet:
+            return
+        head = " ".join(str(v) for v in tags.values())
+        when = "sampled" if rnd < 0 else f"round {rnd + 1}"
+        head = f"{head + ' ' if head else ''}{when}: {op} {method:17s}"
+        if "error" in result or "skipped" in result:
+            log(f"{head} {result.get('error') or 'skipped: ' + result['skipped']}")
+            return
+        extra = ""
+        if result.get("cpu_seconds") is not None:
+            extra += f"  cpu {result['cpu_seconds']:5.2f} s"
+        if result.get("extra_rss") is not None:
+            extra += f"  +rss {result['extra_rss'] / MiB:6.0f} MiB"
+        if result.get("wrong"):
+            extra += f"  WRONG BYTES {result['wrong']}"
+        log(f"{head} {rate_of(result):6.2f} GB/s{extra}")
+
+    def pick(self, op: str, method: str, *, sampled: bool = False, **tags: Any) -> list[dict]:
+        """The results of one method (timed rounds, or with ``sampled`` the extra round)."""
+        return [
+            r
+            for r in self.raw
+            if r["op"] == op
+            and r["method"] == method
+            and (r["round"] < 0) == sampled
+            and all(r.get(k) == v for k, v in tags.items())
+        ]
+
+    def stats(self, op: str, methods: Iterable[str], **tags: Any) -> dict[str, dict[str, Any]]:
+        """:func:`summarize` of each method's timed rounds."""
+        return {m: summarize(self.pick(op, m, **tags)) for m in methods}
+
+    def per_round(self, op: str, method: str, rounds: int, **tags: Any) -> list[float | None]:
+        """GB/s of each round (None where it failed), so the spread behind a median shows."""
+        values: list[float | None] = []
+        for rnd in range(rounds):
+            r = next((x for x in self.pick(op, method, **tags) if x["round"] == rnd), None)
+            ok = r is not None and "error" not in r and "skipped" not in r
+            values.append(rate_of(r) if ok else None)
+        return values
+
+    def dump(self, path: str, **more: Any) -> None:
+        """Writes every result (and ``more``) as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({**more, "runs": self.raw}, f, indent=2)
+        log(f"raw results written to {path}")
+
+
+def require_directory(path: str | os.PathLike[str], need: int, *, memory: bool) -> str:
+    """Checks a benchmark's directory: on a memory file system or not (as ``memory`` asks),
+    with ``need`` bytes free. Returns a description; raises SystemExit with the reason.
+    """
+    fs_type, source, mount = filesystem_of(path)
+    if (fs_type in MEMORY_FILESYSTEMS) != memory:
+        kind = "a memory file system" if memory else "a disk"
+        raise SystemExit(f"error: {path} is on {fs_type} ({mount}); this needs {kind}")
+    free = free_bytes(path)
+    if free < need:
+        raise SystemExit(
+            f"error: {path} has {format_bytes(free)} free; this run needs about "
+            f"{format_bytes(need)}: use a smaller --size or another directory"
+        )
+    return f"{fs_type} ({source}, mounted at {mount})"
+
+
+def machine() -> dict[str, Any]:
+    """The machine and the versions a benchmark's figures belong to."""
+    import platform
+
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "memory": format_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": {
+            d: version_of(d)
+            for d in ("fastckpt", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
+        },
+    }

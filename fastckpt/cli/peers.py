@@ -138,6 +138,12 @@ def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
     return lambda: fastckpt.load(path, map_location=device, progress=False)
 
 
+def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    return lambda: fastckpt.load(path, map_location=device, verify=False, progress=False)
+
+
 def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
     import fastckpt
 
@@ -242,6 +248,7 @@ def _ones() -> Any:
 #: Loaders by name. ``file`` says which saver's file each reads ("any" reads the file given).
 LOADERS: dict[str, Loader] = {
     "fastckpt": Loader("fastckpt.load", "fastckpt", _load_fastckpt),
+    "fastckpt-noverify": Loader("fastckpt.load(verify=False)", "fastckpt", _load_fastckpt_noverify),
     "fastckpt-mmap": Loader("fastckpt.load(mmap=True)", "fastckpt", _load_fastckpt_mmap),
     "safetensors": Loader("safetensors load_file", "safetensors", _load_safetensors),
     "safe_open": Loader("safetensors safe_open + get_tensor", "safetensors", _load_safe_open),
