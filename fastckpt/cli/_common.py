@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from fastckpt.config import parse_size

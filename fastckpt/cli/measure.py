@@ -55,6 +55,7 @@ __all__ = [
     "file_crc32",
     "filesystem_of",
     "fio_path",
+    "fio_round",
     "fio_sequential",
     "fio_version",
     "fmt",
@@ -583,6 +584,24 @@ def fio_sequential(
         "cpu_seconds": (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * seconds,
         "command": " ".join(cmd),
     }
+
+
+def fio_round(directory: str, nbytes: int, timeout: float = 600) -> dict[str, dict[str, Any]]:
+    """fio's sequential write then read (page cache dropped before each) of ``nbytes`` in a
+    scratch file of ``directory``, 4 MiB blocks, locked buffers: the device's ceilings.
+    Returns ``{"write": ..., "read": ...}`` as :func:`fio_sequential` does."""
+    path = os.path.join(directory, "fio.dat")
+    out = {}
+    try:
+        for kind in ("write", "read"):  # the read needs the written file
+            drop_page_cache([path])
+            out[kind] = fio_sequential(
+                kind, path, nbytes, bs="4M", extra=FIO_LOCKED, timeout=timeout
+            )
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return out
 
 
 # ------------------------------------------------------------------- results, tables

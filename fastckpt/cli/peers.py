@@ -309,6 +309,7 @@ def child_save(spec: dict[str, Any], savers: dict[str, Saver] = SAVERS) -> dict[
         **m.as_dict(),
         "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
         "file_bytes": os.path.getsize(spec["file"]),
+        "tensors": len(state),
         "digest": digest,
     }
 
@@ -347,6 +348,7 @@ def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> di
         result["file_crc"] = file_crc32(path)
     else:
         result["payload_bytes"] = sum(t.numel() * t.element_size() for t in loaded.values())
+        result["tensors"] = len(loaded)
         crcs = tensor_crc32s(loaded)
         result["digest"] = crc_digest(crcs)
     if spec.get("crc_file"):
