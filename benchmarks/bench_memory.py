@@ -12,7 +12,8 @@ The regimes (``--regime``, comma-separated; default ``tmpfs,hot``):
 Loads, each in a fresh child process (so RSS and caches are its own), timed until every
 page of every tensor has been touched, then checked: the CRC-32 of every tensor must equal
 that of the tensor saved. Methods: ``fastckpt.load``, ``fastckpt.load(mmap=True)`` (when
-this fastckpt has it), safetensors ``load_file`` and ``safe_open``, ``torch.load`` and
+this fastckpt has it), safetensors ``load_file`` (its default mmap backend, and
+``backend="pread"`` where this safetensors has it) and ``safe_open``, ``torch.load`` and
 ``torch.load(mmap=True)`` of a ``torch.save`` file, the Run:ai model streamer,
 fastsafetensors (nogds, CPU), and the parallel-``preadv`` ceiling (one thread per core
 reading the safetensors file into one buffer, faulted in by the reads; and the same into a

@@ -162,6 +162,16 @@ def _load_safetensors(path: str, device: str) -> Callable[[], Any]:
     return lambda: safetensors.torch.load_file(path, device=device)
 
 
+def _load_safetensors_pread(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors.torch")
+    import safetensors.torch
+
+    if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
+        raise Skip("this safetensors has no backend= argument (pread reads came in 0.8)")
+    safetensors.torch.load(safetensors.torch.save({"w": _ones()}))  # first-use setup
+    return lambda: safetensors.torch.load_file(path, device=device, backend="pread")
+
+
 def _load_safe_open(path: str, device: str) -> Callable[[], Any]:
     _require("safetensors")
     from safetensors import safe_open
@@ -250,7 +260,10 @@ LOADERS: dict[str, Loader] = {
     "fastckpt": Loader("fastckpt.load", "fastckpt", _load_fastckpt),
     "fastckpt-noverify": Loader("fastckpt.load(verify=False)", "fastckpt", _load_fastckpt_noverify),
     "fastckpt-mmap": Loader("fastckpt.load(mmap=True)", "fastckpt", _load_fastckpt_mmap),
-    "safetensors": Loader("safetensors load_file", "safetensors", _load_safetensors),
+    "safetensors": Loader("safetensors load_file (mmap)", "safetensors", _load_safetensors),
+    "safetensors-pread": Loader(
+        "safetensors load_file(backend=pread)", "safetensors", _load_safetensors_pread
+    ),
     "safe_open": Loader("safetensors safe_open + get_tensor", "safetensors", _load_safe_open),
     "torch": Loader("torch.load", "torch", _load_torch),
     "torch-mmap": Loader("torch.load(mmap=True)", "torch", _load_torch_mmap),
