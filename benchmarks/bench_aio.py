@@ -22,22 +22,21 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from _common import (  # noqa: E402
+import fastckpt
+from fastckpt.aio import aio_handle
+from fastckpt.cli.measure import (
     FIO_LOCKED,
-    can_drop_caches,
+    PageCache,
     drop_page_cache,
     filesystem_of,
     fio_sequential,
     fio_version,
+    fsync_path,
     median,
     parse_size,
 )
-
-import fastckpt  # noqa: E402
-from fastckpt.aio import aio_handle  # noqa: E402
 
 PARALLELISM = (1, 2, 4, 8)
 # fio's sequential figure is the best of these (block size, queue depth, engine, options).
@@ -50,14 +49,6 @@ FIO_JOBS = (
     ("1M", 32, "io_uring", FIO_LOCKED),
     ("4M", 32, "io_uring", FIO_LOCKED),
 )
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def measure(
@@ -73,7 +64,7 @@ def measure(
     nbytes = buffer.numel()
     start = time.perf_counter()
     handle.sync_pwrite(buffer, path)
-    _fsync(path)
+    fsync_path(path)
     write = nbytes / (time.perf_counter() - start) / 1e9
     drop_page_cache([path])
     start = time.perf_counter()
@@ -109,7 +100,7 @@ def main() -> int:
     fstype, device, _ = filesystem_of(args.dir)
     print(
         f"{nbytes / 2**30:.2f} GiB x {args.repeats} rounds in {work} ({fstype} {device}); "
-        f"reads cold by {'drop_caches' if can_drop_caches() else 'fadvise(DONTNEED)'}; "
+        f"reads cold by {'drop_caches' if PageCache().can_drop else 'fadvise(DONTNEED)'}; "
         f"block_size={args.block_size} queue_depth={args.queue_depth}",
         flush=True,
     )

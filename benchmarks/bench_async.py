@@ -31,8 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+from fastckpt.cli import measure as M
 
 MODES = ("none", "copy", "save", "async_save", "torch_save", "torch_thread")
 
@@ -57,12 +56,12 @@ def child(args: argparse.Namespace) -> None:
 
     def torch_save_durable(obj, where):
         torch.save(obj, where)
-        _common.make_durable(where)
+        M.make_durable(where)
 
     if args.mode == "async_save":  # warm the staging pool like a training run's first save would
         fastckpt.async_save(state, path).result()
     compute = 0.0
-    with _common.Measure() as m:
+    with M.Measure() as m:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             for _ in range(args.matmuls_per_step):
@@ -97,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
         for t in threads:
             t.join()
         final_wait = time.perf_counter() - t0
-    _common.report(
+    M.report(
         {
             "mode": args.mode,
             "blocked": blocked,
@@ -110,7 +109,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", type=_common.parse_size, default=_common.parse_size("2G"))
+    p.add_argument("--size", type=M.parse_size, default=M.parse_size("2G"))
     p.add_argument(
         "--dir", default=None, help="directory on the disk to test (default: ../bench-async-tmp)"
     )
@@ -153,7 +152,7 @@ def main() -> None:
                     "--matmuls-per-step",
                     str(args.matmuls_per_step),
                 ]
-                res = _common.run_child(argv, timeout=1200)
+                res = M.run_child(argv, timeout=1200)
                 if "error" in res:
                     print(f"{mode}: {res['error']}", file=sys.stderr)
                     continue
@@ -166,7 +165,7 @@ def main() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
-    med = _common.median
+    med = M.median
     rows = {}
     for mode, runs in results.items():
         if not runs:
@@ -182,7 +181,7 @@ def main() -> None:
         }
     ckpts = args.steps // args.every
     print(
-        f"\n{_common.human_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
+        f"\n{M.format_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
         f"steps ({ckpts} checkpoints), medians of {args.repeats} runs\n"
     )
     print("| mode | blocks per checkpoint (s) | loop total (s) | peak RSS (MiB) |")

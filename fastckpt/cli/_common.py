@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from fastckpt.config import parse_size
@@ -207,14 +207,17 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf
 
 
-def median(values: Sequence[float]) -> float:
-    """The median, or NaN for no values.
+def median(values: Iterable[float | None]) -> float:
+    """The median of the values that were measured (None left out), or NaN for none.
 
     Example:
         >>> median([3.0, 1.0, 2.0])
         2.0
+        >>> median([None, 4.0])
+        4.0
     """
-    return statistics.median(values) if values else math.nan
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else math.nan
 
 
 # ------------------------------------------------------------------------ cold reads

@@ -15,6 +15,7 @@ Example (shell)::
 
     $ fastckpt bench --folder /local_nvme --io_size 1G --read --loops 5
     $ fastckpt bench --folder /local_nvme --checkpoint 2G
+    $ fastckpt bench --checkpoint 1G --regime memory     # in /dev/shm, with more peers
 
 Example (Python):
     >>> from fastckpt.cli import main
@@ -27,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
+import math
 import os
 import shutil
 import time
-from typing import Any, Callable
+from typing import Any
 
 from fastckpt.cli._common import (
     ENGINE_CHOICES,
@@ -43,7 +44,6 @@ from fastckpt.cli._common import (
     check_engines,
     direct_io_supported,
     format_bytes,
-    fsync_path,
     gbps,
     median,
     positive_int_arg,
@@ -53,7 +53,7 @@ from fastckpt.cli._common import (
     warn,
 )
 
-__all__ = ["LIBRARIES", "add_parser", "run", "run_checkpoint", "run_raw"]
+__all__ = ["LIBRARIES", "MEMORY_PEERS", "add_parser", "run", "run_checkpoint", "run_raw"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -66,14 +66,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "bytes in --folder with one aio_handle configuration and print GB/s per loop and the "
             "median. Settings left out come from `fastckpt tune`'s result for that file system. "
             "--checkpoint SIZE instead saves and loads a synthetic LLM-like state dict with "
-            "fastckpt, torch and safetensors and prints a comparison table."
+            "fastckpt, torch and safetensors and prints a comparison table; --regime memory "
+            "makes it a memory-speed comparison (files in tmpfs or the page cache) with more peers."
         ),
     )
     parser.add_argument(
         "--folder",
-        default=".",
         metavar="DIR",
-        help="directory to do I/O in (default: the current directory)",
+        help="directory to do I/O in (default: the current directory; /dev/shm with "
+        "--regime memory)",
     )
     parser.add_argument(
         "--io_size",
@@ -134,6 +135,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compare checkpoint save/load of a synthetic LLM-like state dict of "
         "SIZE (e.g. 1G) across fastckpt, torch and safetensors",
     )
+    parser.add_argument(
+        "--regime",
+        choices=("disk", "memory"),
+        default="disk",
+        help="with --checkpoint: disk (cold reads, the default) or memory (loads from tmpfs or "
+        "the page cache, --folder defaulting to /dev/shm, plus the Run:ai streamer, "
+        "fastsafetensors and the parallel-preadv ceiling where installed)",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -172,6 +181,11 @@ def _check_folder(folder: str, needed: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt bench`` with parsed arguments; returns the exit status."""
+    if args.folder is None:
+        memory = args.regime == "memory" and os.path.isdir("/dev/shm")
+        args.folder = "/dev/shm" if memory else "."
+    if args.regime == "memory" and args.checkpoint is None:
+        raise CliError("--regime applies to --checkpoint", USAGE)
     if args.gds:
         require_gds()
     elif args.gpu:
@@ -278,113 +292,64 @@ def _check_file(path: str) -> int:
 
 # ------------------------------------------------------------------------ checkpoints
 
+#: (row name, file suffix, saver, loader) of the libraries compared: names in
+#: :data:`fastckpt.cli.peers.SAVERS` and :data:`~fastckpt.cli.peers.LOADERS`.
+LIBRARIES: list[tuple[str, str, str, str]] = [
+    ("fastckpt", ".safetensors", "fastckpt", "fastckpt"),
+    ("torch.save/load", ".pt", "torch", "torch"),
+    ("safetensors", ".st.safetensors", "safetensors", "safetensors"),
+]
 
-def _tensors(obj: Any) -> list[Any]:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def touch(obj: Any) -> int:
-    """Reads one byte of every 4 KiB page of every tensor in ``obj``, so that lazily loaded
-    (memory-mapped) tensors are really read before the clock stops; returns the byte sum.
-
-    Example:
-        >>> import torch
-        >>> touch({"a": torch.ones(3, dtype=torch.uint8), "b": [torch.zeros(2)]})
-        1
-    """
-    import torch
-
-    total = 0
-    for tensor in _tensors(obj):
-        if tensor.numel() == 0:
-            continue
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        total += int(flat[:: mmap.PAGESIZE].sum())
-    if any(t.is_cuda for t in _tensors(obj)):
-        torch.cuda.synchronize()
-    return total
-
-
-def _fastckpt_save(state: Any, path: str) -> None:
-    import fastckpt
-
-    fastckpt.save(state, path, progress=False)
-
-
-def _fastckpt_load(path: str, device: str) -> Any:
-    import fastckpt
-
-    return fastckpt.load(path, map_location=device, progress=False)
-
-
-def _torch_save(state: Any, path: str) -> None:
-    import torch
-
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _torch_load(path: str, device: str) -> Any:
-    import torch
-
-    return torch.load(path, map_location=device, weights_only=True)
-
-
-def _safetensors_save(state: Any, path: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file(state, path)
-
-
-def _safetensors_load(path: str, device: str) -> Any:
-    from safetensors.torch import load_file
-
-    return load_file(path, device=device)
-
-
-#: (name, file suffix, save(state, path), load(path, device)) of each library compared.
-LIBRARIES: list[tuple[str, str, Callable[[Any, str], None], Callable[[str, str], Any]]] = [
-    ("fastckpt", ".safetensors", _fastckpt_save, _fastckpt_load),
-    ("torch.save/load", ".pt", _torch_save, _torch_load),
-    ("safetensors", ".st.safetensors", _safetensors_save, _safetensors_load),
+#: Rows added by ``--regime memory``: loaders of the safetensors row's file (no save).
+MEMORY_PEERS: list[tuple[str, str]] = [
+    ("runai-streamer", "runai"),
+    ("fastsafetensors", "fastsafetensors"),
+    ("preadv-ceiling", "preadv"),
 ]
 
 
-def _libraries() -> list[tuple[str, str, Callable[[Any, str], None], Callable[[str, str], Any]]]:
-    chosen = []
-    for entry in LIBRARIES:
-        if entry[0] == "safetensors":
+def _rows(regime: str, device: str) -> list[tuple[str, str | None, str, str]]:
+    """(row, saver or None, loader, file key) of each row whose library is installed."""
+    from fastckpt.cli.peers import LOADERS, Skip
+
+    rows: list[tuple[str, str | None, str, str]] = []
+    for name, _, saver, loader in LIBRARIES:
+        if saver == "safetensors":
             try:
                 import safetensors.torch  # noqa: F401
             except ImportError:
                 warn("safetensors is not installed: its row is left out (pip install safetensors)")
                 continue
-        chosen.append(entry)
-    return chosen
+        rows.append((name, saver, loader, name))
+    if regime == "memory" and any(r[0] == "safetensors" for r in rows):
+        for name, loader in MEMORY_PEERS:
+            try:
+                LOADERS[loader].setup(os.devnull, device)
+            except Skip as why:
+                warn(f"{name}: left out: {why}")
+                continue
+            except Exception:  # noqa: BLE001 - os.devnull is no checkpoint; setup got this far
+                pass
+            rows.append((name, None, loader, "safetensors"))
+    return rows
 
 
 def run_checkpoint(args: argparse.Namespace) -> int:
-    """``--checkpoint SIZE``: the comparison table of fastckpt, torch and safetensors."""
+    """``--checkpoint SIZE``: the comparison table of fastckpt, torch and safetensors (and,
+    with ``--regime memory``, the Run:ai streamer, fastsafetensors and the preadv ceiling)."""
+    from fastckpt.cli.measure import MEMORY_FILESYSTEMS, filesystem_of, touch, warm_page_cache
+    from fastckpt.cli.peers import LOADERS, SAVERS
     from fastckpt.cli.synthetic import MIN_NBYTES, llm_like_state_dict, state_dict_nbytes
     from fastckpt.config import set_defaults
 
     if args.checkpoint < MIN_NBYTES:
         raise CliError(f"--checkpoint must be at least {MIN_NBYTES} bytes", USAGE)
-    libraries = _libraries()
+    memory = args.regime == "memory"
+    device = "cuda" if args.gpu else "cpu"
+    rows = _rows(args.regime, device)
     folder = _check_folder(args.folder, 2 * args.checkpoint + (64 << 20))
     explicit = _explicit_io(args)
     set_defaults(**explicit)  # fastckpt.save/load take the I/O settings given here
-    device = "cuda" if args.gpu else "cpu"
 
     state = llm_like_state_dict(args.checkpoint)
     nbytes = state_dict_nbytes(state)
@@ -392,46 +357,54 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         state = {name: tensor.to(device) for name, tensor in state.items()}
     cache = PageCache()
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state.values()})
+    fs_type = filesystem_of(folder)[0]
     print(
         f"fastckpt bench --checkpoint: {format_bytes(nbytes)} in {len(state)} tensors "
-        f"({' + '.join(dtypes)}), {args.loops} loop(s), {device} tensors, in {folder}",
+        f"({' + '.join(dtypes)}), {args.loops} loop(s), {device} tensors, in {folder} ({fs_type})",
         flush=True,
     )
+    if memory:
+        where = "a memory file system" if fs_type in MEMORY_FILESYSTEMS else "the page cache"
+        reads = f"memory regime: every load reads its file from {where}"
+    else:
+        reads = f"cold reads: {cache.describe()}"
     print(
-        f"Saves timed until fsync returns; loads until every tensor is touched. Cold reads: "
-        f"{cache.describe()}",
-        flush=True,
+        f"Saves timed until fsync returns; loads until every tensor is touched; {reads}", flush=True
     )
     if explicit:
         print(f"fastckpt I/O settings: {json.dumps(explicit)}", flush=True)
 
     tag = f".fastckpt-bench-{os.getpid()}"
-    paths = {name: os.path.join(folder, tag + suffix) for name, suffix, _, _ in libraries}
+    paths = {name: os.path.join(folder, tag + suffix) for name, suffix, _, _ in LIBRARIES}
     timings: dict[str, dict[str, list[float]]] = {
-        name: {"save": [], "load": [], "save_cpu": [], "load_cpu": []} for name, *_ in libraries
+        row: {"save": [], "load": [], "save_cpu": [], "load_cpu": []} for row, *_ in rows
     }
     from fastckpt.progress import progress_bar
 
     try:
-        with progress_bar(args.loops * len(libraries), "benchmarking", unit="run") as bar:
+        with progress_bar(args.loops * len(rows), "benchmarking", unit="run") as bar:
             # Libraries take turns within each loop, so a drifting device treats all alike.
             for _loop in range(args.loops):
-                for name, _, save, load in libraries:
-                    path = paths[name]
+                for row, saver, loader, file_key in rows:
+                    path = paths[file_key]
+                    if saver is not None:
+                        save = SAVERS[saver].setup(state, path)
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        save()  # returns once the file is durable
+                        timings[row]["save"].append(time.perf_counter() - wall)
+                        timings[row]["save_cpu"].append(time.process_time() - cpu)
+                    load = LOADERS[loader].setup(path, device)
+                    if memory:
+                        warm_page_cache([path])
+                    else:
+                        cache.drop([path])
                     wall, cpu = time.perf_counter(), time.process_time()
-                    save(state, path)
-                    fsync_path(path)
-                    timings[name]["save"].append(time.perf_counter() - wall)
-                    timings[name]["save_cpu"].append(time.process_time() - cpu)
-
-                    cache.drop([path])
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    loaded = load(path, device)
+                    loaded = load()
                     touch(loaded)
-                    timings[name]["load"].append(time.perf_counter() - wall)
-                    timings[name]["load_cpu"].append(time.process_time() - cpu)
+                    timings[row]["load"].append(time.perf_counter() - wall)
+                    timings[row]["load_cpu"].append(time.process_time() - cpu)
                     if args.validate:
-                        _validate_loaded(name, state, loaded)
+                        _validate_loaded(row, state, loaded, path)
                     del loaded
                     bar.update(1)
     finally:
@@ -447,9 +420,14 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate_loaded(name: str, state: dict[str, Any], loaded: Any) -> None:
+def _validate_loaded(name: str, state: dict[str, Any], loaded: Any, path: str) -> None:
     import torch
 
+    if set(loaded) == {"file"}:  # the preadv ceiling: the whole file's bytes
+        with open(path, "rb") as f:
+            if loaded["file"].numpy().tobytes() != f.read():
+                raise CliError(f"validation failed: {name} read other bytes than the file holds")
+        return
     if not isinstance(loaded, dict) or set(loaded) != set(state):
         raise CliError(f"validation failed: {name} loaded other keys than were saved")
     for key, tensor in state.items():
@@ -459,17 +437,20 @@ def _validate_loaded(name: str, state: dict[str, Any], loaded: Any) -> None:
 
 
 def _print_table(timings: dict[str, dict[str, list[float]]], nbytes: int) -> None:
-    rows = []
-    for name, t in timings.items():
-        rows.append(
-            (
-                name,
-                gbps(nbytes, median(t["save"])),
-                gbps(nbytes, median(t["load"])),
-                median(t["save_cpu"]),
-                median(t["load_cpu"]),
-            )
-        )
+    def rate(seconds: list[float]) -> float:
+        return gbps(nbytes, median(seconds)) if seconds else math.nan
+
+    def num(value: float, spec: str) -> str:
+        # A row without a save (a loader only) shows a dash, aligned like a number.
+        return format("—", spec.split(".")[0]) if math.isnan(value) else format(value, spec)
+
+    def ratio(base: float, value: float) -> str:
+        return "—" if math.isnan(value) or math.isnan(base) else f"{base / value:.2f}x"
+
+    rows = [
+        (name, rate(t["save"]), rate(t["load"]), median(t["save_cpu"]), median(t["load_cpu"]))
+        for name, t in timings.items()
+    ]
     base_save, base_load = rows[0][1], rows[0][2]
     header = (
         f"{'library':<16}  {'save GB/s':>9}  {'load GB/s':>9}  {'save CPU s':>10}  "
@@ -480,8 +461,8 @@ def _print_table(timings: dict[str, dict[str, list[float]]], nbytes: int) -> Non
     print("-" * len(header))
     for name, save, load, save_cpu, load_cpu in rows:
         print(
-            f"{name:<16}  {save:>9.3g}  {load:>9.3g}  {save_cpu:>10.2f}  {load_cpu:>10.2f}  "
-            f"{base_save / save:.2f}x / {base_load / load:.2f}x"
+            f"{name:<16}  {num(save, '>9.3g')}  {num(load, '>9.3g')}  {num(save_cpu, '>10.2f')}  "
+            f"{num(load_cpu, '>10.2f')}  {ratio(base_save, save)} / {ratio(base_load, load)}"
         )
     print(
         "\nGB/s: 10^9 bytes of tensor data per second, median of the loops. CPU s: CPU time of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -150,3 +151,146 @@ def test_synthetic_state_dict_is_llm_like():
     assert plan["model.layers.0.mlp.up_proj.weight"] == ("bfloat16", (11008, 4096))
     with pytest.raises(ValueError):
         plan_shapes(MIN_NBYTES - 1)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in stdout.splitlines() if line.split()}
+
+
+def test_bench_checkpoint_memory_regime_adds_the_peers(tmp_path):
+    result = run_cli(
+        "bench",
+        "--folder",
+        tmp_path,
+        "--checkpoint",
+        "512K",
+        "--loops",
+        "1",
+        "--regime",
+        "memory",
+        "--validate",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "memory regime: every load reads its file from the page cache" in result.stdout
+    rows = table_rows(result.stdout)
+    expected = {"fastckpt", "torch.save/load", "safetensors", "preadv-ceiling"}
+    for module, row in (
+        ("runai_model_streamer", "runai-streamer"),
+        ("fastsafetensors", "fastsafetensors"),
+    ):
+        try:
+            __import__(module)
+        except ImportError:
+            assert f"{row}: left out" in result.stderr
+        else:
+            expected.add(row)
+    assert expected <= set(rows)
+    assert rows["preadv-ceiling"][1] == "—" and float(rows["preadv-ceiling"][2]) > 0  # load only
+    assert "Validation passed" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_regime_needs_checkpoint(capsys):
+    from fastckpt.cli import main
+
+    assert main(["bench", "--regime", "memory"]) == 2
+    assert "--regime applies to --checkpoint" in capsys.readouterr().err
+
+
+def test_preadv_file_reads_every_byte(tmp_path):
+    from fastckpt.cli.measure import preadv_file
+
+    data = os.urandom(3 * 65536 + 123)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    for threads, prefault in ((1, False), (3, True)):
+        buffer, seconds = preadv_file(path, threads, chunk=65536, prefault=prefault)
+        assert bytes(buffer[: len(data)]) == data and seconds > 0
+    buffer, _ = preadv_file(path, 2, start=100, chunk=4000)
+    assert bytes(buffer[: len(data) - 100]) == data[100:]
+
+
+def test_thread_sampler_sees_a_busy_thread():
+    import hashlib
+    import threading
+    import time
+
+    from fastckpt.cli.measure import ThreadSampler
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        block = bytes(1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(block).digest()  # releases the GIL while it hashes
+
+    worker = threading.Thread(target=spin)
+    with ThreadSampler(interval=0.001) as sampler:
+        worker.start()
+        time.sleep(0.3)
+        stop.set()
+        worker.join()
+    assert sampler.samples > 10 and sampler.busy_max >= 1 and sampler.streams > 0
+
+
+def test_tensor_checks_tell_wrong_bytes():
+    import torch
+
+    from fastckpt.cli.measure import tensor_crc32s
+    from fastckpt.cli.peers import crc_digest
+
+    state = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    good = tensor_crc32s(state)
+    state["a"][7] = 0.5
+    bad = tensor_crc32s(state)
+    assert good["b"] == bad["b"] and good["a"] != bad["a"]
+    assert crc_digest(good) != crc_digest(bad)
+
+
+@pytest.mark.slow
+def test_memory_benchmark_smoke(tmp_path):
+    """benchmarks/bench_memory.py at a tiny size: it runs, checks the bytes and cleans up."""
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_memory.py")
+    out = tmp_path / "raw.json"
+    before = {p for p in os.listdir(shm) if p.startswith("fastckpt-bench-tmpfs-")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--size",
+            "4M",
+            "--repeats",
+            "1",
+            "--regime",
+            "tmpfs",
+            "--shm",
+            shm,
+            "--loads",
+            "fastckpt,preadv",
+            "--saves",
+            "fastckpt",
+            "--no-streams",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, FASTCKPT_NO_PROGRESS="1"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in result.stdout.splitlines()}
+    assert lines["fastckpt.load"].endswith("| yes |") and lines["parallel preadv ceiling"].endswith(
+        "| yes |"
+    )
+    assert "fastckpt.save" in lines and "### Targets" in result.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert {(r["op"], r["method"]) for r in runs} == {
+        ("load", "fastckpt"),
+        ("load", "preadv"),
+        ("save", "fastckpt"),
+    }
+    assert {p for p in os.listdir(shm) if p.startswith("fastckpt-bench-tmpfs-")} <= before

@@ -1,0 +1,554 @@
+#!/usr/bin/env python3
+"""Checkpoints at memory speed: fastckpt against its peers from tmpfs and the page cache.
+
+The regimes (``--regime``, comma-separated; default ``tmpfs,hot``):
+
+* ``tmpfs``: the files live in a memory file system (``--shm``, default /dev/shm);
+* ``hot``: the files live on a disk (``--dir``) and were read once, so every load finds
+  them in the page cache (they are read again before each round to keep them there);
+* ``cold``: the files on the disk, the page cache dropped before every load (as root;
+  otherwise the file's pages are evicted with ``posix_fadvise``); fio's read is the ceiling.
+
+Loads, each in a fresh child process (so RSS and caches are its own), timed until every
+page of every tensor has been touched, then checked: the CRC-32 of every tensor must equal
+that of the tensor saved. Methods: ``fastckpt.load``, ``fastckpt.load(mmap=True)`` (when
+this fastckpt has it), safetensors ``load_file`` (its default mmap backend, and
+``backend="pread"`` where this safetensors has it) and ``safe_open``, ``torch.load`` and
+``torch.load(mmap=True)`` of a ``torch.save`` file, the Run:ai model streamer,
+fastsafetensors (nogds, CPU), and the parallel-``preadv`` ceiling (one thread per core
+reading the safetensors file into one buffer, faulted in by the reads; and the same into a
+prefaulted buffer). Peers that are not installed are skipped with the reason.
+
+Saves (``fastckpt.save``, ``safetensors.torch.save_file``, ``torch.save``), each in a
+fresh child that builds the state dict first, timed until durable (fsync of the file and
+its directory), in every regime's directory.
+
+Rounds interleave the methods (the order rotates), figures are medians of ``--repeats``
+rounds. Printed per regime: GB/s (10^9 bytes of tensor data per second), how many times
+faster fastckpt is, CPU seconds per GB, peak RSS above the checkpoint's size, and the
+threads a load keeps busy (mean count of threads running or in I/O wait, sampled every
+2 ms in one extra, untimed round).
+
+Peers install (torch pinned, so no CUDA build is pulled)::
+
+    pip install -c benchmarks/constraints.txt -e ".[bench]"
+
+Example::
+
+    python benchmarks/bench_memory.py --size 1G --repeats 5
+    python benchmarks/bench_memory.py --size 8M --repeats 1 --regime tmpfs --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastckpt.cli import measure as M
+from fastckpt.cli.peers import LOADERS, SAVERS, Skip, child_load, child_save
+
+REPO = Path(__file__).resolve().parent.parent
+FILES = {"fastckpt": "fastckpt.safetensors", "safetensors": "st.safetensors", "torch": "torch.pt"}
+REGIMES = ("tmpfs", "hot", "cold")
+DEFAULT_LOADS = tuple(m for m in LOADERS if m != "fastckpt-noverify")
+PEERS = ("runai", "fastsafetensors", "safetensors", "safe_open")
+
+# Targets the numbers are read against (none is asserted).
+LOAD_VS_BEST_PEER = 1.0
+LOAD_OF_PREADV = 0.8
+LOAD_OF_FIO = 0.9
+SAVE_VS_SAFETENSORS_TMPFS = 1.5
+LOAD_RSS_ALLOWANCE = 64 * M.MiB
+SAVE_EXTRA_RSS = 256 * M.MiB
+
+
+# ============================================================================ child side
+
+
+def _state(spec: dict[str, Any]) -> dict[str, Any]:
+    from fastckpt.cli.synthetic import llm_like_state_dict
+
+    return llm_like_state_dict(spec["size"], seed=spec["seed"])
+
+
+def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
+    """Writes the three files the loads read and the CRC-32s they are checked against."""
+    state = _state(spec)
+    directory = spec["dir"]
+    for name, saver in SAVERS.items():
+        try:
+            saver.setup(state, os.path.join(directory, FILES[saver.file]))()
+        except Skip as why:
+            if name == "safetensors":  # the peers read this file
+                raise RuntimeError(f"cannot write the peers' file: {why}") from None
+    crcs = {
+        "tensors": M.tensor_crc32s(state),
+        "file": M.file_crc32(os.path.join(directory, FILES["safetensors"])),
+    }
+    with open(spec["crc_file"], "w", encoding="utf-8") as f:
+        json.dump(crcs, f)
+    return {
+        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "tensors": len(state),
+    }
+
+
+HANDLERS = {"prepare": child_prepare, "save": child_save, "load": child_load}
+
+
+# =========================================================================== parent side
+
+
+class Run:
+    """The parent's state: arguments, the results of every child, the log."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.raw: list[dict[str, Any]] = []
+
+    def child(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return M.spawn(__file__, spec, self.args.child_timeout)
+
+    def record(self, regime: str, rnd: int, op: str, method: str, res: dict[str, Any]) -> None:
+        self.raw.append({"regime": regime, "round": rnd, "op": op, "method": method, **res})
+        when = "sampled" if rnd < 0 else f"round {rnd + 1}"
+        head = f"{regime:5s} {when}: {op} {method:15s}"
+        if "error" in res or "skipped" in res:
+            M.log(f"{head} {res.get('error') or 'skipped: ' + res['skipped']}")
+            return
+        rate = (
+            res["payload_bytes"] / res["seconds"] / 1e9 if "payload_bytes" in res else res["gbps"]
+        )
+        wrong = f"  WRONG BYTES {res['wrong']}" if res.get("wrong") else ""
+        M.log(f"{head} {rate:6.2f} GB/s  cpu {res.get('cpu_seconds', 0):5.2f} s{wrong}")
+
+
+def regime_dir(regime: str, args: argparse.Namespace) -> Path:
+    return Path(args.shm if regime == "tmpfs" else args.dir).resolve()
+
+
+def check_regime_dir(regime: str, base: Path, size: int) -> None:
+    fs_type, _, mount = M.filesystem_of(base)
+    memory = fs_type in M.MEMORY_FILESYSTEMS
+    if regime == "tmpfs" and not memory:
+        raise SystemExit(f"error: --shm {base} is on {fs_type} ({mount}), not a memory file system")
+    if regime != "tmpfs" and memory:
+        raise SystemExit(f"error: --dir {base} is on {fs_type} ({mount}); pick a disk for {regime}")
+    need = 4 * size + 64 * M.MiB
+    if M.free_bytes(base) < need:
+        raise SystemExit(
+            f"error: {base} has {M.format_bytes(M.free_bytes(base))} free; the {regime} regime "
+            f"needs about {M.format_bytes(need)}"
+        )
+
+
+def run_regime(run: Run, regime: str, workdir: str) -> dict[str, Any]:
+    """Prepares the files, then ``--repeats`` rounds of saves and loads, then one sampled round."""
+    args = run.args
+    crc_file = os.path.join(workdir, "crc.json")
+    base = {"size": args.size, "seed": args.seed, "dir": workdir, "crc_file": crc_file}
+    prep = run.child({**base, "op": "prepare"})
+    if "error" in prep:
+        raise SystemExit(f"error: preparing the {regime} files failed: {prep['error']}")
+    files = [os.path.join(workdir, name) for name in FILES.values()]
+    fio = None
+    if regime == "cold" and M.fio_path() and not args.no_fio:
+        fio = os.path.join(workdir, "fio.dat")
+    loads = [m for m in args.loads if m in LOADERS]
+    saves = list(args.saves)
+    for rnd in range(args.repeats + (0 if args.no_streams else 1)):
+        sample = rnd == args.repeats  # the extra round: thread counts, not timings
+        if not sample:
+            for method in M.rotate(saves, rnd) if saves else []:
+                path = os.path.join(workdir, "save-" + FILES[SAVERS[method].file])
+                res = run.child({**base, "op": "save", "method": method, "file": path})
+                run.record(regime, rnd, "save", method, res)
+                if "skipped" in res:
+                    saves.remove(method)
+                if os.path.exists(path):
+                    os.remove(path)
+            if fio:
+                for kind in ("write", "read"):
+                    M.drop_page_cache([fio])
+                    res = M.fio_sequential(
+                        kind, fio, args.size // M.MiB * M.MiB, bs="4M", extra=M.FIO_LOCKED
+                    )
+                    run.record(regime, rnd, "fio", kind, res)
+                os.remove(fio)
+        if regime == "hot":
+            M.warm_page_cache(files)
+        for method in list(M.rotate(loads, rnd)):
+            path = os.path.join(workdir, FILES[LOADERS[method].file])
+            spec = {
+                **base,
+                "op": "load",
+                "method": method,
+                "file": path,
+                "cold": regime == "cold",
+                "sample": sample,
+                "payload_bytes": prep["payload_bytes"],
+            }
+            res = run.child(spec)
+            run.record(regime, -1 if sample else rnd, "load", method, res)
+            if "skipped" in res:  # it cannot run here: no need to ask again
+                loads.remove(method)
+    return prep
+
+
+def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tuple[str, list[str]]:
+    """The Markdown tables of one regime and the lines of its target checks."""
+    args = run.args
+    nbytes = prep["payload_bytes"]
+    gb = nbytes / 1e9
+
+    def pick(op: str, method: str, sampled: bool = False) -> list[dict[str, Any]]:
+        return [
+            r
+            for r in run.raw
+            if r["regime"] == regime
+            and r["op"] == op
+            and r["method"] == method
+            and (r["round"] < 0) == sampled
+        ]
+
+    loads = {m: M.summarize(pick("load", m)) for m in args.loads}
+    saves = {m: M.summarize(pick("save", m)) for m in args.saves}
+    fio = {k: M.summarize(pick("fio", k)) for k in ("write", "read")}
+    streams = {}
+    for m in args.loads:
+        s = [r for r in pick("load", m, sampled=True) if "streams" in r]
+        streams[m] = (s[0]["streams"], s[0]["streams_max"]) if s else None
+    wrong = {m for m in args.loads for r in pick("load", m) if r.get("wrong")}
+
+    def why_not(s: dict[str, Any]) -> str:
+        return "; ".join(s.get("skipped", []) + s.get("errors", [])) or "not run"
+
+    fast_load = loads.get("fastckpt", {}).get("gbps")
+    rows = []
+    for m in args.loads:
+        s = loads[m]
+        if not s.get("n"):
+            rows.append([LOADERS[m].label, "—", "—", "—", "—", "—", "—", f"skipped: {why_not(s)}"])
+            continue
+        ratio = fast_load / s["gbps"] if fast_load else None
+        over = (s["extra_rss_max"] - nbytes) / M.MiB if s.get("extra_rss_max") is not None else None
+        st = streams.get(m)
+        rows.append(
+            [
+                LOADERS[m].label,
+                f"{s['gbps']:.2f}",
+                f"{s['gbps_min']:.2f}–{s['gbps_max']:.2f}",
+                M.fmt(ratio, ".2f", "×"),
+                M.fmt(s["cpu_seconds"] / gb, ".2f"),
+                M.fmt(over, "+.0f"),
+                f"{st[0]:.1f} (max {st[1]})" if st else "n/a",
+                "**WRONG BYTES**" if m in wrong else "yes",
+            ]
+        )
+    if fio["read"].get("n"):
+        f = fio["read"]
+        rows.append(
+            [
+                "fio seq read (O_DIRECT)",
+                f"{f['gbps']:.2f}",
+                f"{f['gbps_min']:.2f}–{f['gbps_max']:.2f}",
+                M.fmt(fast_load / f["gbps"] if fast_load else None, ".2f", "×"),
+                M.fmt(f["cpu_seconds"] / (f["seconds"] * f["gbps"]), ".2f"),
+                "",
+                "",
+                "",
+            ]
+        )
+    cache = {
+        "tmpfs": "files in tmpfs",
+        "hot": "page-cache-hot files",
+        "cold": "page cache dropped",
+    }[regime]
+    out = [
+        f"### {regime}: load ({cache}; {where})",
+        "",
+        M.markdown_table(
+            [
+                "method",
+                "GB/s",
+                "min–max",
+                "fastckpt is ×",
+                "CPU s/GB",
+                "peak RSS − size (MiB)",
+                "busy threads",
+                "bytes verified",
+            ],
+            rows,
+            "lrrrrrrl",
+        ),
+        "",
+    ]
+    fast_save = saves.get("fastckpt", {}).get("gbps")
+    rows = []
+    for m in args.saves:
+        s = saves[m]
+        if not s.get("n"):
+            rows.append([SAVERS[m].label, "—", "—", "—", "—", f"skipped: {why_not(s)}"])
+            continue
+        rows.append(
+            [
+                SAVERS[m].label,
+                f"{s['gbps']:.2f}",
+                M.fmt(fast_save / s["gbps"] if fast_save else None, ".2f", "×"),
+                M.fmt(s["cpu_seconds"] / gb, ".2f"),
+                M.fmt(
+                    s["extra_rss_max"] / M.MiB if s.get("extra_rss_max") is not None else None,
+                    ".0f",
+                ),
+                "",
+            ]
+        )
+    if fio["write"].get("n"):
+        f = fio["write"]
+        rows.append(
+            [
+                "fio seq write (O_DIRECT, end_fsync)",
+                f"{f['gbps']:.2f}",
+                M.fmt(fast_save / f["gbps"] if fast_save else None, ".2f", "×"),
+                "",
+                "",
+                "",
+            ]
+        )
+    if rows:
+        out += [
+            f"### {regime}: save (timed until durable)",
+            "",
+            M.markdown_table(
+                ["method", "GB/s", "fastckpt is ×", "CPU s/GB", "extra peak RSS (MiB)", "note"],
+                rows,
+                "lrrrrl",
+            ),
+            "",
+        ]
+
+    # Targets: ratios, read against the goals (nothing asserted).
+    checks = []
+
+    def check(
+        text: str, value: float | None, goal: float, spec: str = ".2f", suffix: str = "×", low=True
+    ) -> None:
+        met = (
+            "n/a"
+            if value is None
+            else ("met" if (value >= goal if low else value <= goal) else "NOT met")
+        )
+        checks.append(f"- {regime}: {text}: {M.fmt(value, spec, suffix)} → {met}")
+
+    peers = [loads[m]["gbps"] for m in PEERS if m in loads and loads[m].get("n")]
+    best = max(peers) if peers else None
+    check(
+        f"load ≥ {LOAD_VS_BEST_PEER}× the best of Run:ai, fastsafetensors, safetensors",
+        fast_load / best if fast_load and best else None,
+        LOAD_VS_BEST_PEER,
+    )
+    ceiling = loads.get("preadv", {}).get("gbps")
+    check(
+        f"load ≥ {LOAD_OF_PREADV}× the parallel-preadv ceiling",
+        fast_load / ceiling if fast_load and ceiling else None,
+        LOAD_OF_PREADV,
+    )
+    if regime == "cold":
+        r = fio["read"].get("gbps")
+        check(
+            f"cold load ≥ {LOAD_OF_FIO}× fio read",
+            fast_load / r if fast_load and r else None,
+            LOAD_OF_FIO,
+        )
+        w = fio["write"].get("gbps")
+        check(
+            f"save to disk ≥ {LOAD_OF_FIO}× fio write",
+            fast_save / w if fast_save and w else None,
+            LOAD_OF_FIO,
+        )
+    if regime == "tmpfs":
+        st = saves.get("safetensors", {}).get("gbps")
+        check(
+            f"save to tmpfs ≥ {SAVE_VS_SAFETENSORS_TMPFS}× safetensors save_file",
+            fast_save / st if fast_save and st else None,
+            SAVE_VS_SAFETENSORS_TMPFS,
+        )
+    worst = loads.get("fastckpt", {}).get("extra_rss_max")
+    check(
+        f"load peak RSS ≤ size + {LOAD_RSS_ALLOWANCE // M.MiB} MiB (worst round, above size)",
+        None if worst is None else (worst - nbytes) / M.MiB,
+        LOAD_RSS_ALLOWANCE / M.MiB,
+        "+.0f",
+        " MiB",
+        low=False,
+    )
+    mm = loads.get("fastckpt-mmap", {})
+    if mm.get("n"):
+        check(
+            "mmap load: peak RSS beyond the touched pages (= size)",
+            (mm["extra_rss_max"] - nbytes) / M.MiB,
+            LOAD_RSS_ALLOWANCE / M.MiB,
+            "+.0f",
+            " MiB",
+            low=False,
+        )
+    worst = saves.get("fastckpt", {}).get("extra_rss_max")
+    check(
+        f"save extra RSS ≤ {SAVE_EXTRA_RSS // M.MiB} MiB (worst round)",
+        None if worst is None else worst / M.MiB,
+        SAVE_EXTRA_RSS / M.MiB,
+        ".0f",
+        " MiB",
+        low=False,
+    )
+    return "\n".join(out), checks
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    run = Run(args)
+    made: list[Path] = []
+    reports, checks, prep = [], [], {}
+    for regime in args.regime:
+        base = regime_dir(regime, args)
+        if not base.exists():
+            base.mkdir(parents=True)
+            made.append(base)
+        check_regime_dir(regime, base, args.size)
+    M.log(f"{M.format_bytes(args.size)} x {args.repeats} rounds, regimes {', '.join(args.regime)}")
+    try:
+        for regime in args.regime:
+            base = regime_dir(regime, args)
+            workdir = tempfile.mkdtemp(prefix=f"fastckpt-bench-{regime}-", dir=base)
+            try:
+                prep = run_regime(run, regime, workdir)
+                fs_type, source, _ = M.filesystem_of(workdir)
+                text, more = regime_report(run, regime, prep, f"{base} on {fs_type} {source}")
+                reports.append(text)
+                checks += more
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+    finally:
+        for path in reversed(made):
+            try:
+                path.rmdir()  # only if empty: another run may use it meanwhile
+            except OSError:
+                pass
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"## Memory-speed checkpoint benchmark — {M.format_bytes(prep.get('payload_bytes', args.size))} "
+        f"LLM-like state dict ({prep.get('tensors', '?')} tensors, float32 + bfloat16)"
+    )
+    print()
+    print(
+        f"- {datetime.datetime.now().isoformat(timespec='seconds')}; {cores} cores, "
+        f"{M.format_bytes(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} memory, kernel {platform.release()}"
+    )
+    versions = ", ".join(
+        f"{d} {M.version_of(d)}"
+        for d in ("fastckpt", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
+    )
+    print(f"- {versions}")
+    print(
+        f"- {args.repeats} rounds, medians; methods rotated each round; every save and load in a "
+        "fresh process; loads timed until every page of every tensor is touched, then every "
+        "tensor's CRC-32 compared with the saved one; saves timed until durable (fsync)"
+    )
+    print(
+        "- fastckpt is ×: fastckpt's GB/s over the method's; CPU s/GB: user+system seconds of the "
+        "process (all threads) per 10^9 bytes; peak RSS − size: the load's peak RSS above its "
+        "starting RSS, minus the checkpoint's size (0 = one copy, nothing more); busy threads: "
+        f"mean (max) threads running or in I/O wait during one extra load, sampled every 2 ms; "
+        f"preadv ceiling: {cores} threads"
+    )
+    print(f"- wall time {time.perf_counter() - t0:.0f} s")
+    print()
+    for text in reports:
+        print(text)
+    print("### Targets (measured, not asserted)")
+    print()
+    print("\n".join(checks), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": run.raw}, f, indent=2)
+        M.log(f"raw results written to {args.json}")
+    bad = [r for r in run.raw if r.get("wrong")]
+    return 1 if bad or not any(r["op"] == "load" and "seconds" in r for r in run.raw) else 0
+
+
+def _names(valid: tuple[str, ...] | dict[str, Any]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in valid]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(valid)}; got {text!r}")
+        return names
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--size", type=M.parse_size, default=M.parse_size("1G"), help="state dict size (default 1G)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds; medians are reported (default 5)"
+    )
+    parser.add_argument(
+        "--regime",
+        type=_names(REGIMES),
+        default=["tmpfs", "hot"],
+        help="comma list of tmpfs, hot, cold (default tmpfs,hot)",
+    )
+    parser.add_argument(
+        "--shm", default="/dev/shm", help="memory file system directory (default /dev/shm)"
+    )
+    parser.add_argument(
+        "--dir",
+        default=str(REPO.parent / "bench-tmp"),
+        help="directory on a disk for hot and cold (default %(default)s)",
+    )
+    parser.add_argument(
+        "--loads",
+        type=_names(LOADERS),
+        default=list(DEFAULT_LOADS),
+        help=f"comma list of load methods (default: {','.join(DEFAULT_LOADS)})",
+    )
+    parser.add_argument(
+        "--saves",
+        type=_names(SAVERS),
+        default=list(SAVERS),
+        help=f"comma list of save methods (default all: {','.join(SAVERS)})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    parser.add_argument("--json", metavar="FILE", help="also write every round's results here")
+    parser.add_argument(
+        "--no-streams", action="store_true", help="skip the extra round that counts busy threads"
+    )
+    parser.add_argument("--no-fio", action="store_true", help="skip fio in the cold regime")
+    parser.add_argument("--child-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        return M.child_main(args.child, HANDLERS)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if "fastckpt" not in args.loads:
+        args.loads.insert(0, "fastckpt")  # every ratio is against it
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

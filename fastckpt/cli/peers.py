@@ -1,0 +1,377 @@
+"""The savers and loaders benchmarks compare: fastckpt and its peers, one registry.
+
+Each method is set up outside the timed section (imports, first-use warm-ups, checks that
+it can run here) and returns a thunk that does exactly the timed work:
+
+* :data:`SAVERS`: ``setup(state, path) -> thunk()`` that saves ``state`` to ``path`` and
+  returns once the data is durable (fsync of the file and its directory).
+* :data:`LOADERS`: ``setup(path, device) -> thunk()`` returning the loaded tensors as a
+  flat ``name -> tensor`` dict (the parallel-``preadv`` ceiling returns one byte tensor).
+
+A method that cannot run here (a peer not installed, an argument this fastckpt lacks)
+raises :class:`Skip` from its setup, with the reason.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from fastckpt.cli.peers import LOADERS, SAVERS
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> SAVERS["fastckpt"].setup({"w": torch.ones(3)}, path)()
+    >>> LOADERS["safetensors"].setup(path, "cpu")()["w"].tolist()
+    [1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastckpt.cli.measure import (
+    Measure,
+    ThreadSampler,
+    drop_page_cache,
+    file_crc32,
+    make_durable,
+    preadv_file,
+    tensor_crc32s,
+    touch,
+)
+
+__all__ = [
+    "LOADERS",
+    "SAVERS",
+    "Loader",
+    "Saver",
+    "Skip",
+    "child_load",
+    "child_save",
+    "crc_digest",
+    "install_hint",
+]
+
+#: What installs the peers without pulling a CUDA build of torch.
+PEERS_INSTALL = 'pip install -c benchmarks/constraints.txt -e ".[bench]"'
+
+
+class Skip(Exception):
+    """A method cannot run here; the message says why."""
+
+
+def install_hint(module: str) -> str:
+    """Why a peer is left out, with the command that installs it."""
+    return f"{module} is not installed ({PEERS_INSTALL})"
+
+
+def _require(module: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise Skip(f"{install_hint(module)}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Saver:
+    """A way to save: ``label`` for tables, ``file`` the kind of file written."""
+
+    label: str
+    file: str
+    setup: Callable[[dict[str, Any], str], Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Loader:
+    """A way to load: ``label`` for tables, ``file`` the kind of file it reads."""
+
+    label: str
+    file: str
+    setup: Callable[[str, str], Callable[[], Any]]
+
+
+# ----------------------------------------------------------------------------- saves
+
+
+def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
+    import fastckpt
+
+    return lambda: fastckpt.save(state, path, progress=False)  # fsyncs and commits itself
+
+
+def _save_torch(state: dict[str, Any], path: str) -> Callable[[], None]:
+    import torch
+
+    def run() -> None:
+        torch.save(state, path)
+        make_durable(path)
+
+    return run
+
+
+def _save_safetensors(state: dict[str, Any], path: str) -> Callable[[], None]:
+    _require("safetensors.torch")
+    from safetensors.torch import save_file
+
+    def run() -> None:
+        save_file(state, path)
+        make_durable(path)
+
+    return run
+
+
+#: Savers by name; every one is timed until the data is durable.
+SAVERS: dict[str, Saver] = {
+    "fastckpt": Saver("fastckpt.save", "fastckpt", _save_fastckpt),
+    "safetensors": Saver("safetensors save_file + fsync", "safetensors", _save_safetensors),
+    "torch": Saver("torch.save + fsync", "torch", _save_torch),
+}
+
+# ----------------------------------------------------------------------------- loads
+
+
+def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    return lambda: fastckpt.load(path, map_location=device, progress=False)
+
+
+def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    return lambda: fastckpt.load(path, map_location=device, verify=False, progress=False)
+
+
+def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
+    import fastckpt
+
+    if "mmap" not in inspect.signature(fastckpt.load).parameters:
+        raise Skip("fastckpt.load takes no mmap argument in this version")
+    if device != "cpu":
+        raise Skip("mmap loads are for CPU tensors")
+    return lambda: fastckpt.load(path, mmap=True, progress=False)
+
+
+def _load_safetensors(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors.torch")
+    import safetensors.torch
+
+    safetensors.torch.load(safetensors.torch.save({"w": _ones()}))  # first-use setup
+    return lambda: safetensors.torch.load_file(path, device=device)
+
+
+def _load_safetensors_pread(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors.torch")
+    import safetensors.torch
+
+    if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
+        raise Skip("this safetensors has no backend= argument (pread reads came in 0.8)")
+    safetensors.torch.load(safetensors.torch.save({"w": _ones()}))  # first-use setup
+    return lambda: safetensors.torch.load_file(path, device=device, backend="pread")
+
+
+def _load_safe_open(path: str, device: str) -> Callable[[], Any]:
+    _require("safetensors")
+    from safetensors import safe_open
+
+    def run() -> dict[str, Any]:
+        with safe_open(path, framework="pt", device=device) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+
+    return run
+
+
+def _load_torch_mmap(path: str, device: str) -> Callable[[], Any]:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": _ones()}, buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)  # the unpickler's lazy imports, outside the timing
+    return lambda: torch.load(path, map_location=device, weights_only=True, mmap=True)
+
+
+def _load_torch(path: str, device: str) -> Callable[[], Any]:
+    _load_torch_mmap(path, device)
+    import torch
+
+    return lambda: torch.load(path, map_location=device, weights_only=True)
+
+
+def _load_runai(path: str, device: str) -> Callable[[], Any]:
+    _require("runai_model_streamer")
+    import logging
+
+    from runai_model_streamer import SafetensorsStreamer
+
+    logging.getLogger("runai_model_streamer").setLevel(logging.WARNING)  # no throughput lines
+
+    def run() -> dict[str, Any]:
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(path, device=device)  # owned tensors: valid after the loop
+            return dict(streamer.get_tensors())
+
+    return run
+
+
+def _load_fastsafetensors(path: str, device: str) -> Callable[[], Any]:
+    _require("fastsafetensors")
+    from fastsafetensors import fastsafe_open
+
+    nogds = device == "cpu"
+
+    def run() -> dict[str, Any]:
+        # The tensors share ownership of their buffer: valid after the context closes.
+        with fastsafe_open(path, framework="pt", device=device, nogds=nogds) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+
+    return run
+
+
+def _preadv(prefault: bool) -> Callable[[str, str], Callable[[], Any]]:
+    def setup(path: str, device: str) -> Callable[[], Any]:
+        import torch
+
+        if device != "cpu":
+            raise Skip("the preadv ceiling reads into host memory")
+        threads = len(os.sched_getaffinity(0))
+
+        def run() -> dict[str, Any]:
+            buffer, _ = preadv_file(path, threads, prefault=prefault)
+            return {"file": torch.frombuffer(buffer, dtype=torch.uint8)}
+
+        return run
+
+    return setup
+
+
+def _ones() -> Any:
+    import torch
+
+    return torch.ones(2)
+
+
+#: Loaders by name. ``file`` says which saver's file each reads ("any" reads the file given).
+LOADERS: dict[str, Loader] = {
+    "fastckpt": Loader("fastckpt.load", "fastckpt", _load_fastckpt),
+    "fastckpt-noverify": Loader("fastckpt.load(verify=False)", "fastckpt", _load_fastckpt_noverify),
+    "fastckpt-mmap": Loader("fastckpt.load(mmap=True)", "fastckpt", _load_fastckpt_mmap),
+    "safetensors": Loader("safetensors load_file (mmap)", "safetensors", _load_safetensors),
+    "safetensors-pread": Loader(
+        "safetensors load_file(backend=pread)", "safetensors", _load_safetensors_pread
+    ),
+    "safe_open": Loader("safetensors safe_open + get_tensor", "safetensors", _load_safe_open),
+    "torch": Loader("torch.load", "torch", _load_torch),
+    "torch-mmap": Loader("torch.load(mmap=True)", "torch", _load_torch_mmap),
+    "runai": Loader("Run:ai SafetensorsStreamer", "safetensors", _load_runai),
+    "fastsafetensors": Loader("fastsafetensors (nogds)", "safetensors", _load_fastsafetensors),
+    "preadv": Loader("parallel preadv ceiling", "safetensors", _preadv(prefault=False)),
+    "preadv-prefault": Loader(
+        "parallel preadv ceiling, prefaulted buffer", "safetensors", _preadv(prefault=True)
+    ),
+}
+
+
+# ----------------------------------------------------------------- child-process runs
+
+
+def crc_digest(crcs: dict[str, int]) -> int:
+    """One number for a ``name -> CRC-32`` dict: equal digests, equal bytes under every name.
+
+    Example:
+        >>> crc_digest({"a": 1, "b": 2}) == crc_digest({"b": 2, "a": 1})
+        True
+    """
+    import zlib
+
+    return zlib.crc32(json.dumps(sorted(crcs.items())).encode())
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def child_save(spec: dict[str, Any], savers: dict[str, Saver] = SAVERS) -> dict[str, Any]:
+    """A benchmark child's save: builds the seeded LLM-like state dict of ``spec["size"]`` on
+    ``spec["device"]`` (default cpu), then times ``savers[spec["method"]]`` writing it to
+    ``spec["file"]`` until durable. Reports the measurement and the state's CRC digest.
+    """
+    from fastckpt.cli.synthetic import llm_like_state_dict
+
+    device = spec.get("device", "cpu")
+    state = llm_like_state_dict(spec["size"], seed=spec["seed"])
+    digest = crc_digest(tensor_crc32s(state))
+    if device != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
+        _synchronize(device)
+    try:
+        run = savers[spec["method"]].setup(state, spec["file"])
+    except Skip as why:
+        return {"skipped": str(why)}
+    os.sync()  # start from clean writeback state
+    with Measure() as m:
+        run()
+    return {
+        **m.as_dict(),
+        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "file_bytes": os.path.getsize(spec["file"]),
+        "tensors": len(state),
+        "digest": digest,
+    }
+
+
+def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> dict[str, Any]:
+    """A benchmark child's load: times ``loaders[spec["method"]]`` reading ``spec["file"]``
+    to ``spec["device"]`` (default cpu) and touching every page of every tensor.
+
+    ``spec["cold"]`` drops the page cache first; ``spec["sample"]`` counts busy threads
+    (:class:`ThreadSampler`). Afterwards (untimed) the bytes are checked: with
+    ``spec["crc_file"]`` (JSON ``{"tensors": {name: crc}, "file": crc}``) the names whose
+    CRC differs are reported as ``wrong``; the digest of the loaded tensors is reported.
+    """
+    import torch
+
+    method, path, device = spec["method"], spec["file"], spec.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.ones(1024, device=device).sum().item()  # CUDA initialized outside the timing
+    try:
+        run = loaders[method].setup(path, device)
+    except Skip as why:
+        return {"skipped": str(why)}
+    touch({"warm": torch.ones(1024)})  # first-op setup outside the timed section
+    cache = drop_page_cache([path]) if spec.get("cold") else "hot"
+    sampler = ThreadSampler() if spec.get("sample") else contextlib.nullcontext()
+    with sampler, Measure() as m:
+        loaded = run()
+        touch(loaded)
+        _synchronize(device)
+    result: dict[str, Any] = {**m.as_dict(), "cache": cache}
+    if isinstance(sampler, ThreadSampler):
+        result.update(streams=sampler.streams, streams_max=sampler.busy_max)
+    whole_file = method.startswith("preadv")
+    if whole_file:
+        result["payload_bytes"] = spec.get("payload_bytes") or os.path.getsize(path)
+        result["file_crc"] = file_crc32(path)
+    else:
+        result["payload_bytes"] = sum(t.numel() * t.element_size() for t in loaded.values())
+        result["tensors"] = len(loaded)
+        crcs = tensor_crc32s(loaded)
+        result["digest"] = crc_digest(crcs)
+    if spec.get("crc_file"):
+        with open(spec["crc_file"], encoding="utf-8") as f:
+            expected = json.load(f)
+        if whole_file:
+            result["wrong"] = [] if result["file_crc"] == expected["file"] else ["(file bytes)"]
+        else:
+            want = expected["tensors"]
+            result["wrong"] = sorted(
+                n for n in set(crcs) | set(want) if crcs.get(n) != want.get(n)
+            )[:3]
+    return result
