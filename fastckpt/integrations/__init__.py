@@ -1,0 +1,1 @@
+"""Integrations of fastckpt with training frameworks and storage systems."""
