@@ -39,6 +39,10 @@ Loading reads fastckpt files and, for a smooth switch, also files written by
 
 Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning,
 ``fastckpt verify`` checks them, every safetensors reader opens them. Paths are local.
+Strategies that write sharded checkpoints themselves (FSDP, DeepSpeed) bypass
+``CheckpointIO``; these classes serve single-file strategies (single device, DDP, rank 0
+writes). The classes derive from ``lightning``'s; the plugins are also registered with the
+standalone ``pytorch_lightning`` package, so its ``Trainer`` accepts them too.
 
 Example:
     >>> import lightning.pytorch as pl
@@ -49,6 +53,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 from collections import OrderedDict
@@ -65,6 +70,8 @@ try:  # the unified package first, then the standalone one
     from lightning.fabric.utilities.data import AttributeDict as _FabricAttributeDict
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities.parsing import AttributeDict
+
+    _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
 except ImportError:
     try:
         import pytorch_lightning as pl
@@ -73,6 +80,8 @@ except ImportError:
         from lightning_fabric.utilities.data import AttributeDict as _FabricAttributeDict
         from pytorch_lightning.callbacks import ModelCheckpoint
         from pytorch_lightning.utilities.parsing import AttributeDict
+
+        _OTHER_CHECKPOINT_IO = None
     except ImportError as exc:
         raise ImportError(
             "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
@@ -286,13 +295,15 @@ def _explain_refusal(exc: TypeError, path: str) -> TypeError:
     )
 
 
-_TORCH_MAGICS = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, or a legacy pickle
+# torch.save's zip archive, or its legacy format (a pickle protocol 2 header, then a long).
+# Read as a safetensors header length, either would be far above the 100 MB cap.
+_TORCH_MAGICS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 
 
 def _is_torch_file(path: str) -> bool:
     with open(path, "rb") as f:
         head = f.read(4)
-    return any(head.startswith(m) for m in _TORCH_MAGICS)
+    return head in _TORCH_MAGICS
 
 
 def _remove_file(path: str) -> None:
@@ -531,6 +542,25 @@ class AsyncFastCkptIO(FastCkptIO):
             elif removal.safe() and not removal.cancelled:
                 _remove_file(removal.path)
         self._removals = pending
+
+
+def _register_with_the_standalone_package() -> None:
+    """Makes the plugins acceptable to ``pytorch_lightning.Trainer`` as well.
+
+    ``lightning`` installs ``pytorch_lightning`` beside it, with its own ``CheckpointIO``
+    class; that class is an ABC, so registering the plugins there is all it takes (the
+    interface is the same). The callback, a ``ModelCheckpoint``, stays ``lightning``'s.
+    """
+    if _OTHER_CHECKPOINT_IO is None:
+        return
+    try:
+        other = importlib.import_module(_OTHER_CHECKPOINT_IO)
+    except ImportError:
+        return
+    other.CheckpointIO.register(FastCkptIO)
+
+
+_register_with_the_standalone_package()
 
 
 # -- callback ---------------------------------------------------------------------------------

@@ -458,3 +458,38 @@ def test_import_error_names_the_extra(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ImportError, match=r"fastckpt\[lightning\]"):
         importlib.import_module("fastckpt.lightning")
+
+
+def test_plugins_work_with_the_standalone_pytorch_lightning(tmp_path):
+    spl = pytest.importorskip("pytorch_lightning")
+    if spl.Trainer is pl.Trainer:
+        pytest.skip("pytorch_lightning is lightning.pytorch here")
+
+    class Standalone(spl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    def run(max_epochs, ckpt_path=None):
+        torch.manual_seed(0)
+        trainer = spl.Trainer(
+            max_epochs=max_epochs,
+            default_root_dir=tmp_path,
+            plugins=[AsyncFastCkptIO()],
+            callbacks=[spl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="s")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Standalone(), _loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    run(1)
+    assert fastckpt.load(str(tmp_path / "s.ckpt"))["global_step"] == 4
+    assert run(2, ckpt_path=str(tmp_path / "s.ckpt")).global_step == 8
