@@ -56,6 +56,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -105,22 +106,28 @@ _Path = list  # a list of dict keys (str or int) and list indices from the check
 # -- Lightning-specific objects as plain data -------------------------------------------------
 
 
-def _omegaconf() -> Any:
+def _omegaconf(*, load: bool = False) -> Any:
+    """The omegaconf module if imported (OmegaConf objects exist only then), else None.
+
+    Saving only looks in ``sys.modules``: a failed import is not cached, and saving asks once
+    per object in the checkpoint. Loading (``load=True``) imports it.
+    """
+    if not load:
+        return sys.modules.get("omegaconf")
     try:
-        import omegaconf
+        return importlib.import_module("omegaconf")
     except ImportError:
         return None
-    return omegaconf
 
 
-def _type_names() -> dict[type, str]:
+def _type_names(*, load: bool = False) -> dict[type, str]:
     """The type objects stored by name; rebuilt from this table only, never imported by name."""
     names: dict[type, str] = {
         dict: "dict",
         AttributeDict: "AttributeDict",
         argparse.Namespace: "argparse.Namespace",
     }
-    oc = _omegaconf()
+    oc = _omegaconf(load=load)
     if oc is not None:
         names[oc.DictConfig] = "omegaconf.DictConfig"
         names[oc.ListConfig] = "omegaconf.ListConfig"
@@ -193,14 +200,14 @@ def _rebuild(kind: str, data: Any, where: str) -> Any:
     if kind == "argparse.Namespace":
         return argparse.Namespace(**data)
     if kind in ("omegaconf.DictConfig", "omegaconf.ListConfig"):
-        oc = _omegaconf()
+        oc = _omegaconf(load=True)
         if oc is None:
             raise ImportError(
                 f"the checkpoint holds an OmegaConf {kind} at {where}; install omegaconf"
             )
         return oc.OmegaConf.create(data)
     if kind == "type":
-        by_name = {name: t for t, name in _type_names().items()}
+        by_name = {name: t for t, name in _type_names(load=True).items()}
         if data not in by_name:
             raise ImportError(
                 f"the checkpoint holds the type {data!r} at {where}; install omegaconf"
