@@ -13,8 +13,9 @@ previous one). Each mode runs in its own process, interleaved over rounds:
 - ``fastckpt``: ``FastCkptIO`` (written, fsynced and renamed before the loop goes on);
 - ``fastckpt_async``: ``AsyncFastCkptIO`` (the loop waits for the snapshot only).
 
-"Blocked" is the time ``Trainer.save_checkpoint`` takes as ``ModelCheckpoint`` calls it:
-collecting the state, then the plugin's ``save_checkpoint``. The first checkpoint of a run
+"Blocked" is the time ``ModelCheckpoint``'s end-of-step hook takes on the steps it
+checkpoints: collecting the state, the plugin's ``save_checkpoint``, and its
+``remove_checkpoint`` of the checkpoint replaced. The first checkpoint of a run
 is reported apart (asynchronous modes allocate their buffers there); the figure per mode
 is the median, over rounds, of each run's median over its later checkpoints. ``final
 wait`` is what ``teardown`` waits for the last background writes after the last step.
@@ -82,10 +83,9 @@ def child(args: argparse.Namespace) -> None:
     }.get(args.mode, lambda: [])()
     clock = Clock()
     callbacks: list = [clock]
+    checkpoint = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_top_k=1)
     if args.mode != "none":
-        callbacks.append(
-            ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_top_k=1)
-        )
+        callbacks.append(checkpoint)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -99,7 +99,8 @@ def child(args: argparse.Namespace) -> None:
         limit_val_batches=0,
     )
     blocked: list[float] = []
-    save = trainer.save_checkpoint
+    saves = [0]
+    save, hook = trainer.save_checkpoint, checkpoint.on_train_batch_end
     spare: dict = {}
 
     def state_tensors() -> dict:
@@ -120,12 +121,21 @@ def child(args: argparse.Namespace) -> None:
             spare[k].copy_(v)
         blocked.append(time.perf_counter() - t0)
 
-    def timed_save(*a, **kw):
-        t0 = time.perf_counter()
+    def counted_save(*a, **kw):
+        saves[0] += 1
         save(*a, **kw)
-        blocked.append(time.perf_counter() - t0)
 
-    trainer.save_checkpoint = plain_copy if args.mode == "copy" else timed_save
+    def timed_hook(*a, **kw):
+        before, t0 = saves[0], time.perf_counter()
+        hook(*a, **kw)
+        if saves[0] != before:
+            blocked.append(time.perf_counter() - t0)
+
+    if args.mode == "copy":
+        trainer.save_checkpoint = plain_copy
+    else:
+        trainer.save_checkpoint = counted_save
+        checkpoint.on_train_batch_end = timed_hook
     data = DataLoader(TensorDataset(torch.randn(args.steps * args.batch, width)), args.batch)
     with _common.Measure() as m:
         trainer.fit(Stack(), data)  # includes teardown: the wait for the last writes
@@ -207,7 +217,7 @@ def main() -> None:
     checkpoints = args.steps // args.every
     print(
         f"\n{any_run['layers']} x Linear({args.width}, {args.width}) = "
-        f"{_common.human_bytes(args.size)} of parameters; checkpoint (weights + Adam state) "
+        f"{_common.human_bytes(any_run['layers'] * args.width**2 * 4)} of parameters; checkpoint (weights + Adam state) "
         f"{_common.human_bytes(any_run['state_bytes'])}; {args.steps} steps, a checkpoint every "
         f"{args.every} ({checkpoints} per run); medians of {args.repeats} runs\n"
     )

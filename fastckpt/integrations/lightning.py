@@ -53,6 +53,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import json
 import os
@@ -439,7 +440,8 @@ class AsyncFastCkptIO(FastCkptIO):
       every few steps) first waits for that write;
     - ``remove_checkpoint`` never deletes a file still being written, and puts a deletion
       off until the saves in flight have committed; if one of them fails, the file is kept,
-      so a failed save never costs an existing checkpoint (top-k replacement);
+      so a failed save never costs an existing checkpoint (top-k replacement). The deletion
+      itself runs in a background thread too: unlinking a large file can take a second;
     - a failed save raises its error from the next ``save_checkpoint``/``remove_checkpoint``
       call, or from ``teardown()``, which waits for every save (Lightning calls it at the end
       of ``fit``). A save refused at once (an unsupported object) raises at once.
@@ -463,6 +465,8 @@ class AsyncFastCkptIO(FastCkptIO):
         self._unsettled: list[fastckpt.SaveFuture] = []  # not yet checked for an error
         self._latest: dict[str, fastckpt.SaveFuture] = {}  # path -> its latest save
         self._removals: list[_Removal] = []
+        self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._deletions: dict[str, concurrent.futures.Future] = {}  # path -> its deletion
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -475,6 +479,9 @@ class AsyncFastCkptIO(FastCkptIO):
         if previous is not None and not previous.done():
             previous.wait()
             self._raise_failures()
+        deleting = self._deletions.pop(path, None)
+        if deleting is not None:
+            deleting.result()  # an earlier file of this name goes before the new one arrives
         for removal in self._removals:
             if removal.path == path:
                 removal.cancelled = True  # this save replaces the file: do not delete it later
@@ -511,6 +518,9 @@ class AsyncFastCkptIO(FastCkptIO):
         for future in list(self._latest.values()):
             future.wait()
         self._reap()
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
         self._latest.clear()
         self._raise_failures()
 
@@ -537,17 +547,25 @@ class AsyncFastCkptIO(FastCkptIO):
         self._unsettled = still
         for path in [p for p, f in self._latest.items() if f.done()]:
             del self._latest[path]
+        for path in [p for p, f in self._deletions.items() if f.done()]:
+            error = self._deletions.pop(path).exception()
+            if error is not None and first is None:
+                first = error
         if first is not None:
             raise first
 
     def _reap(self) -> None:
-        """Carries out the deletions whose saves have all finished."""
+        """Starts the deletions whose saves have all finished."""
         pending: list[_Removal] = []
         for removal in self._removals:
             if not removal.ready():
                 pending.append(removal)
             elif removal.safe() and not removal.cancelled:
-                _remove_file(removal.path)
+                if self._deleter is None:
+                    self._deleter = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="fastckpt-remove"
+                    )
+                self._deletions[removal.path] = self._deleter.submit(_remove_file, removal.path)
         self._removals = pending
 
 
