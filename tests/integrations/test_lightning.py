@@ -493,3 +493,10 @@ def test_plugins_work_with_the_standalone_pytorch_lightning(tmp_path):
     run(1)
     assert fastckpt.load(str(tmp_path / "s.ckpt"))["global_step"] == 4
     assert run(2, ckpt_path=str(tmp_path / "s.ckpt")).global_step == 8
+
+
+def test_missing_checkpoint_names_the_file(tmp_path):
+    missing = str(tmp_path / "none.ckpt")
+    with pytest.raises(FileNotFoundError) as info:
+        AsyncFastCkptIO().load_checkpoint(missing)
+    assert info.value.filename == missing and info.value.errno == errno.ENOENT
