@@ -267,6 +267,8 @@ def test_async_full_disk_reaches_the_user_and_keeps_checkpoints(tmp_path):
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
 
     def fill_disk(_dirpath):
+        # Earlier saves first: the limit is process-wide and would hit their writes too.
+        trainer.strategy.checkpoint_io.wait()
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, old[1]))
 
     trainer, dirpath = _failing_run(tmp_path, fill_disk)
