@@ -39,3 +39,17 @@ def test_example_runs(tmp_path, script, expected):
     assert out.returncode == 0, out.stderr
     for line in expected:
         assert line in out.stdout
+
+
+def test_lightning_example_trains_and_resumes(tmp_path):
+    pytest.importorskip("lightning")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_train.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "last.ckpt: epoch 1, global step 8" in out.stdout
+    assert "resumed to epoch 3, global step 12" in out.stdout
+    assert "'last.ckpt'" in out.stdout

@@ -1,0 +1,504 @@
+"""fastckpt.lightning with a real Lightning Trainer on CPU: resume, top-k, async saves, failures."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import os
+import pickle
+import resource
+import subprocess
+import sys
+from collections import OrderedDict
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import fastckpt  # noqa: E402
+from fastckpt.lightning import AsyncFastCkptIO, FastCkptCheckpoint, FastCkptIO  # noqa: E402
+
+# Lightning's advice for a CPU-only test run (workers, logging intervals) and its use of a
+# torch API that newer torch deprecates are not the subject here.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*number of training batches.*"),
+    pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*"),
+    pytest.mark.filterwarnings("ignore:.*is smaller than the logging interval.*"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty.*"),
+]
+
+
+class TinyModel(pl.LightningModule):
+    """Two linear layers, Adam and a StepLR; logs ``val_loss`` or a scripted ``score``."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05, scores: list | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("step_score", float(self.global_step))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+        if self.hparams.scores is not None:
+            self.log("score", float(self.hparams.scores[self.current_epoch]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def _loader(n: int = 16, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def _trainer(root, max_epochs: int, callbacks=(), plugins=(), **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        default_root_dir=root,
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        callbacks=list(callbacks),
+        plugins=list(plugins),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _model(**hparams) -> TinyModel:
+    torch.manual_seed(0)
+    return TinyModel(**hparams)
+
+
+class _Capture(Callback):
+    """What the Trainer holds right after restoring and at the end of training."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = _state_of(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        self.end = _state_of(trainer, pl_module)
+
+
+def _state_of(trainer, module) -> dict:
+    return {
+        "weights": {k: v.clone() for k, v in module.state_dict().items()},
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+    }
+
+
+def _assert_same(a, b, where="state"):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _fit_then_resume(root, variant: str):
+    """Fits 2 epochs, resumes from ``last.ckpt`` into a fresh Trainer for a third; returns
+    the first checkpoint's path and the resumed run's capture."""
+
+    def setup(run: str):
+        dirpath = os.path.join(root, "ckpt")
+        if variant == "callback":
+            return [FastCkptCheckpoint(dirpath=dirpath, save_last=True)], []
+        plugin = {"torch": TorchCheckpointIO, "sync": FastCkptIO, "async": AsyncFastCkptIO}[variant]
+        return [ModelCheckpoint(dirpath=dirpath, save_last=True)], [plugin()]
+
+    callbacks, plugins = setup("first")
+    _trainer(root, 2, callbacks, plugins).fit(_model(), _loader(), _loader(8))
+    last = os.path.join(root, "ckpt", "last.ckpt")
+    capture = _Capture()
+    callbacks, plugins = setup("resumed")
+    _trainer(root, 3, [*callbacks, capture], plugins).fit(
+        _model(), _loader(), _loader(8), ckpt_path=last
+    )
+    return last, capture
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    """The reference: the same runs with Lightning's default TorchCheckpointIO."""
+    return _fit_then_resume(str(tmp_path_factory.mktemp("torch")), "torch")[1]
+
+
+@pytest.mark.parametrize("variant", ["sync", "async", "callback"])
+def test_resume_matches_torch_checkpoint_io(tmp_path, torch_run, variant):
+    last, capture = _fit_then_resume(str(tmp_path), variant)
+    with open(last, "rb") as f:
+        assert f.read(2) != b"PK"  # a fastckpt file, not torch.save's zip
+    assert capture.start["epoch"] == torch_run.start["epoch"] == 2
+    assert capture.start["global_step"] == torch_run.start["global_step"] == 8
+    _assert_same(capture.start, torch_run.start)
+    _assert_same(capture.end, torch_run.end)
+
+
+def _verify_cli(paths):
+    out = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "verify", *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("OK") >= len(paths)
+
+
+def _assert_valid(paths):
+    _verify_cli(paths)
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                assert f.get_tensor(key).numel() >= 0
+
+
+def _checkpoints(dirpath) -> set:
+    return set(os.listdir(dirpath))
+
+
+@pytest.mark.parametrize("variant", ["sync", "async", "callback"])
+def test_top_k_keeps_exactly_the_best(tmp_path, variant):
+    dirpath = str(tmp_path / "ckpt")
+    options = dict(dirpath=dirpath, filename="{epoch}", monitor="score", mode="min", save_top_k=2)
+    if variant == "callback":
+        callbacks, plugins = [FastCkptCheckpoint(save_last=True, **options)], []
+    else:
+        plugin = FastCkptIO() if variant == "sync" else AsyncFastCkptIO()
+        callbacks, plugins = [ModelCheckpoint(save_last=True, **options)], [plugin]
+    model = _model(scores=[3.0, 1.0, 2.0, 0.5, 4.0])
+    _trainer(tmp_path, 5, callbacks, plugins).fit(model, _loader(8), _loader(4))
+    assert _checkpoints(dirpath) == {"epoch=1.ckpt", "epoch=3.ckpt", "last.ckpt"}
+    _assert_valid([os.path.join(dirpath, name) for name in sorted(_checkpoints(dirpath))])
+    best = fastckpt.load(os.path.join(dirpath, "epoch=3.ckpt"))
+    assert best["epoch"] == 3
+    assert best["callbacks"]  # ModelCheckpoint's own state travels in the file
+
+
+def test_async_saves_every_step(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath,
+        filename="{step}",
+        monitor="step_score",
+        mode="max",
+        save_top_k=2,
+        save_last=True,
+        every_n_train_steps=1,
+    )
+    trainer = _trainer(tmp_path, 1, [callback])
+    trainer.fit(_model(), _loader(n=24, batch_size=2))
+    assert isinstance(trainer.strategy.checkpoint_io, AsyncFastCkptIO)
+    assert _checkpoints(dirpath) == {"step=11.ckpt", "step=12.ckpt", "last.ckpt"}
+    _assert_valid([os.path.join(dirpath, name) for name in sorted(_checkpoints(dirpath))])
+    assert fastckpt.load(os.path.join(dirpath, "last.ckpt"))["global_step"] == 12
+
+
+class _AtStep(Callback):
+    """Calls ``action(dirpath)`` once, after the optimizer step that makes ``global_step``."""
+
+    def __init__(self, global_step: int, action, dirpath: str):
+        self.global_step, self.action, self.dirpath = global_step, action, dirpath
+        self.done = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.global_step and not self.done:
+            self.done = True
+            self.action(self.dirpath)
+
+
+def _failing_run(tmp_path, action, fail_at: int = 5):
+    dirpath = str(tmp_path / "ckpt")
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath,
+        filename="{step}",
+        monitor="step_score",
+        mode="max",
+        save_top_k=2,
+        every_n_train_steps=1,
+        enable_version_counter=False,
+    )
+    trigger = _AtStep(fail_at, action, dirpath)
+    trainer = _trainer(tmp_path, 1, [trigger, callback])
+    return trainer, dirpath
+
+
+def _valid_before_failure(dirpath, fail_at: int):
+    # The two best checkpoints that existed when the failing save began are still there.
+    kept = {f"step={fail_at - 2}.ckpt", f"step={fail_at - 1}.ckpt"}
+    assert kept <= _checkpoints(dirpath)
+    _assert_valid([os.path.join(dirpath, name) for name in sorted(kept)])
+    assert not [name for name in _checkpoints(dirpath) if name.endswith(".tmp")]
+
+
+def test_async_full_disk_reaches_the_user_and_keeps_checkpoints(tmp_path):
+    # RLIMIT_FSIZE makes the kernel refuse to grow files, as a full disk does (EFBIG here).
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def fill_disk(_dirpath):
+        # Earlier saves first: the limit is process-wide and would hit their writes too.
+        trainer.strategy.checkpoint_io.wait()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, old[1]))
+
+    trainer, dirpath = _failing_run(tmp_path, fill_disk)
+    try:
+        with pytest.raises(OSError) as info:
+            trainer.fit(_model(), _loader(n=24, batch_size=2))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    assert info.value.errno == errno.EFBIG
+    assert info.value.filename and info.value.filename.startswith(dirpath)
+    _valid_before_failure(dirpath, 5)
+
+
+def test_async_failure_in_background_keeps_the_checkpoint_it_would_replace(tmp_path):
+    # The save of step 5 snapshots fine, then cannot be renamed into place (a directory sits
+    # at its path); top-k asks meanwhile to delete step=3.ckpt, which must survive.
+    def block_next_path(dirpath):
+        os.makedirs(os.path.join(dirpath, "step=5.ckpt", "occupied"))
+
+    trainer, dirpath = _failing_run(tmp_path, block_next_path)
+    with pytest.raises(IsADirectoryError) as info:
+        trainer.fit(_model(), _loader(n=24, batch_size=2))
+    assert "step=5.ckpt" in str(info.value.filename)
+    _valid_before_failure(dirpath, 5)
+
+
+def test_plugin_file_loads_outside_lightning(tmp_path):
+    io = FastCkptIO()
+    model = _model()
+    trainer = _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path / "ckpt")], [io])
+    trainer.fit(model, _loader())
+    (path,) = [os.path.join(tmp_path, "ckpt", n) for n in os.listdir(tmp_path / "ckpt")]
+    state = fastckpt.load(path)
+    assert state["epoch"] == 0 and state["global_step"] == 4
+    _assert_same(dict(state["state_dict"]), dict(model.state_dict()))
+    assert state["hyper_parameters"] == {"hidden": 8, "lr": 0.05, "scores": None}
+    assert set(state["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["lr_schedulers"][0]["last_epoch"] == 1
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_weights_only_is_a_flat_safetensors_file(tmp_path, asynchronous):
+    dirpath = tmp_path / "ckpt"
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath, filename="weights", save_weights_only=True, asynchronous=asynchronous
+    )
+    model = _model()
+    trainer = _trainer(tmp_path, 1, [callback])
+    trainer.fit(model, _loader(), _loader(8))
+    path = str(dirpath / "weights.ckpt")
+    weights = safetensors_torch.load_file(path)
+    assert sorted(weights) == sorted(model.state_dict())
+    _assert_same(dict(sorted(weights.items())), dict(sorted(model.state_dict().items())))
+    # Lightning reads it back whole: the epoch and hyper-parameters sit in the metadata.
+    loaded = trainer.strategy.checkpoint_io.load_checkpoint(path)
+    assert loaded["global_step"] == 4 and loaded["hyper_parameters"]["hidden"] == 8
+    assert isinstance(loaded["state_dict"], OrderedDict)
+    _assert_same(dict(loaded["state_dict"]), dict(model.state_dict()))  # in its own order
+    assert loaded["state_dict"]._metadata == model.state_dict()._metadata
+    trainer.validate(_model(), _loader(8), ckpt_path=path, verbose=False)
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_resume_from_a_torch_checkpoint(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=dirpath, filename="torch")]).fit(
+        _model(), _loader()
+    )
+    capture = _Capture()
+    callback = FastCkptCheckpoint(dirpath=dirpath, filename="fast")
+    _trainer(tmp_path, 2, [callback, capture]).fit(
+        _model(), _loader(), ckpt_path=os.path.join(dirpath, "torch.ckpt")
+    )
+    assert capture.start["global_step"] == 4 and capture.end["global_step"] == 8
+    assert fastckpt.load(os.path.join(dirpath, "fast.ckpt"))["global_step"] == 8
+
+
+class _Activation(pl.LightningModule):
+    def __init__(self, activation=torch.nn.ReLU):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_unsupported_hyperparameter_is_refused_with_its_place(tmp_path):
+    trainer = _trainer(tmp_path, 1, [FastCkptCheckpoint(dirpath=tmp_path / "ckpt")])
+    with pytest.raises(TypeError) as info:
+        trainer.fit(_Activation(), _loader())
+    message = str(info.value)
+    assert "['hyper_parameters']['activation']" in message and "allow_pickle=True" in message
+    assert not os.listdir(tmp_path / "ckpt")
+
+
+def test_allow_pickle_stores_it_and_needs_weights_only_false(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    _trainer(tmp_path, 1, [FastCkptCheckpoint(dirpath=dirpath, allow_pickle=True)]).fit(
+        _Activation(), _loader()
+    )
+    (path,) = [str(dirpath / n) for n in os.listdir(dirpath)]
+    io = FastCkptIO()
+    with pytest.raises(pickle.UnpicklingError):
+        io.load_checkpoint(path)
+    assert io.load_checkpoint(path, weights_only=False)["hyper_parameters"]["activation"] is (
+        torch.nn.ReLU
+    )
+    capture = _Capture()
+    callback = FastCkptCheckpoint(dirpath=dirpath, allow_pickle=True)
+    trainer = _trainer(tmp_path, 2, [callback, capture])
+    trainer.fit(_Activation(), _loader(), ckpt_path=path, weights_only=False)
+    assert capture.end["global_step"] == 8
+
+
+def test_lightning_containers_round_trip_without_pickle(tmp_path):
+    omegaconf = pytest.importorskip("omegaconf")
+    from lightning.pytorch.utilities.parsing import AttributeDict
+
+    config = omegaconf.OmegaConf.create({"model": {"width": 8}, "twice": "${model.width}"})
+    checkpoint = {
+        "state_dict": OrderedDict(w=torch.ones(2)),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(1.0)}}}],
+        "hyper_parameters": config,
+        "hparams_type": type(config),
+        "extra": {"ns": argparse.Namespace(a=1, b=[1, 2]), "attrs": AttributeDict(x=0.5)},
+        "list_config": omegaconf.OmegaConf.create([1, {"k": "v"}]),
+    }
+    io = FastCkptIO()
+    path = str(tmp_path / "hp.ckpt")
+    io.save_checkpoint(checkpoint, path)
+    back = io.load_checkpoint(path)
+    assert isinstance(back["hyper_parameters"], omegaconf.DictConfig)
+    assert back["hyper_parameters"].twice == 8  # interpolations survive, unresolved
+    assert back["hparams_type"] is omegaconf.DictConfig
+    assert back["extra"]["ns"] == argparse.Namespace(a=1, b=[1, 2])
+    assert type(back["extra"]["attrs"]) is AttributeDict and back["extra"]["attrs"].x == 0.5
+    assert isinstance(back["list_config"], omegaconf.ListConfig)
+    assert back["list_config"][1].k == "v"
+    # Outside Lightning the same file is plain data.
+    raw = fastckpt.load(path)
+    assert raw["hyper_parameters"] == {"model": {"width": 8}, "twice": "${model.width}"}
+    assert raw["hparams_type"] == "omegaconf.DictConfig"
+
+
+def test_omegaconf_hyperparameters_resume(tmp_path):
+    omegaconf = pytest.importorskip("omegaconf")
+
+    class ConfModel(_Activation):
+        def __init__(self, cfg):
+            pl.LightningModule.__init__(self)
+            self.save_hyperparameters(cfg)
+            self.net = torch.nn.Linear(4, 1)
+
+    cfg = omegaconf.OmegaConf.create({"lr": 0.1, "layers": [4, 1]})
+    dirpath = tmp_path / "ckpt"
+    _trainer(tmp_path, 1, [FastCkptCheckpoint(dirpath=dirpath, filename="c")]).fit(
+        ConfModel(cfg), _loader()
+    )
+    capture = _Capture()
+    trainer = _trainer(tmp_path, 2, [FastCkptCheckpoint(dirpath=dirpath, filename="d"), capture])
+    trainer.fit(ConfModel(cfg), _loader(), ckpt_path=str(dirpath / "c.ckpt"))
+    assert capture.start["global_step"] == 4
+    assert FastCkptIO().load_checkpoint(str(dirpath / "d.ckpt"))["hparams_type"] is (
+        omegaconf.DictConfig
+    )
+
+
+def test_storage_options_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="storage_options"):
+        FastCkptIO().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+
+
+def test_callback_refuses_a_foreign_checkpoint_io(tmp_path):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    trainer = _trainer(tmp_path, 1, [FastCkptCheckpoint(dirpath=tmp_path)], [AsyncCheckpointIO()])
+    with pytest.raises(ValueError, match="AsyncCheckpointIO"):
+        trainer.fit(_model(), _loader())
+
+
+def test_import_error_names_the_extra(monkeypatch):
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in ("fastckpt.lightning", "fastckpt.integrations.lightning"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=r"fastckpt\[lightning\]"):
+        importlib.import_module("fastckpt.lightning")
+
+
+def test_plugins_work_with_the_standalone_pytorch_lightning(tmp_path):
+    spl = pytest.importorskip("pytorch_lightning")
+    if spl.Trainer is pl.Trainer:
+        pytest.skip("pytorch_lightning is lightning.pytorch here")
+
+    class Standalone(spl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    def run(max_epochs, ckpt_path=None):
+        torch.manual_seed(0)
+        trainer = spl.Trainer(
+            max_epochs=max_epochs,
+            default_root_dir=tmp_path,
+            plugins=[AsyncFastCkptIO()],
+            callbacks=[spl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="s")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Standalone(), _loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    run(1)
+    assert fastckpt.load(str(tmp_path / "s.ckpt"))["global_step"] == 4
+    assert run(2, ckpt_path=str(tmp_path / "s.ckpt")).global_step == 8
+
+
+def test_missing_checkpoint_names_the_file(tmp_path):
+    missing = str(tmp_path / "none.ckpt")
+    with pytest.raises(FileNotFoundError) as info:
+        AsyncFastCkptIO().load_checkpoint(missing)
+    assert info.value.filename == missing and info.value.errno == errno.ENOENT
