@@ -368,7 +368,7 @@ def save(
         allow_pickle: pickle objects that have no safe encoding (loading them then needs
             ``weights_only=False``).
         progress: show a progress bar (default: on a terminal, unless FASTCKPT_NO_PROGRESS).
-        staging_bytes: staging-memory budget (default 256 MiB; see :mod:`fastckpt.config`).
+        staging_bytes: staging-memory budget (default 224 MiB; see :mod:`fastckpt.config`).
         direct_io: ``True`` writes with O_DIRECT through staging buffers; ``False`` writes
             every tensor from its own memory through the page cache, on every core, with no
             staging copy. Default: ``False`` on memory file systems (tmpfs) and where O_DIRECT
