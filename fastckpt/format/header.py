@@ -17,15 +17,44 @@ from typing import Any
 from fastckpt.errors import HeaderError
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
+    FORMAT_VERSION,
     HEADER_LIMIT,
     ITEMSIZE,
+    KEY_HEADER_CRC,
+    KEY_VERSION,
+    MAX_TENSORS,
+    META_PREFIX,
     METADATA_KEY,
+    MIN_BYTES_PER_NODE,
+    READABLE_VERSIONS,
+    SMALL_NODE_COUNT,
     Header,
     TensorEntry,
+    canonical_crc,
+    int64_dims_error,
     is_count,
     nbytes_u64,
     short,
 )
+
+#: What a file written by ``torch.save`` starts with: a zip archive (the default since
+#: torch 1.6) or a pickle (the legacy format; protocols 2 to 5).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTOCOLS = range(2, 6)
+
+
+def _torch_save_hint(first8: bytes) -> str | None:
+    """The message for a torch.save file, or None when ``first8`` does not look like one."""
+    if first8.startswith(_ZIP_MAGIC):
+        kind = "a zip archive"
+    elif len(first8) >= 2 and first8[0] == 0x80 and first8[1] in _PICKLE_PROTOCOLS:
+        kind = "a pickle"
+    else:
+        return None
+    return (
+        f"this is a torch.save file ({kind}), not a safetensors/fastckpt file: "
+        "convert it with `fastckpt convert FILE OUT.safetensors`, or load it with torch.load"
+    )
 
 # --------------------------------------------------------------------------- parse
 
@@ -65,8 +94,16 @@ def parse_header_length(first8: bytes, file_size: int) -> int:
             f"not a safetensors file: {min(file_size, len(first8))} bytes, "
             "fewer than the 8-byte header length"
         )
-    (length,) = struct.unpack("<Q", bytes(first8[:8]))
-    _check_length(length, file_size)
+    first8 = bytes(first8[:8])
+    (length,) = struct.unpack("<Q", first8)
+    try:
+        _check_length(length, file_size)
+    except HeaderError:
+        # Only when the length is impossible: a real header length may begin with these bytes.
+        hint = _torch_save_hint(first8)
+        if hint is not None:
+            raise HeaderError(hint) from None
+        raise
     return length
 
 
@@ -155,6 +192,9 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
         raise HeaderError(
             f"{where}: data_offsets [{begin}, {end}] run past the data section of {data_size} bytes"
         )
+    too_big = int64_dims_error(shape)
+    if too_big is not None:
+        raise HeaderError(f"{where}: shape {short(shape)}: {too_big}, the most torch can hold")
     nbytes = nbytes_u64(shape, ITEMSIZE[dtype])
     if nbytes is None:
         raise HeaderError(f"{where}: shape {short(shape)} of {dtype} overflows 64 bits")
@@ -191,6 +231,75 @@ def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
         )
 
 
+def _check_node_count(raw: bytes) -> None:
+    """Refuse a header with more JSON containers than its size allows, before decoding it."""
+    limit = max(len(raw) // MIN_BYTES_PER_NODE, SMALL_NODE_COUNT)
+    nodes = raw.count(b"{") + raw.count(b"[")
+    if nodes > limit:
+        raise HeaderError(
+            f"header of {len(raw)} bytes holds {nodes} JSON objects/arrays, more than the "
+            f"limit of one per {MIN_BYTES_PER_NODE} bytes: not a real header"
+        )
+
+
+def _newer(version: str) -> bool:
+    return version.isdigit() and len(version) < 10 and int(version) > int(FORMAT_VERSION)
+
+
+def check_integrity(document: dict[str, Any]) -> None:
+    """Check the format version and the header checksum of a decoded header.
+
+    A header with any ``fastckpt.`` metadata key was written by fastckpt and must carry a
+    valid :data:`~fastckpt.format.schema.KEY_HEADER_CRC` (zlib.crc32 of the canonical JSON of
+    the header without that key): a damaged name, shape, offset, tree, alias, checksum table
+    or user value is refused instead of loaded. Exception: files of format version ``"1"``
+    (written before the header checksum existed) are read without one. Plain safetensors
+    headers (no ``fastckpt.`` key) carry no checksum.
+
+    Raises:
+        HeaderError: a newer format version ("written by a newer fastckpt"), an unknown
+            version, or a missing or wrong header checksum.
+
+    Example:
+        >>> check_integrity({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})
+        >>> check_integrity({"__metadata__": {"fastckpt.version": "9"}})
+        Traceback (most recent call last):
+        ...
+        fastckpt.errors.HeaderError: written by a newer fastckpt (format version '9'; this one reads versions 1 to 2): upgrade fastckpt to read it
+    """
+    meta = document.get(METADATA_KEY)
+    if not isinstance(meta, dict) or not any(
+        type(key) is str and key.startswith(META_PREFIX) for key in meta
+    ):
+        return
+    version = meta.get(KEY_VERSION)
+    if version not in READABLE_VERSIONS:
+        if type(version) is str and _newer(version):
+            raise HeaderError(
+                f"written by a newer fastckpt (format version {short(version)}; this one reads "
+                f"versions {READABLE_VERSIONS[0]} to {READABLE_VERSIONS[-1]}): "
+                "upgrade fastckpt to read it"
+            )
+        raise HeaderError(
+            f"unknown {KEY_VERSION} {short(version)}: the header is damaged "
+            f"(this fastckpt reads versions {READABLE_VERSIONS[0]} to {READABLE_VERSIONS[-1]})"
+        )
+    stored = meta.get(KEY_HEADER_CRC)
+    if stored is None:
+        if version == "1":
+            return  # written before header checksums existed
+        raise HeaderError(f"{KEY_HEADER_CRC} is missing: the header is damaged")
+    if type(stored) is not str or len(stored) != 8:
+        raise HeaderError(f"{KEY_HEADER_CRC} = {short(stored)}: expected 8 hex digits")
+    rest = {key: value for key, value in meta.items() if key != KEY_HEADER_CRC}
+    actual = canonical_crc({**document, METADATA_KEY: rest})
+    if actual != stored:
+        raise HeaderError(
+            f"header checksum mismatch ({KEY_HEADER_CRC} is {short(stored)}, the header "
+            f"hashes to {actual!r}): the header is damaged"
+        )
+
+
 def parse_header(json_bytes: bytes, file_size: int) -> Header:
     """Decode and validate a header: ``json_bytes`` are the N bytes after the length.
 
@@ -215,18 +324,30 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
             f"header does not start with '{{' (starts with {bytes(json_bytes[:16])!r}): "
             "not a safetensors file"
         )
+    raw_bytes = bytes(json_bytes)
+    _check_node_count(raw_bytes)
     try:
-        text = bytes(json_bytes).decode("utf-8")
+        text = raw_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8: {exc}") from None
+    del raw_bytes
     document = loads_strict(text, "header")
+    del text
     if not isinstance(document, dict):
         raise HeaderError(f"header must be a JSON object, got {json_type(document)}")
+    check_integrity(document)
+    count = len(document) - (METADATA_KEY in document)
+    if count > MAX_TENSORS:
+        raise HeaderError(f"the header lists {count} tensors, more than the limit of {MAX_TENSORS}")
 
     data_offset = 8 + length
     data_size = file_size - data_offset
     metadata = _parse_metadata(document.pop(METADATA_KEY, None))
-    parsed = [_parse_entry(name, raw, data_size) for name, raw in document.items()]
+    parsed = []
+    while document:  # popping keeps one copy of each entry alive, not two
+        name, raw = document.popitem()
+        parsed.append(_parse_entry(name, raw, data_size))
+    parsed.reverse()
     # Stable sort: zero-size tensors sharing an offset keep their header order.
     parsed.sort(key=lambda entry: (entry.begin, entry.end))
     _check_coverage(parsed, data_size)
