@@ -56,6 +56,7 @@ def _torch_save_hint(first8: bytes) -> str | None:
         "convert it with `fastckpt convert FILE OUT.safetensors`, or load it with torch.load"
     )
 
+
 # --------------------------------------------------------------------------- parse
 
 

@@ -157,7 +157,7 @@ def int64_dims_error(shape: list[int]) -> str | None:
     a tensor of zero elements: ``[2**63, 0]`` is refused.
 
     Example:
-        >>> int64_dims_error([2**62, 0, 3]) is None, int64_dims_error([2**63, 0])
+        >>> int64_dims_error([2**61, 0, 3]) is None, int64_dims_error([2**63, 0])
         (True, 'dimension 9223372036854775808 overflows int64')
     """
     numel = 1

@@ -363,15 +363,29 @@ HOSTILE = {
     ),
     "surrogate metadata": raw_file(b'{"__metadata__":{"a":"\\udfff"}}'),
     "crc not json": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": "{"}}),
-    "crc not object": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": "[]"}}),
-    "crc uppercase": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"DEADBEEF"}'}}),
-    "crc short": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"beef"}'}}),
+    "crc not object": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": "[]"}}
+    ),
+    "crc uppercase": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"DEADBEEF"}'}}
+    ),
+    "crc short": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"beef"}'}}
+    ),
     "crc int": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":12}'}}),
-    "aliases not object": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '"a"'}}),
-    "alias target int": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '{"a":1}'}}),
-    "tree not json": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.tree": "{'t': 1}"}}),
+    "aliases not object": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '"a"'}}
+    ),
+    "alias target int": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '{"a":1}'}}
+    ),
+    "tree not json": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.tree": "{'t': 1}"}}
+    ),
     "tree null": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.tree": "null"}}),
-    "tree deep": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.tree": "[" * 50_000 + "]" * 50_000}}),
+    "tree deep": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.tree": "[" * 50_000 + "]" * 50_000}}
+    ),
 }
 
 
