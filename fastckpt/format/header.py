@@ -26,8 +26,10 @@ from fastckpt.format.schema import (
     META_PREFIX,
     METADATA_KEY,
     MIN_BYTES_PER_NODE,
+    MIN_BYTES_PER_TENSOR,
     READABLE_VERSIONS,
     SMALL_NODE_COUNT,
+    SMALL_TENSOR_COUNT,
     Header,
     TensorEntry,
     canonical_crc,
@@ -36,6 +38,8 @@ from fastckpt.format.schema import (
     nbytes_u64,
     short,
 )
+
+_DTYPE_NAMES = {name: name for name in ITEMSIZE}
 
 #: What a file written by ``torch.save`` starts with: a zip archive (the default since
 #: torch 1.6) or a pickle (the legacy format; protocols 2 to 5).
@@ -123,10 +127,27 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def loads_strict(text: str, what: str) -> Any:
-    """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError."""
+def _counting(limit: int, message: str) -> Any:
+    """An object hook like :func:`_no_duplicates` that refuses the object after ``limit``,
+    so memory is bounded while decoding, not only afterwards."""
+    count = 0
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise HeaderError(message)
+        return _no_duplicates(pairs)
+
+    return hook
+
+
+def loads_strict(text: str, what: str, max_objects: int | None = None, too_many: str = "") -> Any:
+    """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError; at most
+    ``max_objects`` JSON objects when given (else HeaderError(``too_many``))."""
+    hook = _no_duplicates if max_objects is None else _counting(max_objects, too_many)
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=hook)
     except HeaderError as exc:
         raise HeaderError(f"{what}: {exc}") from None
     except RecursionError:
@@ -204,7 +225,8 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
             f"{where}: shape {short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) "
             f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
         )
-    return TensorEntry(name, dtype, tuple(shape), begin, end)
+    # The table's own string for the dtype: one shared object instead of one per entry.
+    return TensorEntry(name, _DTYPE_NAMES[dtype], tuple(shape), begin, end)
 
 
 def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
@@ -325,21 +347,26 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
             f"header does not start with '{{' (starts with {bytes(json_bytes[:16])!r}): "
             "not a safetensors file"
         )
-    raw_bytes = bytes(json_bytes)
+    raw_bytes = json_bytes if type(json_bytes) is bytes else bytes(json_bytes)
     _check_node_count(raw_bytes)
     try:
         text = raw_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8: {exc}") from None
     del raw_bytes
-    document = loads_strict(text, "header")
+    # Every JSON object of a valid header is a tensor entry, __metadata__ or the header itself.
+    allowed = min(max(length // MIN_BYTES_PER_TENSOR, SMALL_TENSOR_COUNT), MAX_TENSORS)
+    document = loads_strict(
+        text,
+        "header",
+        max_objects=allowed + 2,
+        too_many=f"more than {allowed} tensors, the most allowed in a header of {length} bytes "
+        f"(one per {MIN_BYTES_PER_TENSOR} bytes beyond {SMALL_TENSOR_COUNT}, at most {MAX_TENSORS})",
+    )
     del text
     if not isinstance(document, dict):
         raise HeaderError(f"header must be a JSON object, got {json_type(document)}")
     check_integrity(document)
-    count = len(document) - (METADATA_KEY in document)
-    if count > MAX_TENSORS:
-        raise HeaderError(f"the header lists {count} tensors, more than the limit of {MAX_TENSORS}")
 
     data_offset = 8 + length
     data_size = file_size - data_offset

@@ -73,8 +73,16 @@ _I64_LIMIT = 2**63
 MIN_BYTES_PER_NODE = 12
 #: So many containers are always allowed, whatever the header's size.
 SMALL_NODE_COUNT = 4096
-#: Most tensors one file may hold (loading costs per tensor; ~1M is far beyond real files).
-MAX_TENSORS = 1 << 20
+#: Bytes of header text per tensor entry, at least, beyond SMALL_TENSOR_COUNT entries: a
+#: decoded entry costs ~650 bytes of Python memory while the header is parsed, so this keeps
+#: parsing within ~10x the header's size. Real entries take 70-120 bytes
+#: (``"model.layers.0.mlp.up_proj.weight":{"dtype":"BF16","shape":[...],...}``).
+MIN_BYTES_PER_TENSOR = 80
+#: So many tensors are always allowed, whatever the header's size.
+SMALL_TENSOR_COUNT = 1 << 16
+#: Most tensors one file may hold: parsing and loading cost time per tensor, and real files
+#: hold far fewer (a whole 671B-parameter MoE model has ~92k tensors).
+MAX_TENSORS = 1 << 19
 _CRC_PATTERN = re.compile(r"[0-9a-f]{8}")
 
 
@@ -86,6 +94,9 @@ class TensorEntry:
         >>> TensorEntry("w", "F32", (2, 3), 0, 24).nbytes
         24
     """
+
+    # Slots: a header may list ~500k entries, and each must cost little memory.
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
 
     name: str
     dtype: str
