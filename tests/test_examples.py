@@ -16,6 +16,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     [
         ("quickstart.py", ["epoch 1", "checksums intact: True", "kept the old weights: True"]),
         ("deepnvme.py", ["completed writes: 4", "completed reads: 4", "identical: True"]),
+        (
+            "damaged_files.py",
+            [
+                "damaged header refused: True",
+                "verify says: DAMAGED",
+                "stale temporary removed: True",
+                "torch.save file recognised: True",
+            ],
+        ),
     ],
 )
 def test_example_runs(tmp_path, script, expected):
