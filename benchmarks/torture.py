@@ -80,7 +80,7 @@ _CHILD = textwrap.dedent(
         return a == b
 
     baseline = fastckpt.load(sys.argv[3]) if mode == "flips" else None
-    for line in sys.stdin:
+    for line in open(sys.argv[4]):
         path = line.strip()
         try:
             obj = fastckpt.load(path)
@@ -100,17 +100,16 @@ def run_cases(paths: list[str], mode: str, baseline: str = "") -> dict[str, tupl
     """Outcome per path, running as few children as possible."""
     results: dict[str, tuple[str, str]] = {}
     todo = list(paths)
+    listing = Path(tempfile.mkdtemp(prefix="fastckpt-torture-list-")) / "cases.txt"
     while todo:
+        listing.write_text("".join(p + "\n" for p in todo))  # a file: no pipe to fill up
         child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(CHILD_MEMORY), mode, baseline],
-            stdin=subprocess.PIPE,
+            [sys.executable, "-c", _CHILD, str(CHILD_MEMORY), mode, baseline or "-", str(listing)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write("".join(p + "\n" for p in todo))
-        child.stdin.close()
+        assert child.stdout is not None
         # The first case also waits for torch's import.
         deadline = time.monotonic() + CASE_TIMEOUT + 30
         while todo:
@@ -129,6 +128,8 @@ def run_cases(paths: list[str], mode: str, baseline: str = "") -> dict[str, tupl
             todo.remove(path)
             deadline = time.monotonic() + CASE_TIMEOUT
         child.wait()
+        child.stdout.close()
+    shutil.rmtree(listing.parent, ignore_errors=True)
     return results
 
 
@@ -339,18 +340,21 @@ def flips(work: Path, count: int, seed: int) -> dict[str, Any]:
     folder = work / "flips"
     folder.mkdir()
     paths, where = [], {}
+    (n,) = struct.unpack("<Q", data[:8])
+    regions = {"header JSON": (0, end), "header padding": (end, 8 + n), "data": (8 + n, len(data))}
+    names = list(regions)
     for i in range(count):
-        in_header = i % 2 == 0
-        byte = rng.randrange(start, end) if in_header else rng.randrange(end, len(data))
+        region = names[i % 3] if i % 3 != 1 else names[rng.choice([0, 1])]  # header JSON: 1/2
+        low, high = regions[region]
         buf = bytearray(data)
-        buf[byte] ^= 1 << rng.randrange(8)
+        buf[rng.randrange(low, high)] ^= 1 << rng.randrange(8)
         path = folder / f"flip{i:05d}.safetensors"
         path.write_bytes(bytes(buf))
         paths.append(str(path))
-        where[str(path)] = "header" if in_header else "data/padding"
+        where[str(path)] = region
     results = run_cases(paths, "flips", str(base))
     report: dict[str, Any] = {"flips": count}
-    for region in ("header", "data/padding"):
+    for region in names:
         outcomes = collections.Counter(o for p, (o, _) in results.items() if where[p] == region)
         report[region] = dict(outcomes.most_common())
     report["changed values undetected"] = sum(1 for o, _ in results.values() if o == "CHANGED")

@@ -138,7 +138,9 @@ class AtomicFile:
         try:
             self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
         except OSError as exc:  # name the user's path, not the temporary one
-            raise type(exc)(exc.errno, f"cannot save {self.path}: {exc.strerror}", directory) from exc
+            raise type(exc)(
+                exc.errno, f"cannot save {self.path}: {exc.strerror}", directory
+            ) from exc
         try:
             self.file = File(self.tmp_path, write=True, direct=direct)
         except BaseException:

@@ -177,7 +177,9 @@ def test_hostile_headers_parse_within_10x_their_size(kind):
 
 def test_node_limit_leaves_real_headers_alone():
     rng = random.Random(0)
-    specs = [(f"layers.{i}.w{rng.randrange(9)}", "BF16", (1, 2)) for i in range(70_000)]  # ~79 bytes per entry
+    specs = [
+        (f"layers.{i}.w{rng.randrange(9)}", "BF16", (1, 2)) for i in range(70_000)
+    ]  # ~79 bytes per entry
     entries = fmt.plan_layout(specs)
     header = fmt.encode_header(entries, fmt.build_metadata(), alignment=64)
     total = len(header) + entries[-1].end
