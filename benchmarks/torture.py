@@ -557,7 +557,9 @@ _PARSER = textwrap.dedent(
     path, limit = sys.argv[1], int(sys.argv[2])
     from fastckpt.format import parse_header, parse_header_length, split_metadata
     from fastckpt.errors import HeaderError
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import re
+    hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    base_rss = hwm()
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     t0, c0 = time.perf_counter(), time.process_time()
     try:
@@ -573,8 +575,7 @@ _PARSER = textwrap.dedent(
         outcome = "MemoryError"
     print(json.dumps({"outcome": outcome, "wall_s": round(time.perf_counter() - t0, 2),
                       "cpu_s": round(time.process_time() - c0, 2),
-                      "rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                        - base_rss) // 1024}))
+                      "peak_rss_growth_x_file": round((hwm() - base_rss) * 1024 / size, 1)}))
     """
 )
 
@@ -608,12 +609,19 @@ def bounds(work: Path, megabytes: int) -> dict[str, Any]:
         {"__metadata__": meta}, separators=(",", ":")
     ).encode()
     cases["header of {}"] = b'{"__metadata__":{"k":"v"},"a":[' + b"{}," * (size // 3 - 20) + b"{}]}"
-    entry = b'"%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
-    many = size // len(entry % 10**6)
-    cases["zero-size tensors"] = b"{" + b",".join(entry % i for i in range(many)) + b"}"
+    zero = b'"%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+    cases["1.5M zero-size tensors"] = b"{" + b",".join(zero % i for i in range(1_500_000)) + b"}"
+    # The worst that is accepted: the most tensors, in the fewest bytes allowed for them.
+    from fastckpt.format.schema import MAX_TENSORS, MIN_BYTES_PER_TENSOR
+
+    text = b"{" + b",".join(zero % i for i in range(MAX_TENSORS)) + b"}"
+    cases["the most zero-size tensors allowed"] = text + b" " * max(
+        MAX_TENSORS * MIN_BYTES_PER_TENSOR - len(text), 0
+    )
     real = b'"model.layers.%d.mlp.weight":{"dtype":"BF16","shape":[0,4096],"data_offsets":[0,0]}'
-    fit = min(size // len(real % 10**5), (1 << 20) - 1)
-    cases["a big real-looking header"] = b"{" + b",".join(real % i for i in range(fit)) + b"}"
+    cases["the most real-looking tensors allowed"] = (
+        b"{" + b",".join(real % i for i in range(MAX_TENSORS)) + b"}"
+    )
     baseline = _baseline_vm()
     report = {}
     for name, text in cases.items():

@@ -127,6 +127,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+class _Packed(tuple):
+    """A tensor entry as decoded from a header, ``(dtype, shape, data_offsets)``: a tuple
+    costs a third of the dict it replaces, and a header may hold 500k entries."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(_ENTRY_KEYS, self))
+
+
+def _plain(value: Any) -> Any:
+    return value.as_dict() if type(value) is _Packed else value
+
+
 def _counting(limit: int, message: str) -> Any:
     """An object hook like :func:`_no_duplicates` that refuses the object after ``limit``,
     so memory is bounded while decoding, not only afterwards."""
@@ -137,6 +151,11 @@ def _counting(limit: int, message: str) -> Any:
         count += 1
         if count > limit:
             raise HeaderError(message)
+        if len(pairs) == 3 and tuple(key for key, _ in pairs) == _ENTRY_KEYS:
+            dtype = pairs[0][1]
+            if type(dtype) is str:
+                dtype = _DTYPE_NAMES.get(dtype, dtype)
+            return _Packed((dtype, pairs[1][1], pairs[2][1]))
         return _no_duplicates(pairs)
 
     return hook
@@ -182,6 +201,7 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
 
 def json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer"}
+    names[_Packed] = "object"
     names.update({float: "number", type(None): "null"})
     return names.get(type(value), type(value).__name__)
 
@@ -189,6 +209,8 @@ def json_type(value: Any) -> str:
 def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
+    if type(raw) is _Packed:  # the three keys, in order, once each
+        return _checked_entry(where, name, *raw, data_size)
     if not isinstance(raw, dict):
         raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
     missing = [key for key in _ENTRY_KEYS if key not in raw]
@@ -198,7 +220,12 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     if extra:
         raise HeaderError(f"{where}: unexpected key(s) {', '.join(map(repr, extra))}")
 
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    return _checked_entry(where, name, raw["dtype"], raw["shape"], raw["data_offsets"], data_size)
+
+
+def _checked_entry(
+    where: str, name: str, dtype: Any, shape: Any, offsets: Any, data_size: int
+) -> TensorEntry:
     if type(dtype) is not str or dtype not in ITEMSIZE:
         raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
     if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
@@ -315,7 +342,7 @@ def check_integrity(document: dict[str, Any]) -> None:
     if type(stored) is not str or len(stored) != 8:
         raise HeaderError(f"{KEY_HEADER_CRC} = {short(stored)}: expected 8 hex digits")
     rest = {key: value for key, value in meta.items() if key != KEY_HEADER_CRC}
-    actual = canonical_crc({**document, METADATA_KEY: rest})
+    actual = canonical_crc({**document, METADATA_KEY: rest}, _plain)
     if actual != stored:
         raise HeaderError(
             f"header checksum mismatch ({KEY_HEADER_CRC} is {short(stored)}, the header "
@@ -364,8 +391,11 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
         f"(one per {MIN_BYTES_PER_TENSOR} bytes beyond {SMALL_TENSOR_COUNT}, at most {MAX_TENSORS})",
     )
     del text
+    document = _plain(document)
     if not isinstance(document, dict):
         raise HeaderError(f"header must be a JSON object, got {json_type(document)}")
+    if METADATA_KEY in document:
+        document[METADATA_KEY] = _plain(document[METADATA_KEY])
     check_integrity(document)
 
     data_offset = 8 + length

@@ -82,7 +82,7 @@ MIN_BYTES_PER_TENSOR = 64
 SMALL_TENSOR_COUNT = 1 << 16
 #: Most tensors one file may hold: parsing and loading cost time per tensor, and real files
 #: hold far fewer (a whole 671B-parameter MoE model has ~92k tensors).
-MAX_TENSORS = 1 << 19
+MAX_TENSORS = 1 << 18
 _CRC_PATTERN = re.compile(r"[0-9a-f]{8}")
 _CRC_SLICE = 4096
 
@@ -199,12 +199,13 @@ def nbytes_u64(shape: list[int], itemsize: int) -> int | None:
     return nbytes if nbytes < _U64_LIMIT else None
 
 
-def canonical_crc(document: dict[str, Any]) -> str:
+def canonical_crc(document: dict[str, Any], plain: Any = None) -> str:
     """The header checksum: zlib.crc32 of the canonical JSON of ``document`` as 8 hex digits.
 
     ``document`` is the whole header as decoded JSON (tensor entries and ``__metadata__``)
     without :data:`KEY_HEADER_CRC`; canonical means sorted keys, no spaces, ASCII escapes,
-    so every writer and reader of the same header computes the same value.
+    so every writer and reader of the same header computes the same value. ``plain``, when
+    given, maps each top-level value to its JSON form first.
 
     Example:
         >>> canonical_crc({"b": 1, "a": [2]}) == canonical_crc({"a": [2], "b": 1})
@@ -216,7 +217,11 @@ def canonical_crc(document: dict[str, Any]) -> str:
     keys = sorted(document)
     crc = zlib.crc32(b"{")
     for start in range(0, len(keys), _CRC_SLICE):
-        text = encoder.encode({key: document[key] for key in keys[start : start + _CRC_SLICE]})
+        chunk = keys[start : start + _CRC_SLICE]
+        if plain is None:
+            text = encoder.encode({key: document[key] for key in chunk})
+        else:
+            text = encoder.encode({key: plain(document[key]) for key in chunk})
         piece = text[1:-1] if start == 0 else "," + text[1:-1]
         crc = zlib.crc32(piece.encode("ascii"), crc)
     return f"{zlib.crc32(b'}', crc):08x}"
