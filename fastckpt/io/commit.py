@@ -59,6 +59,8 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+# flock(2) errors of file systems without it (some network file systems).
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 _TMP_SUFFIX = re.compile(r"\.[0-9a-f]{12}\.tmp")
 
 
@@ -113,7 +115,14 @@ def _locked_temporary(directory: str, name: str) -> tuple[str, int]:
     while True:
         tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
         fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                os.close(fd)
+                os.unlink(tmp_path)
+                raise
+            return tmp_path, fd  # no flock here: cleaners cannot lock it either, so keep it
         if os.fstat(fd).st_nlink:
             return tmp_path, fd
         os.close(fd)  # a cleaner removed it before we locked it: take another name
