@@ -27,6 +27,7 @@ import fcntl
 import os
 import re
 import secrets
+import stat
 from typing import Any
 
 from fastckpt import _C
@@ -110,6 +111,20 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
+def _check_directory(directory: str, path: str) -> None:
+    """The error a save into ``directory`` would meet, naming the directory and ``path``
+    (not the temporary file's name)."""
+    try:
+        if stat.S_ISDIR(os.stat(directory).st_mode):
+            return
+        code = errno.ENOTDIR
+    except OSError as exc:
+        code = exc.errno
+    what = "no such directory" if code == errno.ENOENT else os.strerror(code)
+    kind = {errno.ENOENT: FileNotFoundError, errno.ENOTDIR: NotADirectoryError}
+    raise kind.get(code, OSError)(code, f"cannot save {path}: {what}", directory)
+
+
 def _locked_temporary(directory: str, name: str) -> tuple[str, int]:
     """Creates ``<name>.<random>.tmp`` and takes its lifetime lock: (path, lock fd)."""
     while True:
@@ -139,10 +154,7 @@ class AtomicFile:
         directory, name = os.path.split(self.path)
         if os.path.isdir(self.path):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                errno.ENOENT, f"cannot save {self.path}: no such directory", directory
-            )
+        _check_directory(directory, self.path)
         remove_stale_temporaries(self.path)
         try:
             self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
