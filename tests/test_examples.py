@@ -27,6 +27,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
             "remote_and_shards.py",
             ["identical: True", "3 shards + model.safetensors.index.json", "round trip: True"],
         ),
+        (
+            "damaged_files.py",
+            [
+                "damaged header refused: True",
+                "verify says: DAMAGED",
+                "stale temporary removed: True",
+                "torch.save file recognised: True",
+            ],
+        ),
     ],
 )
 def test_example_runs(tmp_path, script, expected):

@@ -128,7 +128,9 @@ class LoadFuture(_CheckpointFuture):
 
 def _report_lost(future: _CheckpointFuture, error: BaseException) -> None:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    _log.error("%s failed and its error was never retrieved:\n%s", future, text)
+    # Not "%s failed" with the future: its repr already ends in "failed".
+    what = "async save to" if isinstance(future, SaveFuture) else "async load of"
+    _log.error("%s %r failed and its error was never retrieved:\n%s", what, future.path, text)
 
 
 # -- bookkeeping of pending saves -------------------------------------------------------------

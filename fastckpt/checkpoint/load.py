@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
@@ -86,7 +87,10 @@ def load(
         map_location: as ``torch.load``'s: a device string or ``torch.device``, a dict
             (mapping ``"cpu"``), or a callable ``(storage, location) -> storage``.
         device: the target device; an alternative spelling of ``map_location``.
-        pin_memory: page-lock the arena (faster copies to a GPU later).
+        pin_memory: page-lock the arena (faster copies to a GPU later). Where the memory
+            cannot be locked (``ulimit -l`` too small, no ``CAP_IPC_LOCK``) the tensors are
+            returned in ordinary memory with a ``UserWarning`` that says why; turn it into an
+            error with ``warnings.simplefilter("error", UserWarning)``.
         weights_only: refuse to unpickle objects saved with ``allow_pickle=True``
             (raises ``fastckpt.WeightsOnlyError``); pass False only for trusted files.
         keys: load only these tensors (reading only their bytes); returns a flat
@@ -150,6 +154,8 @@ def load(
             stored = reader.map(names, verify=bool(verify))
         else:
             stored = reader.read(names, pin_memory=pin_memory, verify=check, progress=progress)
+            if pin_memory and not on_cuda:
+                _warn_unpinned(stored, reader.path)
         if isinstance(target, torch.device) and target.type not in ("cpu", "cuda"):
             stored = _to_device(stored, target)
         elif callable(target) and not isinstance(target, torch.device):
@@ -158,6 +164,26 @@ def load(
         if keys is not None:
             return {k: stored[aliases.get(k, k)] for k in keys}
         return tree.unflatten(reader.meta.tree, stored, aliases, weights_only=weights_only)
+
+
+def _warn_unpinned(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """The arena is page-locked when the system allows; say so when it did not."""
+    from fastckpt import _C
+
+    sample = next((t for t in tensors.values() if t.numel() and t.device.type == "cpu"), None)
+    if sample is None or _C.is_locked(sample.data_ptr()):
+        return
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    warnings.warn(
+        f"load({path!r}, pin_memory=True): the memory could not be page-locked (mlock "
+        f"failed; RLIMIT_MEMLOCK is {limit}); the tensors are in ordinary memory. Raise "
+        "`ulimit -l` or grant CAP_IPC_LOCK to pin",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _to_device(tensors: dict[str, torch.Tensor], target: torch.device) -> dict[str, torch.Tensor]:

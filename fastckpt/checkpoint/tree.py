@@ -364,7 +364,8 @@ def _is_flat_dict(obj: Any) -> bool:
     if type(obj) is not dict:
         return False
     for key, value in obj.items():
-        if type(key) is not str or key == METADATA_KEY or not _valid_text(key):
+        # An empty key cannot be a tensor name of its own ("" is the name of nothing).
+        if type(key) is not str or key in ("", METADATA_KEY) or not _valid_text(key):
             return False
         if type(value) is not torch.Tensor or value.requires_grad:
             return False
@@ -429,11 +430,16 @@ class _Unflattener:
     """One walk over an untrusted tree: validates every node, rebuilds the object."""
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str], weights_only: bool
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        aliases: Mapping[str, str],
+        weights_only: bool,
+        unpickle: bool = True,
     ):
         self.tensors = tensors
         self.aliases = aliases
         self.weights_only = weights_only
+        self.unpickle = unpickle  # False: check pickled nodes' form, never run pickle
         self._built: dict[str, torch.Tensor] = {}  # stored name -> returned object
         self._decoders: dict[str, Callable[[dict, Path, int], Any]] = {
             "none": self.none,
@@ -588,6 +594,8 @@ class _Unflattener:
         _fields(node, ("v", "type"), (), path)
         kind = _typed(node, "type", str, path)
         data = _base64(_typed(node, "v", str, path), path)
+        if not self.unpickle:
+            return None
         if self.weights_only:
             raise WeightsOnlyError(
                 f"the checkpoint holds a pickled {_safe_repr(kind)} at {_format_path(path)}; "
@@ -692,5 +700,31 @@ def unflatten(
         return _flat_dict(tensors, aliases)
     try:
         return _Unflattener(tensors, aliases, weights_only).node(tree, ())
+    except RecursionError:
+        raise HeaderError("tree nested too deeply") from None
+
+
+def validate(tree: Any, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
+    """Check that :func:`unflatten` would rebuild ``tree`` from ``tensors``, without
+    unpickling anything: every node well formed, every tensor reference resolved.
+
+    ``tensors`` may be ``meta`` tensors of the stored shapes and dtypes (nothing is read).
+
+    Raises:
+        HeaderError: what :func:`unflatten` would raise for a malformed tree.
+
+    Example:
+        >>> import torch
+        >>> validate({"t": "tensor", "n": "x"}, {"x": torch.empty(2, device="meta")}, {})
+        >>> validate({"t": "tensor", "n": "y"}, {"x": torch.empty(2, device="meta")}, {})
+        Traceback (most recent call last):
+        ...
+        fastckpt.errors.HeaderError: tree refers to tensor 'y' at the top level, which the file does not hold
+    """
+    if tree is None:
+        _flat_dict(tensors, aliases)
+        return
+    try:
+        _Unflattener(tensors, aliases, weights_only=False, unpickle=False).node(tree, ())
     except RecursionError:
         raise HeaderError("tree nested too deeply") from None

@@ -45,8 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fastckpt {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (tune, bench, inspect, convert, verify):
-        module.add_parser(subparsers)
+    # Kept so that a misspelled option is reported with its command's usage, not fastckpt's.
+    parser.commands = {  # type: ignore[attr-defined]
+        name: module.add_parser(subparsers)
+        for name, module in zip(_COMMANDS, (tune, bench, inspect, convert, verify))
+    }
     return parser
 
 
@@ -59,7 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            owner = getattr(parser, "commands", {}).get(args.command, parser)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as exc:  # --help, --version, or a usage error (argparse exits 2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else USAGE)
     if args.command is None:

@@ -99,8 +99,24 @@ def source_kind(path: str | os.PathLike[str]) -> str:
     return "safetensors"
 
 
+def _check_torch_magic(src: str) -> None:
+    """CliError naming ``src`` unless it starts as torch.save writes: a zip archive or a
+    pickle (protocol 2 to 5); torch.load would fail on anything else with a bare
+    ``KeyError`` or ``UnpicklingError``."""
+    with open(src, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return
+    raise CliError(
+        f"{src}: not a torch.save or safetensors file (it starts with {head!r}); "
+        "convert reads torch.save (.pt/.bin) and safetensors files"
+    )
+
+
 def _load_torch(src: str, allow_pickle: bool) -> Any:
     import torch
+
+    _check_torch_magic(src)
 
     if allow_pickle:
         warn(
@@ -116,8 +132,11 @@ def _load_torch(src: str, allow_pickle: bool) -> Any:
             f"{src}: refused to unpickle objects other than tensors and plain containers "
             f"({first}); if you trust the file, pass --allow-pickle"
         ) from None
-    except RuntimeError as exc:
-        raise CliError(f"{src}: not a torch or safetensors file ({exc})") from None
+    except (RuntimeError, KeyError, ValueError, EOFError, IndexError) as exc:
+        # torch.load's own messages for damaged files; some are as bare as "KeyError: 101"
+        raise CliError(
+            f"{src}: not a readable torch or safetensors file ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _user_metadata(src: str) -> dict[str, str]:
@@ -279,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
 
         info = describe_file(dst)
         written = (
-            f"fastckpt layout, {info['tensor_count']} tensors, "
+            f"fastckpt layout, {info['tensor_count']} "
+            f"tensor{'' if info['tensor_count'] == 1 else 's'}, "
             f"{format_bytes(info['total_bytes'])}, checksums {'on' if info['checksums'] else 'off'}"
         )
     seconds = time.perf_counter() - started

@@ -35,7 +35,7 @@ from typing import Any
 from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
 from fastckpt.format import DEFAULT_ALIGNMENT
 
-__all__ = ["add_parser", "describe_file", "offset_alignment", "read_header", "run"]
+__all__ = ["add_parser", "describe_file", "offset_alignment", "printable", "read_header", "run"]
 
 _MAX_ALIGNMENT = DEFAULT_ALIGNMENT
 
@@ -148,11 +148,35 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters escaped, so a hostile name or metadata value
+    cannot move the cursor, retitle the terminal or hide lines.
+
+    Example:
+        >>> print(printable("lr\\x1b[2J\\tok\\u202e"))
+        lr\\x1b[2J\\tok\\u202e
+    """
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        else:
+            escaped = repr(ch)[1:-1]
+            out.append(escaped if escaped != ch else f"\\u{ord(ch):04x}")
+    return "".join(out)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _print_file(info: dict[str, Any]) -> None:
     version = info["fastckpt_version"]
-    made_by = f"fastckpt format {version}" if version else "not written by fastckpt"
+    made_by = f"fastckpt format {printable(version)}" if version else "not written by fastckpt"
     print(
-        f"{info['path']}: {info['tensor_count']} tensors, {format_bytes(info['total_bytes'])} "
+        f"{printable(info['path'])}: {_plural(info['tensor_count'], 'tensor')}, {format_bytes(info['total_bytes'])} "
         f"of data, header {info['header_bytes']} bytes (data at offset {info['data_offset']}), "
         f"{made_by}"
     )
@@ -160,7 +184,14 @@ def _print_file(info: dict[str, Any]) -> None:
     for t in info["tensors"]:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         rows.append(
-            (t["name"], t["dtype"], shape, str(t["bytes"]), str(t["offset"]), str(t["alignment"]))
+            (
+                printable(t["name"]),
+                t["dtype"],
+                shape,
+                str(t["bytes"]),
+                str(t["offset"]),
+                str(t["alignment"]),
+            )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     for n, row in enumerate(rows):
@@ -170,19 +201,22 @@ def _print_file(info: dict[str, Any]) -> None:
         if n == 0:
             print("  " + "-" * (sum(widths) + 10))
     print(
-        f"  total: {info['tensor_count']} tensors, {info['total_bytes']} bytes "
+        f"  total: {_plural(info['tensor_count'], 'tensor')}, {info['total_bytes']} bytes "
         f"({format_bytes(info['total_bytes'])}); {info['aligned_4096']} start on a 4096-byte "
         f"boundary; file {info['file_size']} bytes"
     )
     if info["checksums"]:
-        print(f"  checksums: CRC32C for {info['checksummed']} of {info['tensor_count']} tensors")
+        print(
+            f"  checksums: CRC32C for {info['checksummed']} of "
+            f"{_plural(info['tensor_count'], 'tensor')}"
+        )
     else:
         print(
             "  checksums: none (`fastckpt verify` cannot check this file; "
             "`fastckpt convert` it to add them)"
         )
     if info["aliases"]:
-        shared = ", ".join(f"{a} -> {b}" for a, b in info["aliases"].items())
+        shared = ", ".join(f"{printable(a)} -> {printable(b)}" for a, b in info["aliases"].items())
         print(f"  shared tensors: {shared}")
     if info["nested"]:
         print("  structure: a nested object (fastckpt.load rebuilds it)")
@@ -190,7 +224,7 @@ def _print_file(info: dict[str, Any]) -> None:
         print("  metadata:")
         for key, value in info["metadata"].items():
             shown = value if len(value) <= 200 else value[:197] + "..."
-            print(f"    {key}: {shown}")
+            print(f"    {printable(key)}: {printable(shown)}")
     else:
         print("  metadata: none")
 
@@ -215,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
             )
             info = {"path": os.fspath(path), "error": message}
             if not args.json:
-                print(f"{path}: error: {message}", flush=True)
+                print(f"{printable(os.fspath(path))}: error: {printable(message)}", flush=True)
         else:
             if not args.json:
                 if n:

@@ -87,6 +87,17 @@ _DEFAULT_VALUES: dict[str, list[Any]] = {
     "intra_op_parallelism": [1, 2, 4],
 }
 
+# --quick: the values that most often win, and the two that matter most on most devices.
+_QUICK_VALUES: dict[str, list[Any]] = {
+    "block_size": [4 << 20],
+    "queue_depth": [8, 32],
+    "single_submit": [False],
+    "overlap_events": [True],
+    "intra_op_parallelism": [1, 4],
+}
+_QUICK_DESCRIPTION = "block_size 4M, queue_depth 8 or 32, intra_op_parallelism 1 or 4"
+_QUICK_BUDGET = 30.0
+
 # After the sweep, the best few configurations are measured again and the winner is chosen
 # on the median of all its runs: on a noisy device one lucky run should not decide.
 _CONFIRM_TOP = 3
@@ -302,6 +313,12 @@ class _Bench:
 def _check_dirs(dirs: Sequence[str], io_size: int) -> list[str]:
     checked: list[str] = []
     for d in dirs:
+        if not os.path.exists(d):
+            try:
+                os.makedirs(d)
+            except OSError as exc:
+                raise CliError(f"--nvme_dir {d}: cannot create it: {exc.strerror}", USAGE) from None
+            print(f"Created --nvme_dir {d}", flush=True)
         if not os.path.isdir(d):
             raise CliError(f"--nvme_dir {d}: not a directory", USAGE)
         if not os.access(d, os.W_OK | os.X_OK):
@@ -350,7 +367,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         metavar="NVME_DIR",
         help="directory (one or more) in which to perform the I/O tests; a writable "
-        "directory on the device to tune",
+        "directory on the device to tune (created when missing)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop starting new configurations after this many seconds and pick the best "
+        "measured so far (default: no limit; the full sweep can take minutes)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short sweep ({_QUICK_DESCRIPTION}) within --budget, "
+        f"{_QUICK_BUDGET:.0f} s unless given",
     )
     parser.add_argument(
         "--sweep_config",
@@ -452,6 +482,11 @@ def run(args: argparse.Namespace) -> int:
         sweep["engine"] = engines if args.engine else check_engines(sweep["engine"])
     else:
         sweep = default_sweep(engines)
+    if args.quick and not args.gds:
+        sweep.update({key: list(values) for key, values in _QUICK_VALUES.items()})
+    budget = args.budget if args.budget is not None else (_QUICK_BUDGET if args.quick else None)
+    if budget is not None and not budget > 0:
+        raise CliError(f"--budget {args.budget}: must be a positive number of seconds", USAGE)
     dirs = _check_dirs(args.nvme_dir, args.io_size)
     cache = PageCache()
     if args.flush_page_cache and not cache.can_drop:
@@ -490,6 +525,13 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(len(configs) + confirm, "tuning", unit="config") as bar:
             best = -1.0
             for config in configs:
+                if budget is not None and results and time.perf_counter() - started > budget:
+                    _emit(
+                        bar,
+                        f"Time budget of {budget:.0f} s spent after {len(results)} of "
+                        f"{len(configs)} configurations; choosing among those measured",
+                    )
+                    break
                 result = _measure(bench, config, args.loops, read, write)
                 results.append(result)
                 _log(log, result, dirs, args.io_size, "sweep")
@@ -500,6 +542,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
             ranked = sorted((r for r in results if not r.error), key=Result.score, reverse=True)
             for result in ranked[:confirm]:
+                if budget is not None and time.perf_counter() - started > budget:
+                    break  # the sweep's own runs decide
                 again = _measure(bench, result.config, max(_CONFIRM_RUNS, args.loops), read, write)
                 if again.error:
                     result.error = again.error
@@ -559,8 +603,42 @@ def _report(good: list[Result], winner: Result, read: bool, write: bool, elapsed
         print(f"  best read:  {best_read.summary()}")
     if best_write is not None:
         print(f"  best write: {best_write.summary()}")
-    print(f"Winning configuration (best combined read and write): {winner.summary()}")
+    print(f"Winning configuration: {winner.summary()}")
+    print(f"  Why: {why_winner(winner, best_read, best_write)}")
     print(json.dumps(winner.config, indent=2))
+
+
+def why_winner(winner: Result, best_read: Result | None, best_write: Result | None) -> str:
+    """One sentence on why ``winner`` won, naming what the best-read and best-write
+    configurations scored when they are other configurations.
+
+    Example:
+        >>> a = Result({"queue_depth": 8}, read=[3.0], write=[1.0])
+        >>> b = Result({"queue_depth": 32}, read=[2.0], write=[2.0])
+        >>> print(why_winner(b, a, b))  # doctest: +NORMALIZE_WHITESPACE
+        highest combined score 2.00 GB/s (the harmonic mean of read 2.00 and write 2.00: the
+        speed of writing a checkpoint and reading it back); the best read alone (3.00 GB/s)
+        scores 1.50 because its write is 1.00 GB/s
+    """
+    if best_read is None or best_write is None:
+        only = "read" if best_write is None else "write"
+        return f"highest median {only} speed ({winner.score():.2f} GB/s); the other direction was not measured"
+    text = (
+        f"highest combined score {winner.score():.2f} GB/s (the harmonic mean of read "
+        f"{winner.read_gbps:.2f} and write {winner.write_gbps:.2f}: the speed of writing a "
+        "checkpoint and reading it back)"
+    )
+    if best_read is not winner:
+        text += (
+            f"; the best read alone ({best_read.read_gbps:.2f} GB/s) scores "
+            f"{best_read.score():.2f} because its write is {best_read.write_gbps:.2f} GB/s"
+        )
+    if best_write is not winner:
+        text += (
+            f"; the best write alone ({best_write.write_gbps:.2f} GB/s) scores "
+            f"{best_write.score():.2f} because its read is {best_write.read_gbps:.2f} GB/s"
+        )
+    return text
 
 
 def _save(

@@ -2,7 +2,9 @@
 
 Each file is reported as one of:
 
-- ``OK``: the header is valid and every tensor matches the checksum saved with it;
+- ``OK``: the header is valid (its own checksum matches, aliases and the structure
+  description resolve against the stored tensors: everything ``fastckpt.load`` relies on)
+  and every tensor matches the checksum saved with it;
 - ``DAMAGED``: the header is malformed, or the named tensors do not match their checksums;
 - ``UNVERIFIABLE``: the file has no checksums (written with ``checksum=False`` or by another
   library) — which is not the same as intact; ``fastckpt convert`` can add them.
@@ -102,6 +104,12 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     except OSError as exc:
         return Verdict(UNREADABLE, f"{name}: {exc.strerror or exc}")
     size = f"{_plural(info['tensor_count'], 'tensor')}, {format_bytes(info['total_bytes'])}"
+    try:
+        _check_structure(path)
+    except HeaderError as exc:
+        return Verdict(DAMAGED, f"{name}: bad header: {exc}")
+    except OSError as exc:
+        return Verdict(UNREADABLE, f"{name}: {exc.strerror or exc}")
     if not info["checksums"]:
         return Verdict(
             UNVERIFIABLE,
@@ -138,6 +146,25 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
             f"{info['tensor_count']} have no checksum; the others match",
         )
     return Verdict(OK, f"{name} ({size})")
+
+
+def _check_structure(path: str | os.PathLike[str]) -> None:
+    """HeaderError unless ``fastckpt.load`` could rebuild the saved object from the header:
+    dtypes torch holds, aliases and every tree node resolving to stored tensors (checked
+    on ``meta`` tensors, reading no data and unpickling nothing)."""
+    import torch
+
+    from fastckpt.checkpoint import dtypes, tree
+    from fastckpt.cli.inspect import read_header
+    from fastckpt.format import split_metadata
+
+    header = read_header(path)
+    meta = split_metadata(header.metadata)
+    stand_ins = {
+        e.name: torch.empty(e.shape, dtype=dtypes.to_torch(e.dtype), device="meta")
+        for e in header.entries.values()
+    }
+    tree.validate(meta.tree, stand_ins, meta.aliases)
 
 
 def run(args: argparse.Namespace) -> int:

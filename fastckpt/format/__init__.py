@@ -17,7 +17,12 @@ to other safetensors readers:
   rejects gaps.
 
 fastckpt's own metadata lives under the ``fastckpt.`` prefix (see
-:func:`build_metadata` and :func:`split_metadata`).
+:func:`build_metadata` and :func:`split_metadata`). Its ``fastckpt.header_crc`` checksums
+the whole header (names, shapes, offsets, tree, aliases, checksum table, user metadata): a
+fastckpt header without a valid one is refused, except for format version 1 files, written
+before it existed. Parsing is bounded by the header's size: at most one JSON object or array
+per :data:`MIN_BYTES_PER_NODE` bytes, at most :data:`MAX_TENSORS` tensors, and every
+dimension and element count within int64.
 
 This package is pure: no file I/O and no torch, only bytes, ints and strings.
 It is where hostile input is stopped: every check raises
@@ -47,10 +52,14 @@ from fastckpt.format.schema import (
     ITEMSIZE,
     KEY_ALIASES,
     KEY_CRC32C,
+    KEY_HEADER_CRC,
     KEY_TREE,
     KEY_VERSION,
+    MAX_TENSORS,
     META_PREFIX,
     METADATA_KEY,
+    MIN_BYTES_PER_NODE,
+    READABLE_VERSIONS,
     FastckptMeta,
     Header,
     TensorEntry,
@@ -61,8 +70,12 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_LIMIT",
     "ITEMSIZE",
+    "MAX_TENSORS",
+    "MIN_BYTES_PER_NODE",
+    "READABLE_VERSIONS",
     "KEY_ALIASES",
     "KEY_CRC32C",
+    "KEY_HEADER_CRC",
     "KEY_TREE",
     "KEY_VERSION",
     "METADATA_KEY",

@@ -17,15 +17,49 @@ from typing import Any
 from fastckpt.errors import HeaderError
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
+    FORMAT_VERSION,
     HEADER_LIMIT,
     ITEMSIZE,
+    KEY_HEADER_CRC,
+    KEY_VERSION,
+    MAX_TENSORS,
+    META_PREFIX,
     METADATA_KEY,
+    MIN_BYTES_PER_NODE,
+    MIN_BYTES_PER_TENSOR,
+    READABLE_VERSIONS,
+    SMALL_NODE_COUNT,
+    SMALL_TENSOR_COUNT,
     Header,
     TensorEntry,
+    canonical_crc,
+    int64_dims_error,
     is_count,
     nbytes_u64,
     short,
 )
+
+_DTYPE_NAMES = {name: name for name in ITEMSIZE}
+
+#: What a file written by ``torch.save`` starts with: a zip archive (the default since
+#: torch 1.6) or a pickle (the legacy format; protocols 2 to 5).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTOCOLS = range(2, 6)
+
+
+def _torch_save_hint(first8: bytes) -> str | None:
+    """The message for a torch.save file, or None when ``first8`` does not look like one."""
+    if first8.startswith(_ZIP_MAGIC):
+        kind = "a zip archive"
+    elif len(first8) >= 2 and first8[0] == 0x80 and first8[1] in _PICKLE_PROTOCOLS:
+        kind = "a pickle"
+    else:
+        return None
+    return (
+        f"this is a torch.save file ({kind}), not a safetensors/fastckpt file: "
+        "convert it with `fastckpt convert FILE OUT.safetensors`, or load it with torch.load"
+    )
+
 
 # --------------------------------------------------------------------------- parse
 
@@ -65,8 +99,16 @@ def parse_header_length(first8: bytes, file_size: int) -> int:
             f"not a safetensors file: {min(file_size, len(first8))} bytes, "
             "fewer than the 8-byte header length"
         )
-    (length,) = struct.unpack("<Q", bytes(first8[:8]))
-    _check_length(length, file_size)
+    first8 = bytes(first8[:8])
+    (length,) = struct.unpack("<Q", first8)
+    try:
+        _check_length(length, file_size)
+    except HeaderError:
+        # Only when the length is impossible: a real header length may begin with these bytes.
+        hint = _torch_save_hint(first8)
+        if hint is not None:
+            raise HeaderError(hint) from None
+        raise
     return length
 
 
@@ -85,10 +127,46 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def loads_strict(text: str, what: str) -> Any:
-    """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError."""
+class _Packed(tuple):
+    """A tensor entry as decoded from a header, ``(dtype, shape, data_offsets)``: a tuple
+    costs a third of the dict it replaces, and a header may hold 500k entries."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(_ENTRY_KEYS, self))
+
+
+def _plain(value: Any) -> Any:
+    return value.as_dict() if type(value) is _Packed else value
+
+
+def _counting(limit: int, message: str) -> Any:
+    """An object hook like :func:`_no_duplicates` that refuses the object after ``limit``,
+    so memory is bounded while decoding, not only afterwards."""
+    count = 0
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise HeaderError(message)
+        if len(pairs) == 3 and tuple(key for key, _ in pairs) == _ENTRY_KEYS:
+            dtype = pairs[0][1]
+            if type(dtype) is str:
+                dtype = _DTYPE_NAMES.get(dtype, dtype)
+            return _Packed((dtype, pairs[1][1], pairs[2][1]))
+        return _no_duplicates(pairs)
+
+    return hook
+
+
+def loads_strict(text: str, what: str, max_objects: int | None = None, too_many: str = "") -> Any:
+    """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError; at most
+    ``max_objects`` JSON objects when given (else HeaderError(``too_many``))."""
+    hook = _no_duplicates if max_objects is None else _counting(max_objects, too_many)
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=hook)
     except HeaderError as exc:
         raise HeaderError(f"{what}: {exc}") from None
     except RecursionError:
@@ -123,6 +201,7 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
 
 def json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer"}
+    names[_Packed] = "object"
     names.update({float: "number", type(None): "null"})
     return names.get(type(value), type(value).__name__)
 
@@ -130,6 +209,8 @@ def json_type(value: Any) -> str:
 def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
+    if type(raw) is _Packed:  # the three keys, in order, once each
+        return _checked_entry(where, name, *raw, data_size)
     if not isinstance(raw, dict):
         raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
     missing = [key for key in _ENTRY_KEYS if key not in raw]
@@ -139,7 +220,12 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     if extra:
         raise HeaderError(f"{where}: unexpected key(s) {', '.join(map(repr, extra))}")
 
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    return _checked_entry(where, name, raw["dtype"], raw["shape"], raw["data_offsets"], data_size)
+
+
+def _checked_entry(
+    where: str, name: str, dtype: Any, shape: Any, offsets: Any, data_size: int
+) -> TensorEntry:
     if type(dtype) is not str or dtype not in ITEMSIZE:
         raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
     if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
@@ -155,6 +241,9 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
         raise HeaderError(
             f"{where}: data_offsets [{begin}, {end}] run past the data section of {data_size} bytes"
         )
+    too_big = int64_dims_error(shape)
+    if too_big is not None:
+        raise HeaderError(f"{where}: shape {short(shape)}: {too_big}, the most torch can hold")
     nbytes = nbytes_u64(shape, ITEMSIZE[dtype])
     if nbytes is None:
         raise HeaderError(f"{where}: shape {short(shape)} of {dtype} overflows 64 bits")
@@ -163,7 +252,8 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
             f"{where}: shape {short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) "
             f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
         )
-    return TensorEntry(name, dtype, tuple(shape), begin, end)
+    # The table's own string for the dtype: one shared object instead of one per entry.
+    return TensorEntry(name, _DTYPE_NAMES[dtype], tuple(shape), begin, end)
 
 
 def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
@@ -191,6 +281,75 @@ def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
         )
 
 
+def _check_node_count(raw: bytes) -> None:
+    """Refuse a header with more JSON containers than its size allows, before decoding it."""
+    limit = max(len(raw) // MIN_BYTES_PER_NODE, SMALL_NODE_COUNT)
+    nodes = raw.count(b"{") + raw.count(b"[")
+    if nodes > limit:
+        raise HeaderError(
+            f"header of {len(raw)} bytes holds {nodes} JSON objects/arrays, more than the "
+            f"limit of one per {MIN_BYTES_PER_NODE} bytes: not a real header"
+        )
+
+
+def _newer(version: str) -> bool:
+    return version.isdigit() and len(version) < 10 and int(version) > int(FORMAT_VERSION)
+
+
+def check_integrity(document: dict[str, Any]) -> None:
+    """Check the format version and the header checksum of a decoded header.
+
+    A header with any ``fastckpt.`` metadata key was written by fastckpt and must carry a
+    valid :data:`~fastckpt.format.schema.KEY_HEADER_CRC` (zlib.crc32 of the canonical JSON of
+    the header without that key): a damaged name, shape, offset, tree, alias, checksum table
+    or user value is refused instead of loaded. Exception: files of format version ``"1"``
+    (written before the header checksum existed) are read without one. Plain safetensors
+    headers (no ``fastckpt.`` key) carry no checksum.
+
+    Raises:
+        HeaderError: a newer format version ("written by a newer fastckpt"), an unknown
+            version, or a missing or wrong header checksum.
+
+    Example:
+        >>> check_integrity({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})
+        >>> check_integrity({"__metadata__": {"fastckpt.version": "9"}})
+        Traceback (most recent call last):
+        ...
+        fastckpt.errors.HeaderError: written by a newer fastckpt (format version '9'; this one reads versions 1 to 2): upgrade fastckpt to read it
+    """
+    meta = document.get(METADATA_KEY)
+    if not isinstance(meta, dict) or not any(
+        type(key) is str and key.startswith(META_PREFIX) for key in meta
+    ):
+        return
+    version = meta.get(KEY_VERSION)
+    if version not in READABLE_VERSIONS:
+        if type(version) is str and _newer(version):
+            raise HeaderError(
+                f"written by a newer fastckpt (format version {short(version)}; this one reads "
+                f"versions {READABLE_VERSIONS[0]} to {READABLE_VERSIONS[-1]}): "
+                "upgrade fastckpt to read it"
+            )
+        raise HeaderError(
+            f"unknown {KEY_VERSION} {short(version)}: the header is damaged "
+            f"(this fastckpt reads versions {READABLE_VERSIONS[0]} to {READABLE_VERSIONS[-1]})"
+        )
+    stored = meta.get(KEY_HEADER_CRC)
+    if stored is None:
+        if version == "1":
+            return  # written before header checksums existed
+        raise HeaderError(f"{KEY_HEADER_CRC} is missing: the header is damaged")
+    if type(stored) is not str or len(stored) != 8:
+        raise HeaderError(f"{KEY_HEADER_CRC} = {short(stored)}: expected 8 hex digits")
+    rest = {key: value for key, value in meta.items() if key != KEY_HEADER_CRC}
+    actual = canonical_crc({**document, METADATA_KEY: rest}, _plain)
+    if actual != stored:
+        raise HeaderError(
+            f"header checksum mismatch ({KEY_HEADER_CRC} is {short(stored)}, the header "
+            f"hashes to {actual!r}): the header is damaged"
+        )
+
+
 def parse_header(json_bytes: bytes, file_size: int) -> Header:
     """Decode and validate a header: ``json_bytes`` are the N bytes after the length.
 
@@ -215,18 +374,38 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
             f"header does not start with '{{' (starts with {bytes(json_bytes[:16])!r}): "
             "not a safetensors file"
         )
+    raw_bytes = json_bytes if type(json_bytes) is bytes else bytes(json_bytes)
+    _check_node_count(raw_bytes)
     try:
-        text = bytes(json_bytes).decode("utf-8")
+        text = raw_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8: {exc}") from None
-    document = loads_strict(text, "header")
+    del raw_bytes
+    # Every JSON object of a valid header is a tensor entry, __metadata__ or the header itself.
+    allowed = min(max(length // MIN_BYTES_PER_TENSOR, SMALL_TENSOR_COUNT), MAX_TENSORS)
+    document = loads_strict(
+        text,
+        "header",
+        max_objects=allowed + 2,
+        too_many=f"more than {allowed} tensors, the most allowed in a header of {length} bytes "
+        f"(one per {MIN_BYTES_PER_TENSOR} bytes beyond {SMALL_TENSOR_COUNT}, at most {MAX_TENSORS})",
+    )
+    del text
+    document = _plain(document)
     if not isinstance(document, dict):
         raise HeaderError(f"header must be a JSON object, got {json_type(document)}")
+    if METADATA_KEY in document:
+        document[METADATA_KEY] = _plain(document[METADATA_KEY])
+    check_integrity(document)
 
     data_offset = 8 + length
     data_size = file_size - data_offset
     metadata = _parse_metadata(document.pop(METADATA_KEY, None))
-    parsed = [_parse_entry(name, raw, data_size) for name, raw in document.items()]
+    parsed = []
+    while document:  # popping keeps one copy of each entry alive, not two
+        name, raw = document.popitem()
+        parsed.append(_parse_entry(name, raw, data_size))
+    parsed.reverse()
     # Stable sort: zero-size tensors sharing an offset keep their header order.
     parsed.sort(key=lambda entry: (entry.begin, entry.end))
     _check_coverage(parsed, data_size)

@@ -17,8 +17,12 @@ from fastckpt.format.schema import (
     DEFAULT_ALIGNMENT,
     HEADER_LIMIT,
     ITEMSIZE,
+    KEY_HEADER_CRC,
+    META_PREFIX,
     METADATA_KEY,
     TensorEntry,
+    canonical_crc,
+    int64_dims_error,
     nbytes_u64,
 )
 
@@ -37,6 +41,9 @@ def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[
     dims = tuple(shape)
     if not all(type(dim) is int and dim >= 0 for dim in dims):
         raise ValueError(f"tensor {name!r}: shape {list(dims)} must hold non-negative ints")
+    too_big = int64_dims_error(list(dims))
+    if too_big is not None:
+        raise ValueError(f"tensor {name!r}: shape {list(dims)}: {too_big}")
     nbytes = nbytes_u64(list(dims), ITEMSIZE[dtype])
     if nbytes is None:
         raise ValueError(f"tensor {name!r}: shape {list(dims)} of {dtype} overflows 64 bits")
@@ -135,7 +142,9 @@ def encode_header(
     """Encode the 8-byte length and the JSON header, padded to ``alignment``.
 
     The JSON is compact, ``__metadata__`` first, then the entries in the given
-    (file) order, then spaces up to the next multiple of ``alignment``.
+    (file) order, then spaces up to the next multiple of ``alignment``. When the metadata
+    holds any ``fastckpt.`` key, the header checksum ``fastckpt.header_crc`` (fixed width,
+    so the header's size does not depend on it) is computed and added.
 
     Args:
         entries: contiguous entries from offset 0, as :func:`plan_layout` gives.
@@ -155,13 +164,18 @@ def encode_header(
     document: dict[str, Any] = {}
     if metadata:
         check_metadata(metadata)
-        document[METADATA_KEY] = dict(metadata)
+        document[METADATA_KEY] = {k: v for k, v in metadata.items() if k != KEY_HEADER_CRC}
     for entry in entries:
         document[entry.name] = {
             "dtype": entry.dtype,
             "shape": list(entry.shape),
             "data_offsets": [entry.begin, entry.end],
         }
+    if metadata and any(key.startswith(META_PREFIX) for key in metadata):
+        try:
+            document[METADATA_KEY][KEY_HEADER_CRC] = canonical_crc(document)
+        except UnicodeEncodeError as exc:  # lone surrogates: refused below all the same
+            raise ValueError(f"header holds a string that is not valid Unicode: {exc}") from None
     text = json.dumps(document, separators=(",", ":"), ensure_ascii=False)
     try:
         # Raw UTF-8 keeps names readable; lone surrogates cannot be written

@@ -54,7 +54,7 @@ def build_metadata(
 
     Example:
         >>> build_metadata({"step": "10"}, crcs={"w": 255}, aliases={"b": "w"})
-        {'format': 'pt', 'step': '10', 'fastckpt.version': '1', \
+        {'format': 'pt', 'step': '10', 'fastckpt.version': '2', \
 'fastckpt.crc32c': '{"w":"000000ff"}', 'fastckpt.aliases': '{"b":"w"}'}
     """
     result = {"format": "pt"}
@@ -109,7 +109,8 @@ def _parse_aliases(text: str) -> dict[str, str]:
 def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
     """Separate the user's metadata from fastckpt's keys and decode the latter.
 
-    Unknown ``fastckpt.*`` keys (from a newer writer) are ignored. Checking
+    Unknown ``fastckpt.*`` keys (from a newer writer) are ignored; the version and the
+    header checksum are checked by :func:`~fastckpt.format.parse_header`. Checking
     that aliases and checksums name tensors of the file is the caller's job.
 
     Raises:
@@ -118,7 +119,7 @@ def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
     Example:
         >>> m = split_metadata(build_metadata({"a": "b"}, crcs={"w": 1}))
         >>> m.user, m.crcs, m.aliases, m.tree, m.version
-        ({'format': 'pt', 'a': 'b'}, {'w': 1}, {}, None, '1')
+        ({'format': 'pt', 'a': 'b'}, {'w': 1}, {}, None, '2')
     """
     user = {key: value for key, value in meta.items() if not key.startswith(META_PREFIX)}
     crcs = _parse_crcs(meta[KEY_CRC32C]) if KEY_CRC32C in meta else None

@@ -7,7 +7,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +43,48 @@ DEFAULT_ALIGNMENT = 4096
 #: The one header key that is not a tensor name.
 METADATA_KEY = "__metadata__"
 
-FORMAT_VERSION = "1"
+#: Version 2 added the header checksum (:data:`KEY_HEADER_CRC`). Version 1 files, which
+#: have none, are still read; a file of a newer version is refused with a clear message.
+FORMAT_VERSION = "2"
+#: Versions this reader understands.
+READABLE_VERSIONS = ("1", "2")
 META_PREFIX = "fastckpt."
 KEY_VERSION = "fastckpt.version"
+#: zlib.crc32 of the canonical JSON of the whole header without this key, as 8 hex digits
+#: (fixed width: a writer sizes the header before it knows the tensors' checksums).
+KEY_HEADER_CRC = "fastckpt.header_crc"
 KEY_CRC32C = "fastckpt.crc32c"
 KEY_ALIASES = "fastckpt.aliases"
-KEY_TREE = "fastckpt.tree"
+KEY_TREE = "fastckpt.checkpoint.tree"
 
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 _U64_LIMIT = 2**64
+#: Every dimension, and the element count, must fit torch's int64 sizes.
+_I64_LIMIT = 2**63
+
+# Limits that keep parsing an untrusted header cheap: memory and work grow with the header's
+# size, never faster. Each JSON object or array costs 60-200 bytes of Python memory, so a
+# header of N bytes may hold at most max(N // MIN_BYTES_PER_NODE, SMALL_NODE_COUNT) of them
+# (counted with one pass of bytes.count before decoding; brackets inside strings count too,
+# which only errs on the safe side). Real headers use 17 bytes or more per container (a
+# tensor entry is ~50 bytes for 3 containers); ``[],[],...`` uses 3. Nesting is bounded by
+# the interpreter's recursion limit for the JSON and by the tree's own MAX_DEPTH.
+#: Bytes of header text per JSON object or array, at least.
+MIN_BYTES_PER_NODE = 12
+#: So many containers are always allowed, whatever the header's size.
+SMALL_NODE_COUNT = 4096
+#: Bytes of header text per tensor entry, at least, beyond SMALL_TENSOR_COUNT entries: a
+#: decoded entry costs ~650 bytes of Python memory while the header is parsed, so this keeps
+#: parsing within ~10x the header's size. Real entries take 64-120 bytes
+#: (``"model.layers.0.mlp.up_proj.weight":{"dtype":"BF16","shape":[...],...}``).
+MIN_BYTES_PER_TENSOR = 64
+#: So many tensors are always allowed, whatever the header's size.
+SMALL_TENSOR_COUNT = 1 << 16
+#: Most tensors one file may hold: parsing and loading cost time per tensor, and real files
+#: hold far fewer (a whole 671B-parameter MoE model has ~92k tensors).
+MAX_TENSORS = 1 << 18
 _CRC_PATTERN = re.compile(r"[0-9a-f]{8}")
+_CRC_SLICE = 4096
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,9 @@ class TensorEntry:
         >>> TensorEntry("w", "F32", (2, 3), 0, 24).nbytes
         24
     """
+
+    # Slots: a header may list ~500k entries, and each must cost little memory.
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
 
     name: str
     dtype: str
@@ -125,6 +162,27 @@ def is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < _U64_LIMIT
 
 
+def int64_dims_error(shape: list[int]) -> str | None:
+    """Why torch cannot hold a tensor of ``shape``, or None when it can.
+
+    Each dimension and the product of the non-zero ones must be below 2**63, even for
+    a tensor of zero elements: ``[2**63, 0]`` is refused.
+
+    Example:
+        >>> int64_dims_error([2**61, 0, 3]) is None, int64_dims_error([2**63, 0])
+        (True, 'dimension 9223372036854775808 overflows int64')
+    """
+    numel = 1
+    for dim in shape:
+        if dim >= _I64_LIMIT:
+            return f"dimension {dim} overflows int64"
+        if dim:
+            numel *= dim
+            if numel >= _I64_LIMIT:
+                return "the number of elements overflows int64"
+    return None
+
+
 def nbytes_u64(shape: list[int], itemsize: int) -> int | None:
     """Byte size of ``shape``, or None where the reference reader's u64 arithmetic overflows.
 
@@ -139,3 +197,31 @@ def nbytes_u64(shape: list[int], itemsize: int) -> int | None:
             return None
     nbytes = numel * itemsize
     return nbytes if nbytes < _U64_LIMIT else None
+
+
+def canonical_crc(document: dict[str, Any], plain: Any = None) -> str:
+    """The header checksum: zlib.crc32 of the canonical JSON of ``document`` as 8 hex digits.
+
+    ``document`` is the whole header as decoded JSON (tensor entries and ``__metadata__``)
+    without :data:`KEY_HEADER_CRC`; canonical means sorted keys, no spaces, ASCII escapes,
+    so every writer and reader of the same header computes the same value. ``plain``, when
+    given, maps each top-level value to its JSON form first.
+
+    Example:
+        >>> canonical_crc({"b": 1, "a": [2]}) == canonical_crc({"a": [2], "b": 1})
+        True
+    """
+    # The same bytes as json.dumps(document, sort_keys=True, ...), hashed in slices of keys
+    # so that a 100 MB header is never held twice more as one string.
+    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    keys = sorted(document)
+    crc = zlib.crc32(b"{")
+    for start in range(0, len(keys), _CRC_SLICE):
+        chunk = keys[start : start + _CRC_SLICE]
+        if plain is None:
+            text = encoder.encode({key: document[key] for key in chunk})
+        else:
+            text = encoder.encode({key: plain(document[key]) for key in chunk})
+        piece = text[1:-1] if start == 0 else "," + text[1:-1]
+        crc = zlib.crc32(piece.encode("ascii"), crc)
+    return f"{zlib.crc32(b'}', crc):08x}"

@@ -4,6 +4,12 @@ Write ``<name>.<random>.tmp`` in the target directory, fsync it, rename it over 
 name, fsync the directory. A reader never sees a torn file at the final path, and a crash
 at any point leaves the previous file there intact; on error the temporary file is removed.
 
+Temporary files of writers that died (killed, power loss) are removed by the next save to
+the same path: a writer holds an exclusive ``flock`` on its temporary file for its whole
+life, and a new writer removes every ``<name>.<12 hex>.tmp`` sibling it can lock without
+waiting, since the lock is free only when its writer is gone. So after any number of
+crashes at most one temporary file per live or last-crashed writer remains.
+
 Example:
     >>> import os, tempfile
     >>> d = tempfile.mkdtemp()
@@ -16,14 +22,18 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import re
 import secrets
+import stat
 from typing import Any
 
 from fastckpt import _C
 from fastckpt.io.files import File
 
-__all__ = ["AtomicFile", "fsync_directory", "check_destination"]
+__all__ = ["AtomicFile", "fsync_directory", "check_destination", "remove_stale_temporaries"]
 
 
 def check_destination(f: Any, argname: str = "f") -> str:
@@ -50,6 +60,89 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+# flock(2) errors of file systems without it (some network file systems).
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+_TMP_SUFFIX = re.compile(r"\.[0-9a-f]{12}\.tmp")
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Removes the temporary files that dead writers left for ``path``; returns their paths.
+
+    A temporary file whose ``flock`` can be taken without waiting has no live writer.
+    Files of live writers (locked), other names and symlinks are left alone.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(d, "x.bin.0123456789ab.tmp"), "w").close()
+        >>> [os.path.basename(p) for p in remove_stale_temporaries(os.path.join(d, "x.bin"))]
+        ['x.bin.0123456789ab.tmp']
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    removed = []
+    try:
+        candidates = [
+            entry.name
+            for entry in os.scandir(directory)
+            if entry.name.startswith(name)
+            and _TMP_SUFFIX.fullmatch(entry.name, len(name))
+            and entry.is_file(follow_symlinks=False)
+        ]
+    except OSError:
+        return removed
+    for candidate in candidates:
+        stale = os.path.join(directory, candidate)
+        try:
+            fd = os.open(stale, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            os.unlink(stale)
+            removed.append(stale)
+        except OSError:
+            pass  # renamed into place or removed meanwhile
+        finally:
+            os.close(fd)  # the lock goes with it
+    return removed
+
+
+def _check_directory(directory: str, path: str) -> None:
+    """The error a save into ``directory`` would meet, naming the directory and ``path``
+    (not the temporary file's name)."""
+    try:
+        if stat.S_ISDIR(os.stat(directory).st_mode):
+            return
+        code = errno.ENOTDIR
+    except OSError as exc:
+        code = exc.errno
+    what = "no such directory" if code == errno.ENOENT else os.strerror(code)
+    kind = {errno.ENOENT: FileNotFoundError, errno.ENOTDIR: NotADirectoryError}
+    raise kind.get(code, OSError)(code, f"cannot save {path}: {what}", directory)
+
+
+def _locked_temporary(directory: str, name: str) -> tuple[str, int]:
+    """Creates ``<name>.<random>.tmp`` and takes its lifetime lock: (path, lock fd)."""
+    while True:
+        tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                os.close(fd)
+                os.unlink(tmp_path)
+                raise
+            return tmp_path, fd  # no flock here: cleaners cannot lock it either, so keep it
+        if os.fstat(fd).st_nlink:
+            return tmp_path, fd
+        os.close(fd)  # a cleaner removed it before we locked it: take another name
+
+
 class AtomicFile:
     """A temporary file that becomes ``path`` on :meth:`commit`, or vanishes on :meth:`abort`.
 
@@ -60,10 +153,30 @@ class AtomicFile:
         self.path = os.path.abspath(os.fspath(path))
         directory, name = os.path.split(self.path)
         if os.path.isdir(self.path):
-            raise IsADirectoryError(21, "Is a directory", self.path)
-        self.tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
-        self.file = File(self.tmp_path, write=True, create=True, exclusive=True, direct=direct)
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
+        _check_directory(directory, self.path)
+        remove_stale_temporaries(self.path)
+        try:
+            self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
+        except OSError as exc:  # name the user's path, not the temporary one
+            raise type(exc)(
+                exc.errno, f"cannot save {self.path}: {exc.strerror}", directory
+            ) from exc
+        try:
+            self.file = File(self.tmp_path, write=True, direct=direct)
+        except BaseException:
+            self._release()
+            raise
         self._done = False
+
+    def _release(self) -> None:
+        """Removes the temporary file (if still there) and drops the lifetime lock."""
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._lock_fd)
 
     def reserve(self, nbytes: int) -> None:
         """Allocates the file's blocks up front (where the file system can), so parallel
@@ -81,6 +194,7 @@ class AtomicFile:
             self.abort()
             raise
         self._done = True
+        os.close(self._lock_fd)  # held until the rename: no cleaner removes a file in flight
         fsync_directory(os.path.dirname(self.path))
 
     def abort(self) -> None:
@@ -89,10 +203,7 @@ class AtomicFile:
             return
         self._done = True
         self.file.close()
-        try:
-            os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
+        self._release()
 
     def __enter__(self) -> "AtomicFile":
         return self

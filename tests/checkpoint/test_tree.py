@@ -539,3 +539,13 @@ objects = st.recursive(
 @settings(max_examples=150, deadline=None)
 def test_random_objects_round_trip(obj):
     assert_same(obj, round_trip(obj))
+
+
+def test_an_empty_key_round_trips(tmp_path):
+    """{"": tensor} is not stored as a flat file (no tensor can be named ""): its key survives."""
+    import fastckpt
+
+    path = tmp_path / "empty-key.safetensors"
+    fastckpt.save({"": torch.tensor([]), "w": torch.ones(2)}, path)
+    back = fastckpt.load(path)
+    assert list(back) == ["", "w"] and back[""].numel() == 0

@@ -195,7 +195,7 @@ def test_tune_plot_without_matplotlib(tmp_path, capsys, monkeypatch, sweep_file)
     "args",
     [
         ["--nvme_dir", "{tmp}", "--no_read", "--no_write"],
-        ["--nvme_dir", "{tmp}/missing"],
+        ["--nvme_dir", "{tmp}/unknown_key.json/missing"],  # cannot be created
         ["--nvme_dir", "{tmp}", "--engine", "warp_drive"],
         ["--nvme_dir", "{tmp}", "--engine", "threads,warp_drive"],
         ["--nvme_dir", "{tmp}", "--io_size", "lots"],

@@ -244,7 +244,9 @@ def test_safetensors_reads_our_files(tmp_path):
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
         assert tensor_bytes(loaded[name]) == tensor_bytes(tensor), name
     with safetensors.safe_open(path, "pt") as handle:
-        assert handle.metadata() == metadata
+        stored = handle.metadata()
+    assert len(stored.pop(fmt.KEY_HEADER_CRC)) == 8
+    assert stored == metadata
     parse_file(path.read_bytes())
 
 
@@ -277,11 +279,13 @@ def test_zero_size_tensors_share_offsets():
     assert list(parsed.entries) == ["z0", "a", "z2"]
 
 
-def test_zero_size_with_huge_dims_as_the_reference():
-    # The reference reader multiplies left to right in u64: a 0 first saves the rest.
-    shape = (0, 2**40, 2**40)
-    header = parse_file(raw_file({"a": entry("F64", shape, (0, 0))}))
-    assert header.entries["a"].shape == shape
+def test_zero_size_dims_must_fit_int64():
+    # Zero elements, but torch cannot hold such a shape: refused before torch.empty sees it.
+    shape = (0, 2**30, 2**32)
+    assert parse_file(raw_file({"a": entry("F64", shape, (0, 0))})).entries["a"].shape == shape
+    for huge in ((0, 2**40, 2**40), (2**63, 0), (0, 2**53 + 1, 2**32)):
+        with pytest.raises(HeaderError, match="int64"):
+            parse_file(raw_file({"a": entry("F64", huge, (0, 0))}))
 
 
 def test_empty_file_and_null_metadata():
@@ -358,16 +362,37 @@ HOSTILE = {
         b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"
     ),
     "surrogate metadata": raw_file(b'{"__metadata__":{"a":"\\udfff"}}'),
-    "crc not json": raw_file({"__metadata__": {"fastckpt.crc32c": "{"}}),
-    "crc not object": raw_file({"__metadata__": {"fastckpt.crc32c": "[]"}}),
-    "crc uppercase": raw_file({"__metadata__": {"fastckpt.crc32c": '{"a":"DEADBEEF"}'}}),
-    "crc short": raw_file({"__metadata__": {"fastckpt.crc32c": '{"a":"beef"}'}}),
-    "crc int": raw_file({"__metadata__": {"fastckpt.crc32c": '{"a":12}'}}),
-    "aliases not object": raw_file({"__metadata__": {"fastckpt.aliases": '"a"'}}),
-    "alias target int": raw_file({"__metadata__": {"fastckpt.aliases": '{"a":1}'}}),
-    "tree not json": raw_file({"__metadata__": {"fastckpt.tree": "{'t': 1}"}}),
-    "tree null": raw_file({"__metadata__": {"fastckpt.tree": "null"}}),
-    "tree deep": raw_file({"__metadata__": {"fastckpt.tree": "[" * 50_000 + "]" * 50_000}}),
+    "crc not json": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": "{"}}),
+    "crc not object": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": "[]"}}
+    ),
+    "crc uppercase": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"DEADBEEF"}'}}
+    ),
+    "crc short": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":"beef"}'}}
+    ),
+    "crc int": raw_file({"__metadata__": {"fastckpt.version": "1", "fastckpt.crc32c": '{"a":12}'}}),
+    "aliases not object": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '"a"'}}
+    ),
+    "alias target int": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.aliases": '{"a":1}'}}
+    ),
+    "tree not json": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.checkpoint.tree": "{'t': 1}"}}
+    ),
+    "tree null": raw_file(
+        {"__metadata__": {"fastckpt.version": "1", "fastckpt.checkpoint.tree": "null"}}
+    ),
+    "tree deep": raw_file(
+        {
+            "__metadata__": {
+                "fastckpt.version": "1",
+                "fastckpt.checkpoint.tree": "[" * 50_000 + "]" * 50_000,
+            }
+        }
+    ),
 }
 
 
@@ -509,13 +534,13 @@ def test_build_and_split_metadata():
     assert split.crcs == {"w": 0xDEADBEEF, "b": 0}
     assert split.aliases == {"v": "w"}
     assert split.tree == tree
-    assert split.version == "1"
+    assert split.version == fmt.FORMAT_VERSION
 
 
 def test_build_metadata_rules():
     assert fmt.build_metadata({"format": "np"})["format"] == "np"
     minimal = fmt.build_metadata()
-    assert minimal == {"format": "pt", "fastckpt.version": "1"}
+    assert minimal == {"format": "pt", "fastckpt.version": fmt.FORMAT_VERSION}
     with pytest.raises(ValueError, match=r"fastckpt\.mine"):
         fmt.build_metadata({"fastckpt.mine": "x"})
     with pytest.raises(TypeError, match="'n'"):

@@ -1,0 +1,713 @@
+"""Torture fastckpt as an attacker and as bad luck would: hostile files, bit flips, kill -9
+during saves, a full disk, concurrent savers and loaders, and huge headers.
+
+Every risky call runs in a child process with time and memory limits. Cases are batched
+(many per child); a child reports each outcome on its own line, so when a case crashes or
+hangs the child is killed, that case is recorded, and a fresh child goes on with the rest.
+
+Outcomes are counted by exception type. Clean: loaded, or one of HeaderError,
+ChecksumError, OSError, ValueError, KeyError, WeightsOnlyError. Bad: a crash (signal), a
+hang, MemoryError, any other exception, ``fastckpt verify`` saying OK for a file that load
+rejects, or (for bit flips) a load that succeeds with different values.
+
+Usage::
+
+    python benchmarks/torture.py                       # everything, default counts
+    python benchmarks/torture.py --only fuzz --cases 500
+    python benchmarks/torture.py --flips 200 --kills 20 --bounds-mb 100
+
+Exit status 0 when no bad outcome was seen, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+CLEAN = {
+    "ok",
+    "HeaderError",
+    "ChecksumError",
+    "OSError",
+    "FileNotFoundError",
+    "ValueError",
+    "KeyError",
+    "WeightsOnlyError",
+}
+#: Per-case time limit (seconds without a reported outcome) and address-space limit.
+CASE_TIMEOUT = 20.0
+CHILD_MEMORY = 6 << 30
+
+# --------------------------------------------------------------------------- children
+
+_CHILD = textwrap.dedent(
+    r"""
+    import json, resource, sys, warnings
+    warnings.simplefilter("ignore")
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    mode = sys.argv[2]
+    import torch, fastckpt
+    from fastckpt.cli.verify import verify_file
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.dtype == b.dtype and a.shape == b.shape
+                    and type(a) is type(b) and bool(torch.equal(a, b)))
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, float) and a != a:
+            return b != b
+        return a == b
+
+    baseline = fastckpt.load(sys.argv[3]) if mode == "flips" else None
+    for line in open(sys.argv[4]):
+        path = line.strip()
+        try:
+            obj = fastckpt.load(path)
+            outcome = "ok"
+            if mode == "flips" and not same(obj, baseline):
+                outcome = "CHANGED"
+            del obj
+        except BaseException as exc:
+            outcome = type(exc).__name__
+        verdict = verify_file(path, progress=False).status if mode == "fuzz" else ""
+        print(json.dumps([path, outcome, verdict]), flush=True)
+    """
+)
+
+
+def run_cases(paths: list[str], mode: str, baseline: str = "") -> dict[str, tuple[str, str]]:
+    """Outcome per path, running as few children as possible."""
+    results: dict[str, tuple[str, str]] = {}
+    todo = list(paths)
+    listing = Path(tempfile.mkdtemp(prefix="fastckpt-torture-list-")) / "cases.txt"
+    while todo:
+        listing.write_text("".join(p + "\n" for p in todo))  # a file: no pipe to fill up
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(CHILD_MEMORY), mode, baseline or "-", str(listing)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert child.stdout is not None
+        # The first case also waits for torch's import.
+        deadline = time.monotonic() + CASE_TIMEOUT + 30
+        while todo:
+            ready, _, _ = select.select([child.stdout], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                child.kill()
+                results[todo.pop(0)] = ("HANG", "")
+                break
+            line = child.stdout.readline()
+            if not line:  # died: the case in progress crashed it
+                code = child.wait()
+                results[todo.pop(0)] = (f"CRASH({code})", "")
+                break
+            path, outcome, verdict = json.loads(line)
+            results[path] = (outcome, verdict)
+            todo.remove(path)
+            deadline = time.monotonic() + CASE_TIMEOUT
+        child.wait()
+        child.stdout.close()
+    shutil.rmtree(listing.parent, ignore_errors=True)
+    return results
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def nested_state(scale: int = 1) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    model = {
+        "fc.weight": torch.randn(16 * scale, 8, generator=gen),
+        "fc.bias": torch.randn(16 * scale, generator=gen),
+        "emb": torch.randint(0, 100, (10, 4), generator=gen),
+        "empty": torch.zeros(0, 3),
+    }
+    model["tied"] = model["fc.weight"]
+    return {
+        "model": model,
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(16 * scale, 8)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "name": "g"}],
+        },
+        "epoch": 3,
+        "note": "hello",
+        "flags": [True, None, 1.5],
+    }
+
+
+def header_span(path: Path) -> tuple[int, int]:
+    """(start, end) of the JSON text (without padding) in a safetensors file."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return 8, 8 + len(data[8 : 8 + n].rstrip(b" "))
+
+
+def rewrite_header(data: bytes, document: dict, fix_crc: bool) -> bytes:
+    """A file with ``document`` as its header (same data section), the header checksum
+    recomputed when asked so that deeper checks are reached."""
+    from fastckpt.format.schema import KEY_HEADER_CRC, METADATA_KEY, canonical_crc
+
+    (n,) = struct.unpack("<Q", data[:8])
+    meta = document.get(METADATA_KEY)
+    if fix_crc and isinstance(meta, dict):
+        meta.pop(KEY_HEADER_CRC, None)
+        try:
+            meta[KEY_HEADER_CRC] = canonical_crc(document)
+        except (TypeError, ValueError, UnicodeEncodeError):
+            pass
+    text = json.dumps(document, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+_JUNK = [
+    0,
+    -1,
+    2**63,
+    2**64,
+    2**70,
+    1.5,
+    "x",
+    "",
+    None,
+    True,
+    [],
+    {},
+    [2**63, 0],
+    [0, 2**53 + 1, 2**32],
+    "\u202e\x1b[2J",
+    "F32",
+    "BOOL",
+    "F4",
+    [0, 1],
+    [1, 0],
+    {"t": "tensor", "n": "model/fc.weight"},
+]
+
+
+def _mutate_json(doc: Any, rng: random.Random, depth: int = 0) -> Any:
+    """One random change somewhere inside a decoded header or tree."""
+    if isinstance(doc, dict) and doc and rng.random() < 0.7 and depth < 30:
+        key = rng.choice(list(doc))
+        roll = rng.random()
+        if roll < 0.15:
+            del doc[key]
+        elif roll < 0.25:
+            doc[key + rng.choice(["x", "/", "\x00"])] = doc.pop(key)
+        elif roll < 0.4:
+            doc[key] = rng.choice(_JUNK)
+        else:
+            doc[key] = _mutate_json(doc[key], rng, depth + 1)
+        return doc
+    if isinstance(doc, list) and doc and rng.random() < 0.7 and depth < 30:
+        i = rng.randrange(len(doc))
+        roll = rng.random()
+        if roll < 0.2:
+            doc.pop(i)
+        elif roll < 0.3:
+            doc.append(doc[i])
+        elif roll < 0.5:
+            doc[i] = rng.choice(_JUNK)
+        else:
+            doc[i] = _mutate_json(doc[i], rng, depth + 1)
+        return doc
+    if isinstance(doc, str) and doc[:1] in "{[" and rng.random() < 0.8:
+        try:  # fastckpt's JSON-in-a-string keys: mutate inside
+            return json.dumps(_mutate_json(json.loads(doc), rng, depth + 1), separators=(",", ":"))
+        except ValueError:
+            pass
+    if isinstance(doc, int) and not isinstance(doc, bool) and rng.random() < 0.5:
+        return doc + rng.choice([-1, 1, 4, 2**32, 2**63])
+    return rng.choice(_JUNK)
+
+
+def hostile_files(base: Path, out: Path, count: int, rng: random.Random) -> list[str]:
+    data = base.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    document = json.loads(data[8 : 8 + n])
+    start, end = header_span(base)
+    paths = []
+    for i in range(count):
+        kind = i % 8
+        if kind == 0:  # random bytes in the header
+            buf = bytearray(data)
+            for _ in range(rng.randint(1, 8)):
+                buf[rng.randrange(start, end)] = rng.randrange(256)
+            blob = bytes(buf)
+        elif kind == 1:  # truncation or extension
+            cut = rng.randrange(len(data) + 64)
+            blob = data[:cut] if cut <= len(data) else data + bytes(cut - len(data))
+        elif kind == 2:  # a wrong header length
+            length = rng.choice([0, 1, n - 1, n + 1, 2**63, 2**64 - 1, 100 << 20, len(data)])
+            blob = struct.pack("<Q", length) + data[8:]
+        elif kind in (3, 4, 5):  # structural change, checksum recomputed or not
+            mutated = _mutate_json(json.loads(json.dumps(document)), rng)
+            if not isinstance(mutated, dict):
+                mutated = {"__metadata__": mutated}
+            blob = rewrite_header(data, mutated, fix_crc=kind != 5)
+        elif kind == 6:  # other writers' files and garbage
+            blob = rng.choice(
+                [
+                    b"PK\x03\x04" + os.urandom(200),
+                    b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8" + os.urandom(100),
+                    b"hello everyone\n" * 10,
+                    b"",
+                    b"\x00" * 7,
+                    os.urandom(rng.randrange(1, 5000)),
+                ]
+            )
+        else:  # nesting and size attacks on a small scale
+            depth = rng.choice([100, 1000, 100_000])
+            tree = "[" * depth + "]" * depth
+            meta = {"fastckpt.version": "2", "fastckpt.checkpoint.tree": tree}
+            doc = {"__metadata__": meta}
+            if rng.random() < 0.5:
+                doc["z"] = {
+                    "dtype": "F32",
+                    "shape": rng.choice(_JUNK[12:14]),
+                    "data_offsets": [0, 0],
+                }
+            blob = rewrite_header(b"\x00" * 8, doc, fix_crc=True)
+        path = out / f"case{i:05d}.safetensors"
+        path.write_bytes(blob)
+        paths.append(str(path))
+    return paths
+
+
+def fuzz(work: Path, count: int, seed: int) -> dict[str, Any]:
+    import fastckpt
+
+    base = work / "base.safetensors"
+    fastckpt.save(nested_state(), base)
+    cases = work / "fuzz"
+    cases.mkdir()
+    paths = hostile_files(base, cases, count, random.Random(seed))
+    started = time.perf_counter()
+    results = run_cases(paths, "fuzz")
+    outcomes = collections.Counter(outcome for outcome, _ in results.values())
+    verify_lies = sum(
+        1 for outcome, verdict in results.values() if verdict == "OK" and outcome != "ok"
+    )
+    bad = sum(n for outcome, n in outcomes.items() if outcome not in CLEAN) + verify_lies
+    shutil.rmtree(cases)
+    return {
+        "cases tried": len(paths),
+        "clean outcomes": sum(n for outcome, n in outcomes.items() if outcome in CLEAN),
+        "bad outcomes": bad,
+        "verify OK while load fails": verify_lies,
+        "by outcome": dict(outcomes.most_common()),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+# --------------------------------------------------------------------------- bit flips
+
+
+def flips(work: Path, count: int, seed: int) -> dict[str, Any]:
+    import fastckpt
+
+    base = work / "flip-base.safetensors"
+    fastckpt.save(nested_state(), base)
+    data = base.read_bytes()
+    start, end = header_span(base)
+    rng = random.Random(seed)
+    folder = work / "flips"
+    folder.mkdir()
+    paths, where = [], {}
+    (n,) = struct.unpack("<Q", data[:8])
+    regions = {"header JSON": (0, end), "header padding": (end, 8 + n), "data": (8 + n, len(data))}
+    names = list(regions)
+    for i in range(count):
+        region = names[i % 3] if i % 3 != 1 else names[rng.choice([0, 1])]  # header JSON: 1/2
+        low, high = regions[region]
+        buf = bytearray(data)
+        buf[rng.randrange(low, high)] ^= 1 << rng.randrange(8)
+        path = folder / f"flip{i:05d}.safetensors"
+        path.write_bytes(bytes(buf))
+        paths.append(str(path))
+        where[str(path)] = region
+    results = run_cases(paths, "flips", str(base))
+    report: dict[str, Any] = {"flips": count}
+    for region in names:
+        outcomes = collections.Counter(o for p, (o, _) in results.items() if where[p] == region)
+        report[region] = dict(outcomes.most_common())
+    report["changed values undetected"] = sum(1 for o, _ in results.values() if o == "CHANGED")
+    report["bad outcomes"] = sum(
+        1 for o, _ in results.values() if o not in CLEAN and o != "CHANGED"
+    )
+    shutil.rmtree(folder)
+    return report
+
+
+# --------------------------------------------------------------------------- kill -9
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch, fastckpt
+    path, mode, mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    state = {"w": torch.randn(mb << 18), "step": torch.tensor(0)}
+    i = 0
+    print("ready", flush=True)
+    while True:
+        i += 1
+        state["step"].fill_(i)
+        if mode == "async":
+            fastckpt.async_save(state, path).result()
+        else:
+            fastckpt.save(state, path)
+    """
+)
+
+
+def _temporaries(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
+    import fastckpt
+
+    rng = random.Random(seed)
+    folder = work / "kills"
+    folder.mkdir()
+    target = folder / "ckpt.safetensors"
+    torn, most_left = 0, 0
+    for i in range(count):
+        mode = "async" if i % 2 else "sync"
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(target), mode, str(mb)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        child.stdout.readline()
+        time.sleep(rng.uniform(0.0, 1.5))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        if target.exists():
+            try:
+                fastckpt.load(target, verify=True)
+            except Exception:
+                torn += 1
+        most_left = max(most_left, len(_temporaries(folder)))
+    left_before = _temporaries(folder)
+    bytes_before = sum(p.stat().st_blocks * 512 for p in left_before)
+    fastckpt.save({"w": fastckpt_zeros()}, target)  # the next save cleans up
+    left_after = _temporaries(folder)
+    report = {
+        "kills": count,
+        "torn checkpoints": torn,
+        "temp files left before the next save (most at once)": most_left,
+        "temp files left before the next save": len(left_before),
+        "bytes in them": bytes_before,
+        "temp files left after the next save": len(left_after),
+        "bytes leaked": sum(p.stat().st_blocks * 512 for p in left_after),
+    }
+    shutil.rmtree(folder)
+    return report
+
+
+def fastckpt_zeros() -> Any:
+    import torch
+
+    return torch.zeros(1024)
+
+
+# --------------------------------------------------------------------------- ENOSPC
+
+
+def enospc(work: Path) -> dict[str, Any]:
+    import errno
+
+    import torch
+
+    import fastckpt
+
+    mount = work / "small-fs"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        return {"skipped": f"cannot mount a small tmpfs: {done.stderr.strip()}"}
+    try:
+        target = mount / "big.safetensors"
+        outcomes = collections.Counter()
+        for save in (fastckpt.save, lambda s, p: fastckpt.async_save(s, p).result()):
+            try:
+                save({"w": torch.randn(12 << 20)}, target)  # 48 MB into 32 MB
+                outcomes["saved (unexpected)"] += 1
+            except OSError as exc:
+                outcomes["ENOSPC" if exc.errno == errno.ENOSPC else f"errno {exc.errno}"] += 1
+            except Exception as exc:  # noqa: BLE001 - counted as bad
+                outcomes[type(exc).__name__] += 1
+        left = list(mount.iterdir())
+        used = shutil.disk_usage(mount).used
+        fastckpt.save({"w": torch.randn(1 << 20)}, mount / "small.safetensors")
+        fastckpt.load(mount / "small.safetensors", verify=True)
+        return {
+            "outcomes": dict(outcomes),
+            "files left after the failed saves": len(left),
+            "bytes used after the failed saves": used,
+            "a small save afterwards": "ok",
+        }
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+# --------------------------------------------------------------------------- concurrency
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, time, torch, fastckpt
+    path, value, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    state = {"w": torch.full((1 << 20,), value), "v": torch.tensor(value)}
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        fastckpt.save(state, path)
+        n += 1
+    print(n)
+    """
+)
+_READER = textwrap.dedent(
+    """
+    import os, sys, time, torch, fastckpt
+    path, seconds = sys.argv[1], float(sys.argv[2])
+    end, good, bad = time.monotonic() + seconds, 0, 0
+    while time.monotonic() < end:
+        if not os.path.exists(path):
+            continue
+        try:
+            s = fastckpt.load(path, verify=True)
+            v = float(s["v"])
+            ok = v in (1.0, 2.0) and bool((s["w"] == v).all())
+        except Exception as exc:
+            ok = False
+            print(type(exc).__name__, exc, file=sys.stderr)
+        good, bad = good + ok, bad + (not ok)
+    print(good, bad)
+    """
+)
+
+
+def concurrency(work: Path, seconds: float = 5.0) -> dict[str, Any]:
+    folder = work / "concurrent"
+    folder.mkdir()
+    target = str(folder / "shared.safetensors")
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, target, str(v), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for v in (1, 2)
+    ]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, target, str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    saves = sum(int(w.communicate()[0]) for w in writers)
+    loads = [tuple(map(int, r.communicate()[0].split())) for r in readers]
+    report = {
+        "saves": saves,
+        "good loads": sum(g for g, _ in loads),
+        "torn or mixed loads": sum(b for _, b in loads),
+        "temp files left": len(_temporaries(folder)),
+    }
+    shutil.rmtree(folder)
+    return report
+
+
+# --------------------------------------------------------------------------- huge headers
+
+_PARSER = textwrap.dedent(
+    """
+    import json, os, resource, sys, time
+    path, limit = sys.argv[1], int(sys.argv[2])
+    from fastckpt.format import parse_header, parse_header_length, split_metadata
+    from fastckpt.errors import HeaderError
+    import re
+    hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    base_rss = hwm()
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = parse_header_length(f.read(8), size)
+            header = parse_header(f.read(n), size)
+        split_metadata(header.metadata)
+        outcome = "parsed"
+    except HeaderError as exc:
+        outcome = "HeaderError: " + str(exc)[:90]
+    except MemoryError:
+        outcome = "MemoryError"
+    print(json.dumps({"outcome": outcome, "wall_s": round(time.perf_counter() - t0, 2),
+                      "cpu_s": round(time.process_time() - c0, 2),
+                      "peak_rss_growth_x_file": round((hwm() - base_rss) * 1024 / size, 1)}))
+    """
+)
+
+
+def _baseline_vm() -> int:
+    """Address space of a child that imported fastckpt.format, before any parsing."""
+    code = (
+        "import fastckpt.format, re\n"
+        "print(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout) * 1024
+
+
+def _write_header_file(path: Path, text: bytes) -> None:
+    text += b" " * (-(8 + len(text)) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+def bounds(work: Path, megabytes: int) -> dict[str, Any]:
+    """Parse huge hostile headers in a child limited to 10x the file's size of memory."""
+    from fastckpt.format.schema import KEY_HEADER_CRC, canonical_crc
+
+    size = megabytes << 20
+    cases: dict[str, bytes] = {}
+    lists = (size - 200) // 3
+    tree = "[" + "[]," * (lists - 1) + "[]]"
+    meta = {"fastckpt.version": "2", "fastckpt.checkpoint.tree": tree}
+    meta[KEY_HEADER_CRC] = canonical_crc({"__metadata__": meta})
+    cases["tree of empty lists"] = json.dumps(
+        {"__metadata__": meta}, separators=(",", ":")
+    ).encode()
+    cases["header of {}"] = b'{"__metadata__":{"k":"v"},"a":[' + b"{}," * (size // 3 - 20) + b"{}]}"
+    zero = b'"%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+    cases["1.5M zero-size tensors"] = b"{" + b",".join(zero % i for i in range(1_500_000)) + b"}"
+    # The worst that is accepted: the most tensors, in the fewest bytes allowed for them.
+    from fastckpt.format.schema import MAX_TENSORS, MIN_BYTES_PER_TENSOR
+
+    text = b"{" + b",".join(zero % i for i in range(MAX_TENSORS)) + b"}"
+    cases["the most zero-size tensors allowed"] = text + b" " * max(
+        MAX_TENSORS * MIN_BYTES_PER_TENSOR - len(text), 0
+    )
+    real = b'"model.layers.%d.mlp.weight":{"dtype":"BF16","shape":[0,4096],"data_offsets":[0,0]}'
+    cases["the most real-looking tensors allowed"] = (
+        b"{" + b",".join(real % i for i in range(MAX_TENSORS)) + b"}"
+    )
+    baseline = _baseline_vm()
+    report = {}
+    for name, text in cases.items():
+        path = work / "huge.safetensors"
+        _write_header_file(path, text)
+        del text
+        file_size = path.stat().st_size
+        limit = baseline + 10 * file_size
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _PARSER, str(path), str(limit)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            result = (
+                json.loads(out.stdout)
+                if out.returncode == 0
+                else {"outcome": f"CRASH {out.returncode}: {out.stderr[-200:]}"}
+            )
+        except subprocess.TimeoutExpired:
+            result = {"outcome": "HANG"}
+        result["file_mb"] = round(file_size / (1 << 20), 1)
+        report[name] = result
+        path.unlink()
+    cases.clear()
+    return report
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=5000, help="hostile files (default 5000)")
+    parser.add_argument("--flips", type=int, default=200, help="bit flips (default 200)")
+    parser.add_argument("--kills", type=int, default=20, help="kill -9 during saves (default 20)")
+    parser.add_argument(
+        "--bounds-mb", type=int, default=100, help="size of the huge headers (default 100)"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="concurrency run length")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=["fuzz", "flips", "kills", "enospc", "concurrency", "bounds"],
+        help="run only these parts (repeatable)",
+    )
+    parser.add_argument("--dir", help="work directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    parts = args.only or ["fuzz", "flips", "kills", "enospc", "concurrency", "bounds"]
+    work = Path(tempfile.mkdtemp(prefix="fastckpt-torture-", dir=args.dir))
+    bad = 0
+    try:
+        for part in parts:
+            started = time.perf_counter()
+            if part == "fuzz":
+                report = fuzz(work, args.cases, args.seed)
+                bad += report["bad outcomes"]
+            elif part == "flips":
+                report = flips(work, args.flips, args.seed)
+                bad += report["bad outcomes"] + report["changed values undetected"]
+            elif part == "kills":
+                report = kills(work, args.kills, args.seed)
+                bad += report["torn checkpoints"] + report["temp files left after the next save"]
+            elif part == "enospc":
+                report = enospc(work)
+                bad += sum(v for k, v in report.get("outcomes", {}).items() if k != "ENOSPC")
+                bad += report.get("files left after the failed saves", 0)
+            elif part == "concurrency":
+                report = concurrency(work, args.seconds)
+                bad += report["torn or mixed loads"] + report["temp files left"]
+            else:
+                report = bounds(work, args.bounds_mb)
+                bad += sum(
+                    1
+                    for r in report.values()
+                    if r["outcome"].startswith(("CRASH", "HANG", "MemoryError"))
+                )
+            report["part seconds"] = round(time.perf_counter() - started, 1)
+            print(f"== {part}", json.dumps(report, indent=2), sep="\n", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"bad outcomes in total: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
