@@ -14,6 +14,7 @@ This module is the only reader of ``FASTCKPT_*`` variables. Besides the I/O sett
 ``FASTCKPT_GDS`` (use GPUDirect Storage for CUDA loads: 1/0, unset = as tuned),
 ``FASTCKPT_ASYNC_STAGING_BYTES`` (cap on the asynchronous staging pool),
 ``FASTCKPT_DIRECT_IO`` (1/0: force or forbid O_DIRECT; unset: chosen per file),
+``FASTCKPT_STORAGE_OPTIONS`` (a JSON object of fsspec storage options for URLs),
 ``FASTCKPT_NO_PROGRESS`` (1 hides progress bars), ``FASTCKPT_CUFILE_LIBRARY`` (the libcufile
 file to open) and ``FASTCKPT_CONFIG`` (the tuned-configuration file).
 

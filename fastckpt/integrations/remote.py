@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from fastckpt import _C, format
+from fastckpt import _C, config, format
 from fastckpt.checkpoint import dtypes, tree
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.errors import ChecksumError, HeaderError
@@ -152,7 +152,7 @@ def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
 
 def _options_from_environment() -> dict[str, Any]:
     """``FASTCKPT_STORAGE_OPTIONS`` (a JSON object): storage options when a call passes none."""
-    text = os.environ.get("FASTCKPT_STORAGE_OPTIONS", "").strip()
+    text = (config.environment("STORAGE_OPTIONS") or "").strip()
     if not text:
         return {}
     try:
@@ -884,14 +884,9 @@ def open_url(
         return fastckpt.open(local_path(url), device=device, **local_options)
     if torch.device(device).type != "cpu":
         raise ValueError(f"{url}: readers of URLs put tensors on the CPU, not {device}")
-    try:
-        return RemoteReader(
-            url, storage_options=storage_options, part_size=part_size, parallel=parallel
-        )
-    except IsADirectoryError:  # a sharded checkpoint's directory
-        from fastckpt.integrations import hf_shards
-
-        return hf_shards.open_sharded(url, storage_options=storage_options)
+    return RemoteReader(
+        url, storage_options=storage_options, part_size=part_size, parallel=parallel
+    )
 
 
 def load(
@@ -939,23 +934,9 @@ def load(
     target = resolve_device(map_location, device)
     if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
         raise TypeError("keys must be a list of tensor names")
-    try:
-        reader = RemoteReader(
-            url, storage_options=storage_options, part_size=part_size, parallel=parallel
-        )
-    except IsADirectoryError:  # a sharded checkpoint's directory
-        from fastckpt.integrations import hf_shards
-
-        return hf_shards.load_sharded(
-            url,
-            map_location,
-            storage_options=storage_options,
-            device=device,
-            keys=keys,
-            verify=verify,
-            part_size=part_size,
-            parallel=parallel,
-        )
+    reader = RemoteReader(
+        url, storage_options=storage_options, part_size=part_size, parallel=parallel
+    )
     if verify and not reader.has_checksums:
         raise ChecksumError(f"{url} has no checksums to verify", filename=url)
     check = reader.has_checksums and verify is not False

@@ -85,7 +85,14 @@ def route_load(
             options = _for_url(options)
         return hf_shards.load_sharded(f, map_location, storage_options=storage_options, **options)
     if remote.is_url(f):
-        return remote.load(f, map_location, storage_options=storage_options, **_for_url(options))
+        try:
+            return remote.load(
+                f, map_location, storage_options=storage_options, **_for_url(options)
+            )
+        except IsADirectoryError:  # a directory of shards without an index file name in f
+            return hf_shards.load_sharded(
+                f, map_location, storage_options=storage_options, **_for_url(options)
+            )
     import fastckpt
 
     return fastckpt.load(remote.local_path(f), map_location, **options)
@@ -98,7 +105,10 @@ def route_open(f: Any, *, storage_options: Mapping[str, Any] | None = None, **op
             options = _for_url(options)
         return hf_shards.open_sharded(f, storage_options=storage_options, **options)
     if remote.is_url(f):
-        return remote.open_url(f, storage_options=storage_options, **_for_url(options))
+        try:
+            return remote.open_url(f, storage_options=storage_options, **_for_url(options))
+        except IsADirectoryError:  # a directory of shards without an index file name in f
+            return hf_shards.open_sharded(f, storage_options=storage_options)
     import fastckpt
 
     return fastckpt.open(remote.local_path(f), **options)
