@@ -40,7 +40,7 @@ _PUBLIC = {
     "release_staging": ("fastckpt.checkpoint.asynchronous", "release_staging"),
     "prepare_staging": ("fastckpt.checkpoint.asynchronous", "prepare_staging"),
     "CheckpointReader": ("fastckpt.checkpoint.read", "CheckpointReader"),
-    "TensorInfo": ("fastckpt.checkpoint.read", "TensorInfo"),
+    "TensorInfo": ("fastckpt.checkpoint.header_view", "TensorInfo"),
     "engines": ("fastckpt.io.engines", "engines"),
     "EngineInfo": ("fastckpt.io.engines", "EngineInfo"),
     "FastCkptError": ("fastckpt.errors", "FastCkptError"),
@@ -88,7 +88,8 @@ if TYPE_CHECKING:
         release_staging,
         wait_all,
     )
-    from fastckpt.checkpoint.read import CheckpointReader, TensorInfo
+    from fastckpt.checkpoint.header_view import TensorInfo
+    from fastckpt.checkpoint.read import CheckpointReader
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,

@@ -31,6 +31,7 @@ import torch
 
 from fastckpt import _C, format
 from fastckpt.checkpoint import dtypes
+from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
 from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
@@ -57,17 +58,6 @@ _MIN_SPAN = 1 << 20
 _RESIDENT_ENOUGH = 0.5
 # Where runs of tensors start in a GPU arena, modulo which their data offsets are kept.
 _DEVICE_ALIGN = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """What the header says of one tensor, known without reading it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int  # absolute file offset of the first byte
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
@@ -104,7 +94,7 @@ def _runs(entries: Iterable[format.TensorEntry]) -> list[_Run]:
     return runs
 
 
-class CheckpointReader:
+class CheckpointReader(HeaderView):
     """A fastckpt/safetensors file opened for lazy reading; like ``safetensors.safe_open``.
 
     Use :func:`fastckpt.open` to create one.
@@ -171,56 +161,10 @@ class CheckpointReader:
         first8 = _pread_exact(self._file.fd, min(8, size), 0, self.path) if size else b""
         try:
             n = format.parse_header_length(first8, size)
-            self.header = format.parse_header(_pread_exact(self._file.fd, n, 8, self.path), size)
-            self.meta = format.split_metadata(self.header.metadata)
+            header = format.parse_header(_pread_exact(self._file.fd, n, 8, self.path), size)
         except HeaderError as exc:
             raise HeaderError(f"{self.path}: {exc}") from None
-        entries = self.header.entries
-        for alias, target in self.meta.aliases.items():
-            if target not in entries:
-                raise HeaderError(
-                    f"{self.path}: alias {alias!r} points to missing tensor {target!r}"
-                )
-            if alias in entries:
-                raise HeaderError(f"{self.path}: alias {alias!r} is also a stored tensor")
-        if self.meta.crcs is not None:
-            unknown = set(self.meta.crcs) - set(entries)
-            if unknown:
-                raise HeaderError(
-                    f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}"
-                )
-        for entry in entries.values():
-            dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
-
-    # -- what the header says -------------------------------------------------------------
-    def keys(self) -> list[str]:
-        """Every tensor name: stored tensors in file order, then aliases of tied tensors."""
-        return list(self.header.entries) + list(self.meta.aliases)
-
-    def metadata(self) -> dict[str, str]:
-        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys)."""
-        return dict(self.meta.user)
-
-    @property
-    def has_checksums(self) -> bool:
-        """Whether the file records a CRC32C per tensor."""
-        return self.meta.crcs is not None
-
-    def _entry(self, name: str) -> format.TensorEntry:
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names are str, got {type(name).__name__}")
-        target = self.meta.aliases.get(name, name)
-        try:
-            return self.header.entries[target]
-        except KeyError:
-            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
-
-    def info(self, name: str) -> TensorInfo:
-        """dtype, shape, size and file offset of a tensor, without reading it."""
-        e = self._entry(name)
-        return TensorInfo(
-            name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin
-        )
+        self._adopt_header(header)
 
     @property
     def read_mode(self) -> str:

@@ -96,9 +96,9 @@ class Loader:
 
 
 def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
-    import fastckpt
+    from fastckpt import save  # resolved (its modules imported) outside the timed section
 
-    return lambda: fastckpt.save(state, path, progress=False)  # fsyncs and commits itself
+    return lambda: save(state, path, progress=False)  # fsyncs and commits itself
 
 
 def _save_torch(state: dict[str, Any], path: str) -> Callable[[], None]:
@@ -133,15 +133,15 @@ SAVERS: dict[str, Saver] = {
 
 
 def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
-    import fastckpt
+    from fastckpt import load  # resolved (its modules imported) outside the timed section
 
-    return lambda: fastckpt.load(path, map_location=device, progress=False)
+    return lambda: load(path, map_location=device, progress=False)
 
 
 def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
-    import fastckpt
+    from fastckpt import load
 
-    return lambda: fastckpt.load(path, map_location=device, verify=False, progress=False)
+    return lambda: load(path, map_location=device, verify=False, progress=False)
 
 
 def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
@@ -151,7 +151,8 @@ def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
         raise Skip("fastckpt.load takes no mmap argument in this version")
     if device != "cpu":
         raise Skip("mmap loads are for CPU tensors")
-    return lambda: fastckpt.load(path, mmap=True, progress=False)
+    load = fastckpt.load
+    return lambda: load(path, mmap=True, progress=False)
 
 
 def _load_safetensors(path: str, device: str) -> Callable[[], Any]:

@@ -53,6 +53,7 @@ import torch
 
 from fastckpt import _C, config, format
 from fastckpt.checkpoint import dtypes, tree
+from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.errors import ChecksumError, HeaderError
 
@@ -592,7 +593,7 @@ def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tenso
     return raw.view(dtype).view(e.shape)
 
 
-class RemoteReader:
+class RemoteReader(HeaderView):
     """A checkpoint at a URL opened for lazy reading: what ``fastckpt.open(url)`` returns.
 
     Only the header is read on opening; each :meth:`get_tensors` fetches just the bytes of
@@ -648,40 +649,10 @@ class RemoteReader:
         try:
             n = format.parse_header_length(first, size)
             raw = first[8 : 8 + n] if len(first) >= 8 + n else self._cat(8, 8 + n, "header")
-            self.header = format.parse_header(raw, size)
-            self.meta = format.split_metadata(self.header.metadata)
+            header = format.parse_header(raw, size)
         except HeaderError as exc:
             raise HeaderError(f"{url}: {exc}") from None
-        entries = self.header.entries
-        for alias, target in self.meta.aliases.items():
-            if target not in entries or alias in entries:
-                raise HeaderError(f"{url}: alias {alias!r} -> {target!r} is inconsistent")
-        if self.meta.crcs is not None and set(self.meta.crcs) - set(entries):
-            missing = sorted(set(self.meta.crcs) - set(entries))[0]
-            raise HeaderError(f"{url}: checksum for missing tensor {missing!r}")
-        for entry in entries.values():
-            dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
-
-    def keys(self) -> list[str]:
-        """Every tensor name: stored tensors in file order, then aliases of tied tensors."""
-        return list(self.header.entries) + list(self.meta.aliases)
-
-    def metadata(self) -> dict[str, str]:
-        """The user's metadata (``__metadata__`` without fastckpt's own keys)."""
-        return dict(self.meta.user)
-
-    @property
-    def has_checksums(self) -> bool:
-        """Whether the file records a CRC32C per tensor."""
-        return self.meta.crcs is not None
-
-    def _entry(self, name: str) -> format.TensorEntry:
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names are str, got {type(name).__name__}")
-        try:
-            return self.header.entries[self.meta.aliases.get(name, name)]
-        except KeyError:
-            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+        self._adopt_header(header)
 
     # -- reading --------------------------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""What a checkpoint's header says, for every reader (local files, URLs): the tensor names,
+their dtypes, shapes and offsets, the user's metadata, and whether the references inside the
+header (aliases, checksums) hold together.
+
+Example:
+    >>> import torch, fastckpt
+    >>> fastckpt.save({"w": torch.ones(2, 3)}, "/tmp/fastckpt-view.safetensors")
+    >>> with fastckpt.open("/tmp/fastckpt-view.safetensors") as view:
+    ...     view.keys(), view.info("w").shape, view.has_checksums
+    (['w'], (2, 3), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fastckpt import format
+from fastckpt.checkpoint import dtypes
+from fastckpt.errors import HeaderError
+
+__all__ = ["HeaderView", "TensorInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What the header says of one tensor, known without reading it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute file offset of the first byte
+
+
+class HeaderView:
+    """The header-side of a reader. Subclasses set ``path`` and call :meth:`_adopt_header`."""
+
+    path: str
+    header: format.Header
+    meta: format.FastckptMeta
+
+    def _adopt_header(self, header: format.Header) -> None:
+        """Takes a parsed header, checking what ties its parts together (HeaderError naming
+        ``path`` otherwise): aliases point to stored tensors, checksums to existing ones,
+        and every dtype is one torch can hold."""
+        try:
+            meta = format.split_metadata(header.metadata)
+        except HeaderError as exc:
+            raise HeaderError(f"{self.path}: {exc}") from None
+        entries = header.entries
+        for alias, target in meta.aliases.items():
+            if target not in entries:
+                raise HeaderError(
+                    f"{self.path}: alias {alias!r} points to missing tensor {target!r}"
+                )
+            if alias in entries:
+                raise HeaderError(f"{self.path}: alias {alias!r} is also a stored tensor")
+        if meta.crcs is not None:
+            unknown = set(meta.crcs) - set(entries)
+            if unknown:
+                raise HeaderError(
+                    f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}"
+                )
+        for entry in entries.values():
+            dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
+        self.header, self.meta = header, meta
+
+    def keys(self) -> list[str]:
+        """Every tensor name: stored tensors in file order, then aliases of tied tensors."""
+        return list(self.header.entries) + list(self.meta.aliases)
+
+    def metadata(self) -> dict[str, str]:
+        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys)."""
+        return dict(self.meta.user)
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the file records a CRC32C per tensor."""
+        return self.meta.crcs is not None
+
+    def _entry(self, name: str) -> format.TensorEntry:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are str, got {type(name).__name__}")
+        try:
+            return self.header.entries[self.meta.aliases.get(name, name)]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def info(self, name: str) -> TensorInfo:
+        """dtype, shape, size and file offset of a tensor, without reading it."""
+        e = self._entry(name)
+        return TensorInfo(
+            name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin
+        )
