@@ -25,13 +25,13 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from fastckpt import _C, format
-from fastckpt.checkpoint import dtypes
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
+from fastckpt.checkpoint.tensor_runs import Run, tensor_runs, tensor_view
 from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import resolve_io, staging_bytes
 from fastckpt.errors import ChecksumError, HeaderError
@@ -71,27 +71,6 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
         chunks.append(data)
         got += len(data)
     return b"".join(chunks)
-
-
-@dataclasses.dataclass
-class _Run:
-    """Adjacent tensors read as one byte range; ``arena_pos`` is where ``begin`` lands."""
-
-    begin: int
-    end: int
-    entries: list[format.TensorEntry]
-    arena_pos: int = 0
-
-
-def _runs(entries: Iterable[format.TensorEntry]) -> list[_Run]:
-    runs: list[_Run] = []
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
-        if runs and e.begin <= runs[-1].end:
-            runs[-1].end = max(runs[-1].end, e.end)
-            runs[-1].entries.append(e)
-        else:
-            runs.append(_Run(e.begin, e.end, [e]))
-    return runs
 
 
 class CheckpointReader(HeaderView):
@@ -294,13 +273,13 @@ class CheckpointReader(HeaderView):
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         data = self._mapping()
         if verify:
-            runs = _runs(entries.values())
+            runs = tensor_runs(entries.values())
             for run in runs:
                 run.arena_pos = run.begin
             spans, labels = _plan_spans(runs, 0, data.data_ptr(), direct=False)
             actual = _tensor_crcs(labels, parallel_io.checksum_memory(spans))
             _check_crcs(runs, actual, self.meta.crcs or {}, self.path)
-        return {name: _view(data, e.begin, e) for name, e in entries.items()}
+        return {name: tensor_view(data, e.begin, e) for name, e in entries.items()}
 
     def _mapping(self) -> torch.Tensor:
         """The data section as a uint8 tensor over a private (copy-on-write) file mapping."""
@@ -328,7 +307,7 @@ class CheckpointReader(HeaderView):
         Disk reads into page-locked staging buffers overlap the copies to the GPU (or cuFile
         reads straight into the arena with GDS); checksums are verified from the host copy.
         """
-        runs = _runs(entries)
+        runs = tensor_runs(entries)
         pos = 0
         for run in runs:  # keep each run's offset modulo 256 so tensors stay aligned to dtype
             pos = -(-pos // _DEVICE_ALIGN) * _DEVICE_ALIGN + run.begin % _DEVICE_ALIGN
@@ -359,7 +338,7 @@ class CheckpointReader(HeaderView):
                 if verifier is not None:
                     verifier.finish()
         return {
-            e.name: _view(arena, run.arena_pos + (e.begin - run.begin), e)
+            e.name: tensor_view(arena, run.arena_pos + (e.begin - run.begin), e)
             for run in runs
             for e in run.entries
         }
@@ -522,7 +501,7 @@ class _PendingRead:
     ):
         self.source = source
         self.verify = verify
-        self.runs = _runs(entries)
+        self.runs = tensor_runs(entries)
         self.arena = aligned_tensor(_place_runs(self.runs, source.data_offset), lock=pin_memory)
         self.spans, self.labels = _plan_spans(
             self.runs, source.data_offset, self.arena.data_ptr(), direct=source.direct
@@ -597,7 +576,7 @@ class _PendingRead:
                         actual = _tensor_crcs(self.labels, self._crcs or [])
                         _check_crcs(self.runs, actual, self.source.crcs, self.source.path)
                     self._result = {
-                        e.name: _view(self.arena, run.arena_pos + (e.begin - run.begin), e)
+                        e.name: tensor_view(self.arena, run.arena_pos + (e.begin - run.begin), e)
                         for run in self.runs
                         for e in run.entries
                     }
@@ -609,7 +588,7 @@ class _PendingRead:
 
 
 def _check_crcs(
-    runs: list[_Run], actual: dict[str, int], expected: dict[str, int], path: str
+    runs: list[Run], actual: dict[str, int], expected: dict[str, int], path: str
 ) -> None:
     """ChecksumError naming the first tensor (in file order) whose CRC32C is not the recorded one."""
     for run in runs:
@@ -625,7 +604,7 @@ def _check_crcs(
                 )
 
 
-def _place_runs(runs: list[_Run], data_offset: int) -> int:
+def _place_runs(runs: list[Run], data_offset: int) -> int:
     """Sets each run's arena position, keeping its file offset modulo the page (so O_DIRECT
     stays possible); returns the arena's size."""
     pos = 0
@@ -649,7 +628,7 @@ def _span_bytes(total: int, direct: bool) -> int:
 
 
 def _plan_spans(
-    runs: list[_Run], data_offset: int, arena: int, *, direct: bool
+    runs: list[Run], data_offset: int, arena: int, *, direct: bool
 ) -> tuple[list[Span], list[list[tuple[str, int]]]]:
     """The spans that read ``runs`` into the arena at ``arena`` (cut at file offsets that
     are multiples of the span size), and per span its checksum segments as (tensor, bytes).
@@ -689,17 +668,6 @@ def _tensor_crcs(labels: list[list[tuple[str, int]]], span_crcs: list[list[int]]
         for (name, nbytes), value in zip(segments, values):
             crcs[name] = crc32c_combine(crcs[name], value, nbytes) if name in crcs else value
     return crcs
-
-
-def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
-    """The tensor of ``e`` whose bytes start at ``arena[start]``, as a view where possible."""
-    dtype = dtypes.to_torch(e.dtype)
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype, device=arena.device)
-    raw = arena[start : start + e.nbytes]
-    if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
-        raw = raw.clone()  # files from other writers may not align tensors to their dtype
-    return raw.view(dtype).view(e.shape)
 
 
 def open_checkpoint(

@@ -46,15 +46,15 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, tree
+from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
+from fastckpt.checkpoint.tensor_runs import tensor_runs, tensor_view
 from fastckpt.errors import ChecksumError, HeaderError
 
 __all__ = [
@@ -562,37 +562,6 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
 # --------------------------------------------------------------------------- load
 
 
-@dataclass
-class _Run:
-    """Adjacent tensors fetched as one byte range; ``arena_pos`` is where ``begin`` lands."""
-
-    begin: int
-    end: int
-    entries: list[format.TensorEntry]
-    arena_pos: int = 0
-
-
-def _runs(entries: Sequence[format.TensorEntry]) -> list[_Run]:
-    runs: list[_Run] = []
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
-        if runs and e.begin <= runs[-1].end:
-            runs[-1].end = max(runs[-1].end, e.end)
-            runs[-1].entries.append(e)
-        else:
-            runs.append(_Run(e.begin, e.end, [e]))
-    return runs
-
-
-def _view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
-    dtype = dtypes.to_torch(e.dtype)
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype)
-    raw = arena[start : start + e.nbytes]
-    if raw.data_ptr() % torch.empty(0, dtype=dtype).element_size():
-        raw = raw.clone()  # files from other writers may not align tensors to their dtype
-    return raw.view(dtype).view(e.shape)
-
-
 class RemoteReader(HeaderView):
     """A checkpoint at a URL opened for lazy reading: what ``fastckpt.open(url)`` returns.
 
@@ -678,7 +647,7 @@ class RemoteReader(HeaderView):
         entries = {e.name: e for e in map(self._entry, wanted)}
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
-        runs = _runs(list(entries.values()))
+        runs = tensor_runs(list(entries.values()))
         pos = 0
         for run in runs:  # same offset modulo 64 as in the data section: dtypes stay aligned
             pos = -(-pos // _ARENA_ALIGN) * _ARENA_ALIGN + run.begin % _ARENA_ALIGN
@@ -701,7 +670,7 @@ class RemoteReader(HeaderView):
         else:
             self._fetch(arena, ranges)
         views = {
-            e.name: _view(arena, run.arena_pos + e.begin - run.begin, e)
+            e.name: tensor_view(arena, run.arena_pos + e.begin - run.begin, e)
             for run in runs
             for e in run.entries
         }

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import fastckpt
-from fastckpt.checkpoint.read import _plan_spans, _runs
+from fastckpt.checkpoint.read import _plan_spans
 from fastckpt.checkpoint.save import _through_page_cache, plan_save
+from fastckpt.checkpoint.tensor_runs import tensor_runs
 from fastckpt.io.commit import AtomicFile
 
 
@@ -91,7 +92,7 @@ def test_memory_file_systems_read_and_write_through_the_page_cache():
 def test_one_large_tensor_is_split_across_workers():
     """A single tensor must not serialize: it becomes many spans whose CRCs are joined."""
     entries = plan_save({"w": torch.zeros(64 << 18)}).entries  # 64 MiB
-    runs = _runs(entries)
+    runs = tensor_runs(entries)
     runs[0].arena_pos = 0
     spans, labels = _plan_spans(runs, 4096, 0, direct=False)
     assert len(spans) >= 2 * fastckpt.io.parallel_io.worker_count()
