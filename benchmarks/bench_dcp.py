@@ -33,22 +33,17 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from fastckpt.cli.measure import (
     filesystem_of,
     fmt,
-    human_bytes,
-    import_repo_package,
+    format_bytes,
     log,
     median,
     parse_size,
     rotate,
 )
-
-import_repo_package()
 
 TENSOR_BYTES = 64 << 20  # each rank's shard of one weight
 
@@ -234,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(base, exist_ok=True)
     fs = filesystem_of(base)
     print(
-        f"# DCP benchmark: {human_bytes(args.per_rank)} per rank, ranks {args.ranks}, "
+        f"# DCP benchmark: {format_bytes(args.per_rank)} per rank, ranks {args.ranks}, "
         f"median of {args.repeat}; {base} on {fs}; {os.cpu_count()} CPUs"
     )
     report: dict[str, Any] = {}
@@ -272,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             ("async_save until done, FastCkptWriter", med["async-fastckpt-total"]),
             ("async_save until done, DCP default", med["async-dcp-total"]),
         ]
-        print(f"\n## {world} ranks x {human_bytes(args.per_rank)} = {human_bytes(total)}")
+        print(f"\n## {world} ranks x {format_bytes(args.per_rank)} = {format_bytes(total)}")
         for label, seconds in rows:
             rate = gbps(seconds) if not label.startswith("async") else ""
             print(f"  {label:<56} {fmt(seconds, '8.3f', ' s')}  {rate}")

@@ -32,8 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+from fastckpt.cli import measure as M
 
 MODES = ("none", "copy", "torch", "lightning_async", "fastckpt", "fastckpt_async")
 
@@ -137,10 +136,10 @@ def child(args: argparse.Namespace) -> None:
         trainer.save_checkpoint = counted_save
         checkpoint.on_train_batch_end = timed_hook
     data = DataLoader(TensorDataset(torch.randn(args.steps * args.batch, width)), args.batch)
-    with _common.Measure() as m:
+    with M.Measure() as m:
         trainer.fit(Stack(), data)  # includes teardown: the wait for the last writes
     state_bytes = sum(t.numel() * t.element_size() for t in state_tensors().values())
-    _common.report(
+    M.report(
         {
             "mode": args.mode,
             "blocked": blocked,
@@ -155,7 +154,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", type=_common.parse_size, default=_common.parse_size("512M"))
+    p.add_argument("--size", type=M.parse_size, default=M.parse_size("512M"))
     p.add_argument("--width", type=int, default=4096, help="width of each square layer")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument(
@@ -178,14 +177,14 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for r in range(args.repeats):
-            for mode in _common.rotate(modes, r):  # interleaved: disk noise hits every mode
+            for mode in M.rotate(modes, r):  # interleaved: disk noise hits every mode
                 directory = root / mode
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
                 argv = [sys.executable, __file__, "--child", mode, "--dir", str(directory)]
                 for name in ("size", "width", "batch", "steps", "every"):
                     argv += [f"--{name}", str(getattr(args, name))]
-                res = _common.run_child(argv, timeout=1800)
+                res = M.run_child(argv, timeout=1800)
                 if "error" in res:
                     print(f"{mode}: {res['error']}", file=sys.stderr)
                     continue
@@ -193,13 +192,13 @@ def main() -> None:
                 later = res["blocked"][1:] or res["blocked"]
                 print(
                     f"round {r + 1} {mode}: loop {res['loop']:.2f} s, blocked per checkpoint "
-                    f"{_common.median(later) or 0:.3f} s (first {res['blocked'][0] if res['blocked'] else 0:.3f} s)",
+                    f"{M.median(later) or 0:.3f} s (first {res['blocked'][0] if res['blocked'] else 0:.3f} s)",
                     file=sys.stderr,
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    med = _common.median
+    med = M.median
     rows = {}
     for mode, runs in results.items():
         if not runs:
@@ -217,8 +216,8 @@ def main() -> None:
     checkpoints = args.steps // args.every
     print(
         f"\n{any_run['layers']} x Linear({args.width}, {args.width}) = "
-        f"{_common.human_bytes(any_run['layers'] * args.width**2 * 4)} of parameters; checkpoint (weights + Adam state) "
-        f"{_common.human_bytes(any_run['state_bytes'])}; {args.steps} steps, a checkpoint every "
+        f"{M.format_bytes(any_run['layers'] * args.width**2 * 4)} of parameters; checkpoint (weights + Adam state) "
+        f"{M.format_bytes(any_run['state_bytes'])}; {args.steps} steps, a checkpoint every "
         f"{args.every} ({checkpoints} per run); medians of {args.repeats} runs\n"
     )
     names = {

@@ -44,8 +44,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from fastckpt.cli import measure as C
+from fastckpt.cli.synthetic import llm_like_state_dict
 
 SAVE_METHODS = ["fastckpt", "safetensors", "torch.save", "raw upload"]
 LOAD_METHODS = ["fastckpt", "safetensors", "torch.load"]
@@ -66,7 +66,6 @@ def _options(endpoint: str) -> dict[str, Any]:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    C.import_repo_package()
     import fsspec.core
     import torch
 
@@ -79,7 +78,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     kind, method = spec["kind"], spec["method"]
     result: dict[str, Any] = {}
     if kind == "save" or kind == "shard":
-        state = C.llm_like_state_dict(spec["size"])
+        state = llm_like_state_dict(spec["size"])
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         if method == "raw upload":
             import safetensors.torch
@@ -124,7 +123,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                         tensors = safetensors.torch.load(f.read())
                     else:
                         tensors = torch.load(f, weights_only=True)
-            result["checksum"] = C.touch_tensors(tensors)
+            result["checksum"] = C.touch(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     result.update(m.as_dict(), nbytes=nbytes)
     return result
@@ -184,7 +183,7 @@ def _table(title: str, rows: dict[str, list[dict[str, Any]]], ratio_to: list[str
             C.fmt(rates[method], ".3f"),
             C.fmt(C.median(r["seconds"] for r in ok), ".2f"),
             C.fmt(C.median(r["cpu_seconds"] for r in ok), ".2f"),
-            C.human_bytes(C.median(r["extra_rss"] for r in ok)),
+            C.format_bytes(C.median(r["extra_rss"] for r in ok)),
         ]
         for other in ratio_to:
             cells.append(C.fmt(rates[method] / rates[other], ".2f") if other in rates else "n/a")
@@ -207,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         C.report(_child(json.loads(args.child)))
         return 0
 
-    C.import_repo_package()
     size = C.parse_size(args.size)
     part = C.parse_size(args.part_size)
     server, endpoint = _start_server()
@@ -263,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sums = {m: {r.get("checksum") for r in runs if "error" not in r} for m, runs in loads.items()}
     agree = len({s for v in sums.values() for s in v}) <= 1
-    print(f"## bench_remote: {C.human_bytes(size)} state dict, S3 = moto on loopback\n")
+    print(f"## bench_remote: {C.format_bytes(size)} state dict, S3 = moto on loopback\n")
     print(
         f"{platform.node()} · {os.cpu_count()} CPUs · Python {platform.python_version()} · "
-        f"part {C.human_bytes(part)} × {args.parallel} in flight · medians of {args.repeats}"
+        f"part {C.format_bytes(part)} × {args.parallel} in flight · medians of {args.repeats}"
         f" · loaders agree on the bytes: {agree}\n"
     )
     print(_table("Save to S3", saves, ["safetensors", "torch.save", "raw upload"]))
