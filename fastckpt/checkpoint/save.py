@@ -190,7 +190,7 @@ class StreamWriter:
         )
         self._offset = plan.header_size  # file offset of the next buffer
         self._progress = progress
-        self._threads = os.cpu_count() or 1
+        self._threads = parallel_io.worker_count()
 
     # -- buffers ----------------------------------------------------------------------------
     def _next_buffer(self) -> StagingBuffer:

@@ -36,6 +36,7 @@ from fastckpt.cli.measure import (
     file_crc32,
     make_durable,
     preadv_file,
+    pwrite_file,
     tensor_crc32s,
     touch,
 )
@@ -122,11 +123,33 @@ def _save_safetensors(state: dict[str, Any], path: str) -> Callable[[], None]:
     return run
 
 
+def _pwrite(parallel: bool) -> Callable[[dict[str, Any], str], Callable[[], None]]:
+    def setup(state: dict[str, Any], path: str) -> Callable[[], None]:
+        import torch
+
+        tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            raise Skip("the pwrite ceiling writes contiguous CPU tensors")
+        # Raw bytes of each tensor (bfloat16 has no buffer format of its own).
+        buffers = [t.view(torch.uint8).reshape(-1).numpy() for t in tensors if t.numel()]
+        threads = len(os.sched_getaffinity(0)) if parallel else 1
+
+        def run() -> None:
+            pwrite_file(path, buffers, threads)
+
+        return run
+
+    return setup
+
+
 #: Savers by name; every one is timed until the data is durable.
 SAVERS: dict[str, Saver] = {
     "fastckpt": Saver("fastckpt.save", "fastckpt", _save_fastckpt),
     "safetensors": Saver("safetensors save_file + fsync", "safetensors", _save_safetensors),
     "torch": Saver("torch.save + fsync", "torch", _save_torch),
+    # Ceilings: raw tensor bytes, a file no loader reads.
+    "pwrite-1": Saver("pwrite ceiling, 1 thread", "raw", _pwrite(parallel=False)),
+    "pwrite": Saver("parallel pwrite ceiling", "raw", _pwrite(parallel=True)),
 }
 
 # ----------------------------------------------------------------------------- loads

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from fastckpt import _C
 from fastckpt.config import IOConfig, resolve_io
 from fastckpt.errors import ChecksumError
-from fastckpt.io import device_copy
+from fastckpt.io import device_copy, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor, buffer_ref
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
@@ -548,7 +548,7 @@ def deepspeed_memcpy(dest: Any, src: Any) -> int:
         raise ValueError(
             f"dest has {dst_ref.nbytes} bytes but src has {src_ref.nbytes}; sizes must match"
         )
-    _C.memcpy(dst_ref.address, src_ref.address, src_ref.nbytes, os.cpu_count() or 1)
+    _C.memcpy(dst_ref.address, src_ref.address, src_ref.nbytes, parallel_io.worker_count())
     return 0
 
 

@@ -42,7 +42,6 @@ import concurrent.futures
 import ctypes
 import errno
 import json
-import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,6 +55,7 @@ from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.checkpoint.tensor_runs import tensor_runs, tensor_view
 from fastckpt.errors import ChecksumError, HeaderError
+from fastckpt.io import parallel_io
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -416,7 +416,7 @@ def write_plan(
         raise ValueError(f"part_size and parallel must be positive, got {part_size}, {parallel}")
     with _Errors(url, "resolving the URL"):
         fs, path = url_to_fs(url, storage_options)
-    header = plan.header(_checksums(plan, os.cpu_count() or 1))
+    header = plan.header(_checksums(plan, parallel_io.worker_count()))
     if len(header) != plan.header_size:
         raise AssertionError("header size changed between planning and writing")
     pieces = _file_bytes(plan, header, part_size)
@@ -754,7 +754,7 @@ class RemoteReader(HeaderView):
                     filename=self.path,
                 )
 
-        _run_parallel(check, list(views), os.cpu_count() or 1)
+        _run_parallel(check, list(views), parallel_io.worker_count())
 
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None

@@ -70,8 +70,13 @@ class Span:
 
 
 def worker_count() -> int:
-    """Threads used for parallel transfers: one per core (at most 32)."""
-    return max(1, min(32, os.cpu_count() or 1))
+    """Threads used for parallel transfers: one per core this process may run on (at most
+    32); a container or ``taskset`` that limits the cores limits the threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return max(1, min(32, cores))
 
 
 _pool_lock = threading.Lock()
