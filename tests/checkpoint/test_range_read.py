@@ -3,8 +3,6 @@ pieces covering what is asked for, and name the damaged piece."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
