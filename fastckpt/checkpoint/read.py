@@ -167,27 +167,27 @@ class CheckpointReader(HeaderView):
         mode, _ = self._choose_read_mode()
         return mode
 
-    def _choose_read_mode(self) -> tuple[str, str]:
-        """(mode, why) for the next read."""
+    def _choose_read_mode(self, region: tuple[int, int] | None = None) -> tuple[str, str]:
+        """(mode, why) for the next read: of ``region`` (file offset, bytes) when given,
+        else of the whole data section."""
         if self._direct_io is not None:
             return (
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
         if self._file.direct_fd < 0:
             return "buffered", "the file system refuses O_DIRECT"
-        resident = page_cache.resident_fraction(
-            self._file.fd, self.header.data_offset, self.header.data_size
-        )
+        offset, nbytes = region or (self.header.data_offset, self.header.data_size)
+        resident = page_cache.resident_fraction(self._file.fd, offset, nbytes)
         if resident is not None and resident >= _RESIDENT_ENOUGH:
             return "buffered", f"{resident:.0%} of the data is in memory"
         known = "unknown" if resident is None else f"{resident:.0%}"
         return "direct", f"{known} of the data is in memory"
 
-    def _source(self) -> _Source:
+    def _source(self, region: tuple[int, int] | None = None) -> _Source:
         with self._lock:
             if self._closed:
                 raise ValueError(f"{self.path}: the reader is closed")
-        mode, why = self._choose_read_mode()
+        mode, why = self._choose_read_mode(region)
         _log.debug("reading %s: %s (%s)", self.path, mode, why)
         return _Source(
             self._file,
@@ -264,7 +264,8 @@ class CheckpointReader(HeaderView):
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         dest = None if out is None else byte_view(out, stop - start)
-        read = self._source()
+        # O_DIRECT or the page cache, by what is resident of this range (not of the file)
+        read = self._source((self.header.data_offset + e.begin + start, stop - start))
         source = RangeSource(
             read.file,
             read.executor,

@@ -151,8 +151,11 @@ def plan_save(
         piece_size=piece_size,
     )
     # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
-    plan.header_size = (
-        len(plan.header_from(plan.checksummers())) if checksum else len(plan.header(None))
+    zeros = {e.name: [0] * format.piece_count(e.nbytes, piece_size) for e in entries}
+    plan.header_size = len(
+        plan.header({e.name: 0 for e in entries}, {n: z for n, z in zeros.items() if z})
+        if checksum and piece_size
+        else plan.header({e.name: 0 for e in entries} if checksum else None)
     )
     return plan
 
@@ -536,7 +539,10 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
                 at += n
                 advance(n)
     del keep
-    _pwrite_all(file, plan.header_from(sums), 0)
+    header = plan.header_from(sums)
+    if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
+        raise AssertionError("header size changed between planning and writing")
+    _pwrite_all(file, header, 0)
 
 
 def _add_segments(acc: PieceCrcs, span: Span, crcs: list[int]) -> None:

@@ -203,3 +203,15 @@ def test_every_save_path_records_piece_checksums(tmp_path):
             assert {n: table.crcs(n) for n in table.digests} == expected, how
             assert r.meta.crcs["big"] == _C.crc32c(big.data_ptr(), big.numel() * 4), how
             assert not r.verify(), how
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_piece_table_larger_than_header_padding(tmp_path, direct_io):
+    # 1000 pieces: 8 KB of table, more than one aligned block of header
+    w = torch.randint(0, 256, (1000 * 4096,), dtype=torch.uint8)
+    path = str(tmp_path / "many.safetensors")
+    local_save({"w": w}, path, piece_size=4096, direct_io=direct_io)
+    with fastckpt.open(path) as r:
+        assert r.header.data_offset > 8192
+        assert r.meta.pieces.crcs("w") == _expected_pieces(w, 4096)
+        assert torch.equal(r.read_range("w", 5000, 9000, verify=True), w[5000:9000])
