@@ -151,7 +151,10 @@ def plan_save(
         piece_size=piece_size,
     )
     # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
-    zeros = {e.name: [0] * format.piece_count(e.nbytes, piece_size) for e in entries}
+    zeros = {
+        e.name: [0] * (format.piece_count(e.nbytes, piece_size) if piece_size else 0)
+        for e in entries
+    }
     plan.header_size = len(
         plan.header({e.name: 0 for e in entries}, {n: z for n, z in zeros.items() if z})
         if checksum and piece_size
