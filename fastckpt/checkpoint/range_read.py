@@ -148,14 +148,13 @@ def read_byte_range(
         crcs = parallel_io.read_buffered(source.file, spans, checksum=checked)
     if checked:
         _check(source, entry, regions, crcs)
-    if out is not None and bounce is not None:
-        flat = out
+    if out is not None and bounce is not None:  # the partly covered pieces' share of the range
         for region in regions:
             if start <= region.lo and region.hi <= stop:
                 continue
             lo, hi = max(region.lo, start), min(region.hi, stop)
             at = region.address - bounce.data_ptr() + (lo - region.lo)
-            flat[lo - start : hi - start].copy_(bounce[at : at + (hi - lo)])
+            out[lo - start : hi - start].copy_(bounce[at : at + (hi - lo)])
     return result
 
 
