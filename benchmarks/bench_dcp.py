@@ -13,6 +13,14 @@ a state dict of DTensors sharded along dim 0, ``--per-rank`` bytes each, and in 
   done), FastCkptWriter (which stages into fastckpt's page-locked buffers) against DCP's
   default (``checkpoint_id=`` only: its DefaultStager and FileSystemWriter).
 
+Reshard (``--reshard-from 2 --reshard-to 4``): a checkpoint saved by 2 ranks is loaded cold
+by 4, each of which needs half of one stored shard. Timed side by side: FastCkptReader (which
+reads only the checksummed pieces each rank needs), FastCkptReader on the same checkpoint
+saved without piece checksums (it then reads and verifies whole stored shards, as it did
+before piece checksums existed) and FileSystemReader. Bytes read per rank are reported twice:
+what the reader asked of its files (``FastCkptReader.bytes_read``) and what the kernel read
+from storage (``read_bytes`` of ``/proc/self/io``).
+
 The ceilings are the disk's: the same total bytes written as one file per rank, all at once,
 with parallel O_DIRECT writes and fsync, then read back cold with parallel O_DIRECT reads
 (fastckpt's native engine, page-locked buffers). Times are the slowest rank's, medians over
@@ -63,23 +71,27 @@ def _evict(directory: str) -> None:
                 os.close(fd)
 
 
-def _state(world: int, per_rank: int, fill: bool) -> dict[str, Any]:
+def _state(world: int, per_rank: int, fill: bool, saved_by: int | None = None) -> dict[str, Any]:
+    """The state of one rank of ``world``; ``per_rank`` is each rank's share when ``saved_by``
+    ranks (default ``world``) hold it, so a state saved by 2 can be loaded by 4."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    saved_by = saved_by or world
     mesh = init_device_mesh("cpu", (world,))
     cols = 4096
-    rows = TENSOR_BYTES // 4 // cols
+    rows = TENSOR_BYTES // 4 // cols  # per rank of saved_by
+    local_rows = rows * saved_by // world
     state: dict[str, Any] = {}
     for i in range(max(1, per_rank // TENSOR_BYTES)):
-        local = torch.randn(rows, cols) if fill else torch.zeros(rows, cols)
+        local = torch.randn(local_rows, cols) if fill else torch.zeros(local_rows, cols)
         state[f"layers.{i}.weight"] = DTensor.from_local(
             local,
             mesh,
             [Shard(0)],
             run_check=False,
-            shape=(rows * world, cols),
+            shape=(rows * saved_by, cols),
             stride=(cols, 1),
         )
     state["step"] = 1000
@@ -179,15 +191,125 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
     dist.destroy_process_group()
 
 
-def _run_ranks(world: int, options: dict[str, Any]) -> dict[str, list[float]]:
+def _storage_reads() -> int:
+    """Bytes this process has had read from storage (page-cache misses), per the kernel."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["read_bytes"])
+
+
+def _reshard_main(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
+    """Saves with ``world`` ranks (phase "save") or loads cold with ``world`` ranks what
+    ``options["saved_by"]`` ranks saved (phase "load"), timing each reader."""
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.dcp import FastCkptReader, FastCkptWriter
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=1800),
+    )
+    folder = options["folder"]
+    paths = {name: os.path.join(folder, name) for name in ("pieces", "whole", "theirs")}
+    if options["phase"] == "save":
+        state = _state(world, options["per_rank"], fill=True)
+        dcp.save(state, storage_writer=FastCkptWriter(paths["pieces"]))
+        dcp.save(state, storage_writer=FastCkptWriter(paths["whole"], piece_size=0))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(paths["theirs"]))
+        dist.destroy_process_group()
+        return
+    target = _state(world, options["per_rank"], fill=False, saved_by=options["saved_by"])
+    readers = {
+        "fastckpt": lambda: FastCkptReader(paths["pieces"]),
+        "fastckpt-whole-shards": lambda: FastCkptReader(paths["whole"]),
+        "dcp": lambda: dcp.FileSystemReader(paths["theirs"]),
+    }
+    where = {"fastckpt": "pieces", "fastckpt-whole-shards": "whole", "dcp": "theirs"}
+    times: dict[str, list[float]] = {}
+    read: dict[str, list[float]] = {}
+    for make in readers.values():  # untimed: the first load of each imports what it needs
+        dcp.load(target, storage_reader=make())
+    for round_ in range(options["repeat"]):
+        for name in rotate(list(readers), round_):
+            dist.barrier()
+            if rank == 0:
+                _evict(paths[where[name]])
+            dist.barrier()
+            reader = readers[name]()
+            before = _storage_reads()
+            start = time.perf_counter()
+            dcp.load(target, storage_reader=reader)
+            seconds = time.perf_counter() - start
+            counts = torch.tensor(
+                [seconds, _storage_reads() - before, getattr(reader, "bytes_read", -1)],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # slowest rank, most bytes
+            times.setdefault(name, []).append(float(counts[0]))
+            read.setdefault(f"{name}-storage", []).append(float(counts[1]))
+            read.setdefault(f"{name}-asked", []).append(float(counts[2]))
+    if rank == 0:
+        with open(options["result"], "w", encoding="utf-8") as f:
+            json.dump({"times": times, "bytes": read}, f)
+    dist.destroy_process_group()
+
+
+def _run_ranks(world: int, options: dict[str, Any], main: Any = None) -> Any:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(world, port, options), nprocs=world)
+    mp.start_processes(main or _rank_main, args=(world, port, options), nprocs=world)
+    if not os.path.exists(options["result"]):
+        return None
     with open(options["result"], encoding="utf-8") as f:
         return json.load(f)
+
+
+def _reshard(base: str, save_ranks: int, load_ranks: int, per_rank: int, repeat: int) -> Any:
+    """Figures of the reshard case (see the module's description)."""
+    folder = tempfile.mkdtemp(prefix=f"reshard-{save_ranks}-{load_ranks}-", dir=base)
+    options = {
+        "folder": folder,
+        "per_rank": per_rank,
+        "repeat": repeat,
+        "saved_by": save_ranks,
+        "phase": "save",
+        "result": os.path.join(folder, "result.json"),
+    }
+    log(f"reshard: saving with {save_ranks} ranks")
+    _run_ranks(save_ranks, options, _reshard_main)
+    log(f"reshard: loading with {load_ranks} ranks")
+    result = _run_ranks(load_ranks, dict(options, phase="load"), _reshard_main)
+    shutil.rmtree(folder)
+    med = {k: median(v) for k, v in result["times"].items()}
+    nbytes = {k: median(v) for k, v in result["bytes"].items()}
+    total = save_ranks * per_rank
+    print(
+        f"\n## reshard: saved by {save_ranks} ranks x {format_bytes(per_rank)}, loaded cold by "
+        f"{load_ranks} ranks (each needs {format_bytes(total // load_ranks)})"
+    )
+    print(f"  {'reader':<44} {'time':>10}  {'GB/s':>10}  {'asked/rank':>11}  {'storage/rank':>12}")
+    labels = {
+        "fastckpt": "FastCkptReader (piece checksums: ranges)",
+        "fastckpt-whole-shards": "FastCkptReader (no piece checksums: shards)",
+        "dcp": "FileSystemReader",
+    }
+    for name, label in labels.items():
+        asked = nbytes[f"{name}-asked"]
+        print(
+            f"  {label:<44} {fmt(med[name], '8.3f', ' s')}  "
+            f"{fmt(total / med[name] / 1e9, '6.2f', ' GB/s')}  "
+            f"{format_bytes(int(asked)) if asked >= 0 else '-':>11}  "
+            f"{format_bytes(int(nbytes[f'{name}-storage'])):>12}"
+        )
+    return {"medians": med, "bytes_per_rank": nbytes}
 
 
 # ------------------------------------------------------------------------------ ceilings
@@ -221,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-rank", type=parse_size, default=parse_size("1G"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--reshard-from", type=int, default=2, help="0 skips the reshard case")
+    parser.add_argument("--reshard-to", type=int, default=4)
     parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -290,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratios['async_block_fraction']:.2f} of DCP's default"
         )
         report[str(world)] = {"times": times, "medians": med, "ceiling": ceiling, "ratios": ratios}
+    if args.reshard_from:
+        report["reshard"] = _reshard(
+            base, args.reshard_from, args.reshard_to, args.per_rank, args.repeat
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -17,6 +17,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("quickstart.py", ["epoch 1", "checksums intact: True", "kept the old weights: True"]),
         ("deepnvme.py", ["completed writes: 4", "completed reads: 4", "identical: True"]),
         (
+            "partial_reads.py",
+            [
+                "rows identical: True",
+                "read 4 MiB of 32 MiB",
+                "row identical: True",
+                "undamaged piece still reads: True",
+                "damaged piece refused: True",
+            ],
+        ),
+        (
             "dcp_resharding.py",
             [
                 "2 ranks resharded step 100: identical: True",

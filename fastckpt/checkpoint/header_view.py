@@ -63,9 +63,34 @@ class HeaderView:
                 raise HeaderError(
                     f"{self.path}: checksum for missing tensor {sorted(unknown)[0]!r}"
                 )
+        if meta.pieces is not None:
+            self._check_pieces(meta.pieces, entries)
         for entry in entries.values():
             dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
         self.header, self.meta = header, meta
+
+    def _check_pieces(
+        self, table: format.PieceTable, entries: dict[str, format.TensorEntry]
+    ) -> None:
+        """Every tensor larger than one piece has exactly its number of piece CRCs, and the
+        table names no other tensor."""
+        for name, digest in table.digests.items():
+            entry = entries.get(name)
+            if entry is None:
+                raise HeaderError(f"{self.path}: piece checksums for missing tensor {name!r}")
+            want = format.piece_count(entry.nbytes, table.piece_size)
+            if len(digest) // 4 != want:
+                raise HeaderError(
+                    f"{self.path}: tensor {name!r} ({entry.nbytes} bytes) has {want} pieces of "
+                    f"{table.piece_size} bytes, but {format.KEY_PIECE_CRC32C} lists "
+                    f"{len(digest) // 4}"
+                )
+        for name, entry in entries.items():
+            if name not in table.digests and format.piece_count(entry.nbytes, table.piece_size):
+                raise HeaderError(
+                    f"{self.path}: tensor {name!r} ({entry.nbytes} bytes) has no piece "
+                    f"checksums in {format.KEY_PIECE_CRC32C}"
+                )
 
     def keys(self) -> list[str]:
         """Every tensor name: stored tensors in file order, then aliases of tied tensors."""

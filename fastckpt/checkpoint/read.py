@@ -16,6 +16,10 @@ How the bytes come in is chosen per file (see :attr:`CheckpointReader.read_mode`
 
 Checksums of spans are joined per tensor (:func:`~fastckpt.io.checksums.crc32c_combine`),
 so even one huge tensor is verified on every core.
+
+Part of a tensor is read with :meth:`CheckpointReader.read_range` (a byte range) or
+:meth:`CheckpointReader.get_slice` (rows): verified, only the checksummed pieces covering the
+range are read (see :mod:`fastckpt.checkpoint.range_read`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from fastckpt import _C, format
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
+from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, byte_view, read_byte_range
 from fastckpt.checkpoint.tensor_runs import Run, tensor_runs, tensor_view
 from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import resolve_io, staging_bytes
@@ -43,7 +48,7 @@ from fastckpt.io.files import File, require_regular_file
 from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 
-__all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo"]
+__all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo", "TensorSlice"]
 
 _log = logging.getLogger("fastckpt")
 
@@ -133,6 +138,7 @@ class CheckpointReader(HeaderView):
         self._closed = False
         self._mapped: torch.Tensor | None = None
         self._lock = threading.Lock()
+        self._bytes_read = 0
 
     # -- header ---------------------------------------------------------------------------
     def _read_header(self) -> None:
@@ -161,27 +167,27 @@ class CheckpointReader(HeaderView):
         mode, _ = self._choose_read_mode()
         return mode
 
-    def _choose_read_mode(self) -> tuple[str, str]:
-        """(mode, why) for the next read."""
+    def _choose_read_mode(self, region: tuple[int, int] | None = None) -> tuple[str, str]:
+        """(mode, why) for the next read: of ``region`` (file offset, bytes) when given,
+        else of the whole data section."""
         if self._direct_io is not None:
             return (
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
         if self._file.direct_fd < 0:
             return "buffered", "the file system refuses O_DIRECT"
-        resident = page_cache.resident_fraction(
-            self._file.fd, self.header.data_offset, self.header.data_size
-        )
+        offset, nbytes = region or (self.header.data_offset, self.header.data_size)
+        resident = page_cache.resident_fraction(self._file.fd, offset, nbytes)
         if resident is not None and resident >= _RESIDENT_ENOUGH:
             return "buffered", f"{resident:.0%} of the data is in memory"
         known = "unknown" if resident is None else f"{resident:.0%}"
         return "direct", f"{known} of the data is in memory"
 
-    def _source(self) -> _Source:
+    def _source(self, region: tuple[int, int] | None = None) -> _Source:
         with self._lock:
             if self._closed:
                 raise ValueError(f"{self.path}: the reader is closed")
-        mode, why = self._choose_read_mode()
+        mode, why = self._choose_read_mode(region)
         _log.debug("reading %s: %s (%s)", self.path, mode, why)
         return _Source(
             self._file,
@@ -192,7 +198,111 @@ class CheckpointReader(HeaderView):
             direct=mode == "direct",
         )
 
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_read += nbytes
+
+    @property
+    def bytes_read(self) -> int:
+        """Data bytes this reader has asked of its file so far, by every read (prefetches,
+        range reads and verification included; pages of :meth:`map` are not counted).
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.zeros(1024)}, "/tmp/fastckpt-count.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-count.safetensors") as r:
+            ...     _ = r.read_range("w", 0, 100)
+            ...     r.bytes_read
+            100
+        """
+        return self._bytes_read
+
     # -- reading --------------------------------------------------------------------------
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of tensor ``name`` (offsets into the tensor's bytes), read
+        in parallel: a uint8 tensor on this reader's device, or ``out`` (a contiguous CPU
+        tensor of ``stop - start`` bytes, any dtype) filled and returned.
+
+        ``verify=True`` reads the checksummed pieces that cover the range (4 MiB each by
+        default, aligned for direct I/O), checks each piece's CRC32C, and returns only the
+        range; pieces lying inside the range are read straight into ``out``. A tensor with no
+        piece checksums (files written before they existed, tensors of one piece) is read
+        and checked whole. ``verify=False`` reads exactly the range.
+
+        Raises:
+            ValueError: the range is not within the tensor, or ``out`` does not fit it.
+            ChecksumError: a piece read does not match its CRC32C (the message names the
+                file, the tensor and the piece's byte range), or the file has no checksums
+                and ``verify=True``.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.arange(10, dtype=torch.int32)}, "/tmp/fastckpt-rr.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-rr.safetensors") as r:
+            ...     out = torch.empty(3, dtype=torch.int32)
+            ...     r.read_range("w", 8, 20, out=out, verify=True).tolist()
+            [2, 3, 4]
+        """
+        self._check_open()
+        e = self._entry(name)
+        for what, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+        if not 0 <= start <= stop <= e.nbytes:
+            raise ValueError(
+                f"byte range [{start}, {stop}) is not within tensor {name!r} "
+                f"({e.nbytes} bytes) of {self.path}"
+            )
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        dest = None if out is None else byte_view(out, stop - start)
+        # O_DIRECT or the page cache, by what is resident of this range (not of the file)
+        read = self._source((self.header.data_offset + e.begin + start, stop - start))
+        source = RangeSource(
+            read.file,
+            read.executor,
+            read.path,
+            read.data_offset,
+            self.meta.crcs,
+            self.meta.pieces,
+            read.direct,
+        )
+        data = read_byte_range(
+            source,
+            e,
+            start,
+            stop,
+            out=dest,
+            verify=verify,
+            span_bytes=_span_bytes(stop - start, read.direct),
+            on_read=self._count,
+        )
+        if out is not None:
+            return out
+        return data if self.device.type == "cpu" else data.to(self.device)
+
+    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
+        """Tensor ``name`` to be sliced along its first dimension, reading only the rows
+        asked for (through :meth:`read_range`, so ``verify=True`` checks the pieces read).
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"emb": torch.arange(8.0).reshape(4, 2)}, "/tmp/fastckpt-gs.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-gs.safetensors") as r:
+            ...     r.get_slice("emb", verify=True)[2:].tolist()
+            [[4.0, 5.0], [6.0, 7.0]]
+        """
+        e = self._entry(name)
+        return TensorSlice(e, lambda lo, hi: self.read_range(e.name, lo, hi, verify=verify))
+
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (waiting only for what is still in flight if it was prefetched)."""
         return self.get_tensors([name])[name]
@@ -314,6 +424,7 @@ class CheckpointReader(HeaderView):
             run.arena_pos = pos
             pos += run.end - run.begin
         arena = device_copy.device_arena(pos, self.device)
+        self._count(sum(run.end - run.begin for run in runs))
         crcs = self.meta.crcs if verify else None
         base = self.header.data_offset
         with progress_bar(sum(r.end - r.begin for r in runs), "loading", enabled=progress) as bar:
@@ -360,6 +471,7 @@ class CheckpointReader(HeaderView):
         pending = _PendingRead(
             self._source(), entries, pin_memory=pin_memory, verify=verify, background=background
         )
+        self._count(sum(span.nbytes for span in pending.spans))
         with self._lock:
             self._active.add(pending)
         pending.on_finish(self._forget)

@@ -4,9 +4,10 @@ The pipeline: flatten the object into named tensors (:mod:`fastckpt.checkpoint.t
 layout (:mod:`fastckpt.format`), then copy the tensors in file order into staging buffers
 from a bounded pool (:mod:`fastckpt.io.staging_pool`) and hand each full buffer to the engine while
 the next one fills: copy and I/O overlap, and the extra memory is the pool's budget,
-whatever the checkpoint's size. Each tensor is read from its source once; its CRC32C is
-computed from the staging buffer (hardware instruction where present) while or after that
-buffer is written. The header, which holds
+whatever the checkpoint's size. Each tensor is read from its source once; the CRC32C of each
+of its pieces (:data:`fastckpt.format.DEFAULT_PIECE_SIZE` bytes) is computed from the staging
+buffer (hardware instruction where present) while or after that buffer is written, and the
+tensor's CRC32C is joined from them. The header, which holds
 the checksums, is written last; the file is then committed atomically (:mod:`fastckpt.io.commit`).
 """
 
@@ -26,7 +27,7 @@ from fastckpt.checkpoint import dtypes, tree
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
-from fastckpt.io.checksums import crc32c_combine
+from fastckpt.io.checksums import PieceCrcs, piece_cuts
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.executor import Executor, shared_executor
 from fastckpt.io.files import File
@@ -54,6 +55,8 @@ class SavePlan:
         user_metadata, aliases, tree: what goes into ``__metadata__``.
         checksum: whether CRC32C values are recorded.
         alignment: the layout's alignment (bytes).
+        piece_size: bytes per checksummed piece of tensors larger than one (0: no piece
+            checksums, only one CRC32C per tensor).
         header_size: bytes before the data section (fixed before the CRCs are known,
             because each CRC is stored as exactly 8 hex digits).
     """
@@ -66,6 +69,7 @@ class SavePlan:
     checksum: bool
     alignment: int
     header_size: int = 0
+    piece_size: int = format.DEFAULT_PIECE_SIZE
 
     @property
     def data_size(self) -> int:
@@ -75,15 +79,32 @@ class SavePlan:
     def file_size(self) -> int:
         return self.header_size + self.data_size
 
-    def header(self, crcs: Mapping[str, int] | None) -> bytes:
-        """The encoded header (length prefix, JSON, padding) with these checksums."""
+    def header(
+        self, crcs: Mapping[str, int] | None, pieces: Mapping[str, list[int]] | None = None
+    ) -> bytes:
+        """The encoded header (length prefix, JSON, padding) with these checksums: one
+        CRC32C per tensor, and the pieces' CRC32Cs of the tensors larger than one piece."""
+        recorded = self.checksum and crcs is not None
         metadata = format.build_metadata(
             self.user_metadata,
-            crcs=dict(crcs) if self.checksum and crcs is not None else None,
+            crcs=dict(crcs) if recorded else None,
             aliases=self.aliases or None,
             tree=self.tree,
+            pieces=pieces if recorded and self.piece_size else None,
+            piece_size=self.piece_size or None,
         )
         return format.encode_header(self.entries, metadata, self.alignment)
+
+    def checksummers(self) -> dict[str, PieceCrcs]:
+        """A :class:`~fastckpt.io.checksums.PieceCrcs` per stored tensor, to feed its bytes."""
+        return {e.name: PieceCrcs(e.nbytes, self.piece_size) for e in self.entries}
+
+    def header_from(self, sums: Mapping[str, PieceCrcs]) -> bytes:
+        """The encoded header with the checksums that ``sums`` (fed every byte) hold."""
+        return self.header(
+            {name: acc.whole for name, acc in sums.items()},
+            {name: acc.pieces for name, acc in sums.items() if acc.pieces},
+        )
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
@@ -98,6 +119,7 @@ def plan_save(
     alignment: int = format.DEFAULT_ALIGNMENT,
     checksum: bool = True,
     allow_pickle: bool = False,
+    piece_size: int = format.DEFAULT_PIECE_SIZE,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
 
@@ -109,6 +131,7 @@ def plan_save(
     """
     if isinstance(alignment, bool) or not isinstance(alignment, int):
         raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+    _check_piece_size(piece_size)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
     flat = tree.flatten(obj, allow_pickle=allow_pickle)
@@ -125,10 +148,29 @@ def plan_save(
         tree=flat.tree,
         checksum=checksum,
         alignment=alignment,
+        piece_size=piece_size,
     )
-    placeholder = {e.name: 0 for e in entries} if checksum else None
-    plan.header_size = len(plan.header(placeholder))
+    # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
+    zeros = {
+        e.name: [0] * (format.piece_count(e.nbytes, piece_size) if piece_size else 0)
+        for e in entries
+    }
+    plan.header_size = len(
+        plan.header({e.name: 0 for e in entries}, {n: z for n, z in zeros.items() if z})
+        if checksum and piece_size
+        else plan.header({e.name: 0 for e in entries} if checksum else None)
+    )
     return plan
+
+
+def _check_piece_size(piece_size: int) -> None:
+    if isinstance(piece_size, bool) or not isinstance(piece_size, int):
+        raise TypeError(f"piece_size must be an int, got {type(piece_size).__name__}")
+    if not 0 <= piece_size <= format.MAX_PIECE_SIZE or piece_size % format.DEFAULT_ALIGNMENT:
+        raise ValueError(
+            f"piece_size must be 0 or a positive multiple of {format.DEFAULT_ALIGNMENT} up to "
+            f"{format.MAX_PIECE_SIZE}, got {piece_size}"
+        )
 
 
 def _byte_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
@@ -183,7 +225,7 @@ class StreamWriter:
         self._defer = defer_writes
         # full buffers not yet written: (buffer, bytes to write, segments)
         self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
-        self.crcs: dict[str, int] = {e.name: 0 for e in plan.entries}
+        self.sums = plan.checksummers()  # each tensor's (and piece's) CRC32C so far
         # (op id, buffer, [(tensor name, offset in buffer, length)]) in submission order
         self._inflight: collections.deque[tuple[int, StagingBuffer, list[tuple[str, int, int]]]] = (
             collections.deque()
@@ -209,7 +251,7 @@ class StreamWriter:
             self.executor.wait(op_id)
             if self.plan.checksum:
                 for name, at, n in segments:
-                    self.crcs[name] = _C.crc32c(buf.address + at, n, self.crcs[name])
+                    self.sums[name].update(buf.address + at, n)
         except BaseException:
             self.pool.release(buf)
             raise
@@ -302,7 +344,7 @@ class StreamWriter:
         except BaseException:
             self.abort()
             raise
-        header = self.plan.header(self.crcs)
+        header = self.plan.header_from(self.sums)
         if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
             raise AssertionError("header size changed between planning and writing")
         _pwrite_all(self.file, header, 0)
@@ -341,6 +383,7 @@ def save(
     alignment: int = format.DEFAULT_ALIGNMENT,
     checksum: bool = True,
     allow_pickle: bool = False,
+    piece_size: int = format.DEFAULT_PIECE_SIZE,
     progress: bool | None = None,
     staging_bytes: int | None = None,
     direct_io: bool | None = None,
@@ -364,7 +407,11 @@ def save(
         metadata: str -> str pairs stored in the header's ``__metadata__``.
         alignment: the data section and every tensor whose size is a multiple of it start
             on multiples of it (a power of two, >= 8).
-        checksum: record a CRC32C per tensor (checked by ``load(verify=True)``).
+        checksum: record a CRC32C per tensor (checked by ``load(verify=True)``), and one
+            per ``piece_size`` bytes of each larger tensor (checked by verified range reads,
+            :meth:`~fastckpt.checkpoint.read.CheckpointReader.read_range`).
+        piece_size: bytes per checksummed piece (a multiple of 4 KiB; default 4 MiB): a
+            verified range read reads the pieces covering the range. 0 records none.
         allow_pickle: pickle objects that have no safe encoding (loading them then needs
             ``weights_only=False``).
         progress: show a progress bar (default: on a terminal, unless FASTCKPT_NO_PROGRESS).
@@ -385,7 +432,12 @@ def save(
     """
     path = check_destination(f)
     plan = plan_save(
-        obj, metadata=metadata, alignment=alignment, checksum=checksum, allow_pickle=allow_pickle
+        obj,
+        metadata=metadata,
+        alignment=alignment,
+        checksum=checksum,
+        allow_pickle=allow_pickle,
+        piece_size=piece_size,
     )
     executor = executor_for_destination(
         path,
@@ -448,9 +500,10 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
     """Writes every tensor from its own memory (contiguous ones on every core, the others a
     bounded slab at a time), checksumming each step before it is written; then the header."""
     spans: list[Span] = []
-    labels: list[tuple[str, int]] = []
+    labels: list[str] = []  # the tensor each span belongs to
     keep: list[torch.Tensor] = []  # tensors whose memory the spans point into
     strided: list[format.TensorEntry] = []
+    sums = plan.checksummers()
     step = max(1 << 20, min(64 << 20, plan.data_size // (parallel_io.worker_count() * 4) or 1))
     for e in plan.entries:
         t = plan.tensors[e.name].detach().resolve_conj().resolve_neg()
@@ -460,11 +513,12 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
             strided.append(e)
             continue
         keep.append(t)
+        pieces = sums[e.name].piece_size  # cut spans at piece boundaries: one CRC per piece
         for at in range(0, e.nbytes, step):
             n = min(step, e.nbytes - at)
-            spans.append(Span(plan.header_size + e.begin + at, t.data_ptr() + at, n))
-            labels.append((e.name, n))
-    crcs: dict[str, int] = {e.name: 0 for e in plan.entries}
+            cuts = piece_cuts(at, n, pieces)
+            spans.append(Span(plan.header_size + e.begin + at, t.data_ptr() + at, n, cuts))
+            labels.append(e.name)
     lock = threading.Lock()
     with progress_bar(plan.data_size, "saving", enabled=progress) as bar:
 
@@ -473,22 +527,29 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
                 bar.update(nbytes)
 
         found = parallel_io.write_buffered(file, spans, checksum=plan.checksum, on_progress=advance)
-        seen: set[str] = set()
-        for (name, n), values in zip(labels, found):
-            if plan.checksum:
-                crcs[name] = crc32c_combine(crcs[name], values[0], n) if name in seen else values[0]
-            seen.add(name)
+        if plan.checksum:
+            for name, span, values in zip(labels, spans, found):
+                _add_segments(sums[name], span, values)
         for e in strided:  # rare (transposed views): made contiguous a slab at a time
-            at = plan.header_size + e.begin
+            at = 0
+            acc = sums[e.name]
             for chunk in _byte_chunks(plan.tensors[e.name], 64 << 20):
                 n = chunk.numel()
-                (value,) = _C.pwrite_crc(file.fd, chunk.data_ptr(), n, at, [], True, file.path)
-                crcs[e.name] = (
-                    crc32c_combine(crcs[e.name], value, n)
-                    if at > plan.header_size + e.begin
-                    else value
-                )
+                cuts = list(piece_cuts(at, n, acc.piece_size))
+                offset = plan.header_size + e.begin + at
+                values = _C.pwrite_crc(file.fd, chunk.data_ptr(), n, offset, cuts, True, file.path)
+                _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(cuts)), values)
                 at += n
                 advance(n)
     del keep
-    _pwrite_all(file, plan.header(crcs), 0)
+    header = plan.header_from(sums)
+    if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
+        raise AssertionError("header size changed between planning and writing")
+    _pwrite_all(file, header, 0)
+
+
+def _add_segments(acc: PieceCrcs, span: Span, crcs: list[int]) -> None:
+    """Feeds the CRC32C of each checksum segment of ``span`` (cut at piece boundaries)."""
+    bounds = (0, *span.cuts, span.nbytes)
+    for lo, hi, crc in zip(bounds, bounds[1:], crcs):
+        acc.add(crc, hi - lo)

@@ -17,7 +17,10 @@ to other safetensors readers:
   rejects gaps.
 
 fastckpt's own metadata lives under the ``fastckpt.`` prefix (see
-:func:`build_metadata` and :func:`split_metadata`). Its ``fastckpt.header_crc`` checksums
+:func:`build_metadata` and :func:`split_metadata`): besides one CRC32C per tensor,
+``fastckpt.piece_crc32c`` records a CRC32C per fixed-size piece (4 MiB by default) of every
+tensor larger than one piece, so that a byte range can be verified by reading only the pieces
+covering it. Its ``fastckpt.header_crc`` checksums
 the whole header (names, shapes, offsets, tree, aliases, checksum table, user metadata): a
 fastckpt header without a valid one is refused, except for format version 1 files, written
 before it existed. Parsing is bounded by the header's size: at most one JSON object or array
@@ -47,14 +50,17 @@ from fastckpt.format.layout import encode_header, plan_layout
 from fastckpt.format.metadata import build_metadata, split_metadata
 from fastckpt.format.schema import (
     DEFAULT_ALIGNMENT,
+    DEFAULT_PIECE_SIZE,
     FORMAT_VERSION,
     HEADER_LIMIT,
     ITEMSIZE,
     KEY_ALIASES,
     KEY_CRC32C,
     KEY_HEADER_CRC,
+    KEY_PIECE_CRC32C,
     KEY_TREE,
     KEY_VERSION,
+    MAX_PIECE_SIZE,
     MAX_TENSORS,
     META_PREFIX,
     METADATA_KEY,
@@ -62,31 +68,38 @@ from fastckpt.format.schema import (
     READABLE_VERSIONS,
     FastckptMeta,
     Header,
+    PieceTable,
     TensorEntry,
+    piece_count,
 )
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_PIECE_SIZE",
     "FORMAT_VERSION",
     "HEADER_LIMIT",
     "ITEMSIZE",
+    "MAX_PIECE_SIZE",
     "MAX_TENSORS",
     "MIN_BYTES_PER_NODE",
     "READABLE_VERSIONS",
     "KEY_ALIASES",
     "KEY_CRC32C",
     "KEY_HEADER_CRC",
+    "KEY_PIECE_CRC32C",
     "KEY_TREE",
     "KEY_VERSION",
     "METADATA_KEY",
     "META_PREFIX",
     "FastckptMeta",
     "Header",
+    "PieceTable",
     "TensorEntry",
     "build_metadata",
     "encode_header",
     "parse_header",
     "parse_header_length",
+    "piece_count",
     "plan_layout",
     "split_metadata",
 ]

@@ -9,7 +9,8 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastckpt.errors import HeaderError
@@ -17,15 +18,22 @@ from fastckpt.format.header import json_type, loads_strict
 from fastckpt.format.layout import check_metadata
 from fastckpt.format.schema import (
     _CRC_PATTERN,
+    DEFAULT_ALIGNMENT,
     FORMAT_VERSION,
     KEY_ALIASES,
     KEY_CRC32C,
+    KEY_PIECE_CRC32C,
     KEY_TREE,
     KEY_VERSION,
+    MAX_PIECE_SIZE,
     META_PREFIX,
     FastckptMeta,
+    PieceTable,
     short,
 )
+
+_HEX_PIECES = re.compile(r"(?:[0-9a-f]{8})+")
+_PIECE_KEYS = ("piece_size", "crcs")
 
 # --------------------------------------------------------------------------- metadata
 
@@ -41,6 +49,8 @@ def build_metadata(
     crcs: Mapping[str, int] | None = None,
     aliases: Mapping[str, str] | None = None,
     tree: Any = None,
+    pieces: Mapping[str, Sequence[int]] | None = None,
+    piece_size: int | None = None,
 ) -> dict[str, str]:
     """Assemble ``__metadata__``: ``"format": "pt"``, the user's keys, fastckpt's keys.
 
@@ -51,6 +61,9 @@ def build_metadata(
         aliases: alias name -> stored tensor name (only written when non-empty).
         tree: a JSON-able structure description (from :mod:`fastckpt.checkpoint.tree`),
             or None for a flat dict.
+        pieces: tensor name -> the CRC32C of each of its pieces of ``piece_size`` bytes
+            (only tensors larger than one piece; written only when non-empty).
+        piece_size: bytes per piece, a positive multiple of ``DEFAULT_ALIGNMENT``.
 
     Example:
         >>> build_metadata({"step": "10"}, crcs={"w": 255}, aliases={"b": "w"})
@@ -70,6 +83,8 @@ def build_metadata(
             if type(crc) is not int or not 0 <= crc < 2**32:
                 raise ValueError(f"CRC32C of tensor {name!r} must be a 32-bit int, got {crc!r}")
         result[KEY_CRC32C] = _dumps({name: f"{crc:08x}" for name, crc in crcs.items()})
+    if pieces:
+        result[KEY_PIECE_CRC32C] = _pieces_json(pieces, piece_size)
     if aliases:
         result[KEY_ALIASES] = _dumps(dict(aliases))
     if tree is not None:
@@ -78,6 +93,59 @@ def build_metadata(
         except RecursionError:
             raise ValueError("the structure description is nested too deeply for JSON") from None
     return result
+
+
+def _check_piece_size(size: Any) -> str | None:
+    """Why ``size`` cannot be a piece size, or None when it can."""
+    if type(size) is not int or not 0 < size <= MAX_PIECE_SIZE or size % DEFAULT_ALIGNMENT:
+        return (
+            f"must be a positive multiple of {DEFAULT_ALIGNMENT} up to {MAX_PIECE_SIZE}, "
+            f"got {short(size)}"
+        )
+    return None
+
+
+def _pieces_json(pieces: Mapping[str, Sequence[int]], piece_size: int | None) -> str:
+    why = _check_piece_size(piece_size)
+    if why is not None:
+        raise ValueError(f"piece_size {why}")
+    table = {}
+    for name, crcs in pieces.items():
+        if not crcs:
+            raise ValueError(f"tensor {name!r}: a piece table needs at least one CRC32C")
+        for crc in crcs:
+            if type(crc) is not int or not 0 <= crc < 2**32:
+                raise ValueError(
+                    f"piece CRC32C of tensor {name!r} must be a 32-bit int, got {crc!r}"
+                )
+        table[name] = "".join(f"{crc:08x}" for crc in crcs)
+    return _dumps({"piece_size": piece_size, "crcs": table})
+
+
+def _parse_pieces(text: str) -> PieceTable:
+    """Decodes :data:`KEY_PIECE_CRC32C`; that names and counts match the tensors is
+    checked by the reader, which knows their sizes."""
+    value = loads_strict(text, KEY_PIECE_CRC32C)
+    if not isinstance(value, dict) or sorted(value) != sorted(_PIECE_KEYS):
+        raise HeaderError(
+            f"{KEY_PIECE_CRC32C} must be a JSON object with keys {' and '.join(_PIECE_KEYS)}, "
+            f"got {short(value if not isinstance(value, dict) else sorted(value))}"
+        )
+    why = _check_piece_size(value["piece_size"])
+    if why is not None:
+        raise HeaderError(f"{KEY_PIECE_CRC32C}: piece_size {why}")
+    table = value["crcs"]
+    if not isinstance(table, dict):
+        raise HeaderError(f"{KEY_PIECE_CRC32C}: crcs must be a JSON object, got {json_type(table)}")
+    digests = {}
+    for name, hex_crcs in table.items():
+        if type(hex_crcs) is not str or not _HEX_PIECES.fullmatch(hex_crcs):
+            raise HeaderError(
+                f"{KEY_PIECE_CRC32C}[{short(name)}] = {short(hex_crcs)}: expected 8 lowercase "
+                "hex digits per piece, at least one piece"
+            )
+        digests[name] = bytes.fromhex(hex_crcs)
+    return PieceTable(value["piece_size"], digests)
 
 
 def _parse_crcs(text: str) -> dict[str, int]:
@@ -118,8 +186,11 @@ def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
 
     Example:
         >>> m = split_metadata(build_metadata({"a": "b"}, crcs={"w": 1}))
-        >>> m.user, m.crcs, m.aliases, m.tree, m.version
-        ({'format': 'pt', 'a': 'b'}, {'w': 1}, {}, None, '2')
+        >>> m.user, m.crcs, m.aliases, m.tree, m.version, m.pieces
+        ({'format': 'pt', 'a': 'b'}, {'w': 1}, {}, None, '2', None)
+        >>> m = split_metadata(build_metadata(pieces={"w": [1, 2]}, piece_size=4096))
+        >>> m.pieces.piece_size, m.pieces.crcs("w")
+        (4096, [1, 2])
     """
     user = {key: value for key, value in meta.items() if not key.startswith(META_PREFIX)}
     crcs = _parse_crcs(meta[KEY_CRC32C]) if KEY_CRC32C in meta else None
@@ -128,4 +199,7 @@ def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
     if KEY_TREE in meta and tree is None:
         raise HeaderError(f"{KEY_TREE} is null")
     version = meta.get(KEY_VERSION)
-    return FastckptMeta(user=user, crcs=crcs, aliases=aliases, tree=tree, version=version)
+    pieces = _parse_pieces(meta[KEY_PIECE_CRC32C]) if KEY_PIECE_CRC32C in meta else None
+    return FastckptMeta(
+        user=user, crcs=crcs, aliases=aliases, tree=tree, version=version, pieces=pieces
+    )

@@ -4,7 +4,7 @@ DCP plans a distributed save or load (which rank writes which shard, how a check
 by N ranks is resharded for M); this module moves the bytes. A checkpoint is a directory:
 
 - one fastckpt file per rank, ``__<rank>_<save id>.safetensors`` (safetensors-compatible,
-  aligned for direct I/O, a CRC32C per tensor), holding that rank's shards under names
+  aligned for direct I/O, a CRC32C per tensor and per 4 MiB piece), holding that rank's shards under names
   ``<key>`` or ``<key>@<offsets>`` and non-tensor values as pickled bytes (uint8 tensors);
 - ``.metadata``: DCP's metadata, pickled, whose ``storage_data`` maps each item to
   ``(file, tensor name)``.
@@ -67,6 +67,7 @@ from torch.futures import Future
 
 import fastckpt
 from fastckpt.errors import ChecksumError, FastCkptError
+from fastckpt.format import DEFAULT_PIECE_SIZE
 
 __all__ = [
     "FastCkptWriter",
@@ -214,7 +215,11 @@ class FastCkptWriter(StorageWriter):
         path: the checkpoint directory (created if missing). ``checkpoint_id=`` of
             ``dcp.save`` replaces it.
         overwrite: replace a checkpoint already at ``path`` (else ``RuntimeError``).
-        checksum: record a CRC32C per tensor (verified by :class:`FastCkptReader`).
+        checksum: record a CRC32C per tensor and per piece of ``piece_size`` bytes of each
+            larger one (verified by :class:`FastCkptReader`, which reads only the pieces
+            a rank needs).
+        piece_size: bytes per checksummed piece (a multiple of 4 KiB, default 4 MiB): the
+            granularity of a resharded load's reads.
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
             ``staging_bytes`` for ``fastckpt.save``.
 
@@ -234,12 +239,14 @@ class FastCkptWriter(StorageWriter):
         *,
         overwrite: bool = True,
         checksum: bool = True,
+        piece_size: int = DEFAULT_PIECE_SIZE,
         **io_options: Any,
     ):
         super().__init__()
         self.path = _local_path(path)
         self.overwrite = overwrite
         self.checksum = checksum
+        self.piece_size = piece_size
         self.io_options = io_options
         self.save_id = secrets.token_hex(6)
         self.rank = 0
@@ -363,7 +370,7 @@ class FastCkptWriter(StorageWriter):
                 continue  # not a whole local tensor: resolved again at write time
             flat[name] = source
             names[key] = name
-        plan = plan_save(flat, checksum=self.checksum)
+        plan = plan_save(flat, checksum=self.checksum, piece_size=self.piece_size)
         with self._lock:
             if self._pool is None:
                 self._pool = StagingPool(max(plan.data_size, 64 << 20))
@@ -492,7 +499,11 @@ class FastCkptWriter(StorageWriter):
                 flat[name] = tensor
             pending.append((item, name))
         fastckpt.save(
-            flat, os.path.join(self.path, file_name), checksum=self.checksum, **self.io_options
+            flat,
+            os.path.join(self.path, file_name),
+            checksum=self.checksum,
+            piece_size=self.piece_size,
+            **self.io_options,
         )
         return [_result(item, file_name, name, flat[name]) for item, name in pending]
 
@@ -531,15 +542,25 @@ def _result(item: WriteItem, file_name: str, name: str, tensor: torch.Tensor) ->
 class FastCkptReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`FastCkptWriter`.
 
-    Each rank reads, from each rank file, only the tensors its load plan needs (a stored
-    shard is the unit of reading, because it is the unit of its checksum), all files in
-    parallel, and verifies their CRC32Cs. A damaged tensor raises
-    :class:`fastckpt.ChecksumError` naming the file, the tensor and the state-dict key.
+    Each rank reads only the byte ranges its load plan asks for, every request of the plan
+    in parallel, and verifies them: a request for a slice along the first dimension of a
+    stored shard (how a checkpoint saved by N ranks is resharded for M) reads that slice,
+    rounded out to the checksummed pieces that cover it (4 MiB by default); a region of
+    another shape reads the span from its first byte to its last and copies the region out.
+    A stored shard wanted whole is read straight into its target. Files without piece
+    checksums (written before they existed) are read and verified a whole stored shard at
+    a time. A damaged piece raises :class:`fastckpt.ChecksumError` naming the file, the
+    stored tensor, the piece's byte range and the state-dict key.
 
     Args:
         path: the checkpoint directory (``checkpoint_id=`` of ``dcp.load`` replaces it).
-        verify: check CRC32Cs (default True).
-        **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``.
+        verify: check CRC32Cs (default True); ``False`` reads exactly the regions asked for.
+        **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
+            ``direct_io`` for ``fastckpt.open``.
+
+    Attributes:
+        bytes_read: data bytes this reader asked of the rank files since the last
+            ``reset`` (this rank's share of the load, checksummed pieces included).
 
     Example:
         >>> import os, tempfile, torch
@@ -560,10 +581,13 @@ class FastCkptReader(StorageReader):
         self.io_options = io_options
         self.storage_data: dict[MetadataIndex, tuple[str, str]] = {}
         self.load_id = uuid.uuid4().hex
+        self.bytes_read = 0
+        self._lock = threading.Lock()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from ``checkpoint_id`` when given)."""
         self.storage_data = {}
+        self.bytes_read = 0
         if checkpoint_id:
             self.path = _local_path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -612,68 +636,83 @@ class FastCkptReader(StorageReader):
         if not per_file:
             return
         # Whole stored tensors wanted whole by one contiguous target are read straight into
-        # it (no arena, no copy); the rest are read into an arena and copied region by region.
+        # it; every other request reads only its byte range of the stored tensor.
         direct = _DirectReads(self)
-        staged: dict[str, list[ReadItem]] = {}
+        ranged: dict[str, list[ReadItem]] = {}
         for file_name, reqs in per_file.items():
             rest = direct.claim(file_name, reqs, planner)
             if rest:
-                staged[file_name] = rest
+                ranged[file_name] = rest
         try:
-            if staged:
-                workers = min(len(staged), 8)
-                with concurrent.futures.ThreadPoolExecutor(workers, "fastckpt-dcp-read") as pool:
-                    loaded = dict(
-                        zip(staged, pool.map(lambda f: self._read_file(f, staged[f]), staged))
-                    )
-                for file_name, reqs in staged.items():
-                    self._copy_regions(file_name, reqs, loaded[file_name], planner)
+            if ranged:
+                self._read_ranges(ranged, planner)
         finally:
             direct.wait()
         direct.verify_and_commit(planner)
 
-    def _copy_regions(
-        self,
-        file_name: str,
-        reqs: list[ReadItem],
-        tensors: dict[str, torch.Tensor],
-        planner: LoadPlanner,
-    ) -> None:
-        for req in reqs:
-            stored = tensors[self.storage_data[req.storage_index][1]]
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stored.numpy().tobytes()))
-                continue
-            source = _narrow(stored, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != source.size():
-                raise ValueError(
-                    f"{os.path.join(self.path, file_name)}: {req.storage_index.fqn}: "
-                    f"region {tuple(source.size())} does not fit target {tuple(target.size())}"
+    def _read_ranges(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        """Reads every request's range of its stored tensor, all requests in parallel, and
+        commits them (on this thread: planners need not be thread-safe)."""
+        readers: dict[str, Any] = {}
+        try:
+            tasks: list[tuple[str, ReadItem, torch.Tensor | None]] = []
+            for file_name, reqs in per_file.items():
+                path = os.path.join(self.path, file_name)
+                readers[file_name] = fastckpt.open(path, **self.io_options)
+                for req in reqs:
+                    target = None
+                    if req.type != LoadItemType.BYTE_IO:
+                        target = planner.resolve_tensor(req).detach()
+                    tasks.append((file_name, req, target))
+            workers = max(1, min(len(tasks), 8))
+            with concurrent.futures.ThreadPoolExecutor(workers, "fastckpt-dcp-read") as pool:
+                done = list(
+                    pool.map(lambda task: self._read_request(readers[task[0]], *task), tasks)
                 )
-            target.copy_(source)
-            planner.commit_tensor(req, target)
+            for (_, req, target), value in zip(tasks, done):
+                if target is None:
+                    planner.load_bytes(req, io.BytesIO(value))
+                else:
+                    planner.commit_tensor(req, target)
+        finally:
+            for reader in readers.values():
+                self._count(reader.bytes_read)
+                reader.close()
 
-    def _read_file(self, file_name: str, reqs: list[ReadItem]) -> dict[str, torch.Tensor]:
-        path = os.path.join(self.path, file_name)
-        names = list(dict.fromkeys(self.storage_data[r.storage_index][1] for r in reqs))
-        with fastckpt.open(path, **self.io_options) as reader:
-            verify = self.verify and reader.has_checksums
-            try:
-                return reader.get_tensors(names, verify=verify)
-            except ChecksumError as exc:
-                fqns = sorted(
-                    {
-                        r.storage_index.fqn
-                        for r in reqs
-                        if self.storage_data[r.storage_index][1] == exc.tensor
-                    }
+    def _read_request(
+        self, reader: Any, file_name: str, req: ReadItem, target: torch.Tensor | None
+    ) -> Any:
+        """Reads one request: its bytes (BYTE_IO), or its region into ``target``."""
+        name = self.storage_data[req.storage_index][1]
+        verify = self.verify and reader.has_checksums
+        try:
+            if target is None:
+                return reader.get_tensors([name], verify=verify)[name].numpy().tobytes()
+            info = reader.info(name)
+            lo, hi = _byte_span(info, req.storage_offsets, req.lengths)
+            if tuple(target.shape) != tuple(req.lengths):
+                raise ValueError(
+                    f"{reader.path}: {req.storage_index.fqn}: region {tuple(req.lengths)} "
+                    f"does not fit target {tuple(target.shape)}"
                 )
-                raise ChecksumError(
-                    f"{exc} (state-dict key {', '.join(fqns) or '?'} of checkpoint {self.path})",
-                    tensor=exc.tensor,
-                    filename=path,
-                ) from None
+            if hi == lo:
+                return None
+            if hi - lo == target.numel() * info.dtype.itemsize and _plain_target(target, info):
+                reader.read_range(name, lo, hi, out=target, verify=verify)  # straight into it
+                return None
+            data = reader.read_range(name, lo, hi, verify=verify)
+            target.copy_(_region_of(data, info, req.storage_offsets, req.lengths))
+            return None
+        except ChecksumError as exc:
+            raise ChecksumError(
+                f"{exc} (state-dict key {req.storage_index.fqn} of checkpoint {self.path})",
+                tensor=exc.tensor,
+                filename=reader.path,
+            ) from None
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -685,11 +724,43 @@ class FastCkptReader(StorageReader):
             return False
 
 
-def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        if start != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, start, length)
-    return tensor
+def _byte_span(info: fastckpt.TensorInfo, offsets: Any, lengths: Any) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of the stored tensor from the region's first element to its
+    last (exactly the region when it is contiguous, e.g. a slice along dim 0); ``(0, 0)``
+    for an empty region."""
+    if any(length == 0 for length in lengths):
+        return 0, 0
+    stride, first, last = 1, 0, 0
+    for size, start, length in reversed(list(zip(info.shape, offsets, lengths))):
+        first += start * stride
+        last += (start + length - 1) * stride
+        stride *= size
+    itemsize = info.dtype.itemsize
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _region_of(data: torch.Tensor, info: fastckpt.TensorInfo, offsets: Any, lengths: Any) -> Any:
+    """The region as a strided view of ``data``, the bytes of its covering span."""
+    if data.data_ptr() % info.dtype.itemsize:
+        data = data.clone()  # files from other writers may not align tensors to their dtype
+    elements = data.view(info.dtype)
+    strides, stride = [], 1
+    for size in reversed(info.shape):
+        strides.insert(0, stride)
+        stride *= size
+    return elements.as_strided(tuple(lengths), tuple(strides), elements.storage_offset())
+
+
+def _plain_target(target: torch.Tensor, info: fastckpt.TensorInfo) -> bool:
+    """Whether ``target``'s memory can take the stored bytes as they are."""
+    return (
+        type(target) is torch.Tensor
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == info.dtype
+        and not target.is_conj()
+        and not target.is_neg()
+    )
 
 
 # -- whole-checkpoint tools: consolidation, conversion, inspection, verification ---------------
@@ -997,6 +1068,7 @@ class _DirectReads:
                 self.handle = aio_handle(block_size=8 << 20, queue_depth=32, intra_op_parallelism=4)
             if info.nbytes:
                 self.handle.async_pread(target, path, info.offset)
+                self.reader._count(info.nbytes)
             self.pending.append((req, target, path, name, None if crcs is None else crcs.get(name)))
         return rest
 

@@ -56,6 +56,7 @@ from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.checkpoint.tensor_runs import tensor_runs, tensor_view
 from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.io import parallel_io
+from fastckpt.io.checksums import PieceCrcs
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -217,24 +218,25 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- save
 
 
-def _tensor_crc(t: torch.Tensor, piece: int) -> int:
-    crc = 0
+def _tensor_crc(t: torch.Tensor, acc: PieceCrcs, piece: int) -> PieceCrcs:
     for chunk in _byte_chunks(t, piece):
         if chunk.device.type != "cpu":
             chunk = chunk.cpu()
-        crc = _C.crc32c(chunk.data_ptr(), chunk.numel(), crc)
-    return crc
+        acc.update(chunk.data_ptr(), chunk.numel())
+    return acc
 
 
-def _checksums(plan: SavePlan, threads: int) -> dict[str, int] | None:
-    """CRC32C of every tensor, read from memory before anything is written (so the header,
-    which holds them, can be written first)."""
+def _checksums(plan: SavePlan, threads: int) -> dict[str, PieceCrcs] | None:
+    """CRC32C of every tensor and of its pieces, read from memory before anything is written
+    (so the header, which holds them, can be written first)."""
     if not plan.checksum:
         return None
-    names = [e.name for e in plan.entries]
+    sums = plan.checksummers()
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        crcs = pool.map(lambda n: _tensor_crc(plan.tensors[n], DEFAULT_PART_SIZE), names)
-        return dict(zip(names, crcs))
+        done = pool.map(
+            lambda n: _tensor_crc(plan.tensors[n], sums[n], DEFAULT_PART_SIZE), list(sums)
+        )
+        return dict(zip(sums, done))
 
 
 def _file_bytes(plan: SavePlan, header: bytes, piece: int) -> Iterator[Any]:
@@ -416,7 +418,8 @@ def write_plan(
         raise ValueError(f"part_size and parallel must be positive, got {part_size}, {parallel}")
     with _Errors(url, "resolving the URL"):
         fs, path = url_to_fs(url, storage_options)
-    header = plan.header(_checksums(plan, parallel_io.worker_count()))
+    sums = _checksums(plan, parallel_io.worker_count())
+    header = plan.header(None) if sums is None else plan.header_from(sums)
     if len(header) != plan.header_size:
         raise AssertionError("header size changed between planning and writing")
     pieces = _file_bytes(plan, header, part_size)

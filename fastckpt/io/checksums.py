@@ -18,12 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 from fastckpt import _C, format
 from fastckpt.errors import ChecksumError
 
-__all__ = ["StreamingVerifier", "crc32c_combine"]
+__all__ = ["PieceCrcs", "StreamingVerifier", "crc32c_combine", "piece_cuts"]
 
 # CRC32C's polynomial, bit-reversed (the CRC is computed least significant bit first).
 _POLY = 0x82F63B78
@@ -48,6 +49,9 @@ for _ in range(63):
     _X_POW_2K.append(_multiply_mod_poly(_X_POW_2K[-1], _X_POW_2K[-1]))
 
 
+# Cached: every full piece of a checkpoint has the same length, so combining piece CRCs into
+# a tensor's CRC costs one multiplication per piece.
+@functools.lru_cache(maxsize=256)
 def _x_pow_8n(n: int) -> int:
     """x^(8n) modulo the polynomial: appending n zero bytes multiplies a CRC by it."""
     result, k = 1 << 31, 3  # x^0; 8n = n << 3
@@ -75,6 +79,90 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if len_b == 0:
         return crc_a
     return _multiply_mod_poly(_x_pow_8n(len_b), crc_a) ^ crc_b
+
+
+def piece_cuts(offset: int, nbytes: int, piece_size: int) -> tuple[int, ...]:
+    """Where piece boundaries fall inside bytes ``[offset, offset + nbytes)`` of a tensor, as
+    positions relative to ``offset`` (for a :class:`~fastckpt.io.parallel_io.Span`'s cuts);
+    empty when ``piece_size`` is 0 (no pieces).
+
+    Example:
+        >>> piece_cuts(4096, 10000, 4096)
+        (4096, 8192)
+        >>> piece_cuts(100, 9000, 4096)
+        (3996, 8092)
+    """
+    if not piece_size:
+        return ()
+    first = (offset // piece_size + 1) * piece_size
+    return tuple(range(first - offset, nbytes, piece_size))
+
+
+class PieceCrcs:
+    """A tensor's CRC32C and the CRC32C of each of its fixed-size pieces, built from its
+    bytes (or from checksums of consecutive segments of them) in order, each byte
+    checksummed once: the whole CRC is joined from the pieces' CRCs.
+
+    ``piece_size`` 0, or a tensor that fits one piece, records no pieces (``pieces`` stays
+    empty): its whole CRC32C covers it.
+
+    Example:
+        >>> import numpy as np
+        >>> data = np.arange(10000, dtype=np.uint32).view(np.uint8)
+        >>> acc = PieceCrcs(data.nbytes, 16384)
+        >>> acc.update(data.ctypes.data, 20000); acc.update(data.ctypes.data + 20000, 20000)
+        >>> acc.whole == _C.crc32c(data.ctypes.data, data.nbytes), len(acc.pieces)
+        (True, 3)
+        >>> acc.pieces[2] == _C.crc32c(data.ctypes.data + 32768, 40000 - 32768)
+        True
+    """
+
+    def __init__(self, nbytes: int, piece_size: int):
+        self.nbytes = nbytes
+        self.piece_size = piece_size if piece_size and nbytes > piece_size else 0
+        self.pieces: list[int] = []
+        self._whole = 0
+        self._done = 0  # bytes taken so far
+        self._crc = 0  # of the current piece (of everything when there are no pieces)
+        self._in_piece = 0  # bytes of the current piece (of everything) taken so far
+
+    @property
+    def whole(self) -> int:
+        """The CRC32C of every byte taken so far (of the tensor once all are taken)."""
+        if not self.piece_size:
+            return self._crc
+        if self._in_piece:
+            return crc32c_combine(self._whole, self._crc, self._in_piece)
+        return self._whole
+
+    def update(self, address: int, nbytes: int) -> None:
+        """Checksums the next ``nbytes`` of the tensor, which are at ``address``."""
+        while nbytes:
+            take = nbytes if not self.piece_size else min(nbytes, self._room())
+            self._crc = _C.crc32c(address, take, self._crc)
+            self._advance(take)
+            address += take
+            nbytes -= take
+
+    def add(self, crc: int, nbytes: int) -> None:
+        """Takes the next ``nbytes`` of the tensor by their CRC32C ``crc``; they must not
+        cross a piece boundary (see :func:`piece_cuts`)."""
+        if self.piece_size and nbytes > self._room():
+            raise ValueError(f"{nbytes} bytes cross a piece boundary at byte {self._done}")
+        self._crc = crc32c_combine(self._crc, crc, nbytes) if self._in_piece else crc
+        self._advance(nbytes)
+
+    def _room(self) -> int:
+        return self.piece_size - self._in_piece
+
+    def _advance(self, nbytes: int) -> None:
+        self._done += nbytes
+        self._in_piece += nbytes
+        if self.piece_size and (self._in_piece == self.piece_size or self._done == self.nbytes):
+            crc, length = self._crc, self._in_piece
+            self._whole = crc32c_combine(self._whole, crc, length) if self.pieces else crc
+            self.pieces.append(crc)
+            self._crc, self._in_piece = 0, 0
 
 
 class StreamingVerifier:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import multiprocessing
 import os
 import signal
 import socket
@@ -15,12 +16,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fastckpt.dcp import FastCkptReader, FastCkptWriter
 
 # -- values -------------------------------------------------------------------------------------
+
+#: "wide" is 256 rows of 4 KiB; saved by 2 ranks, each file holds 128 rows (512 KiB) in 8
+#: checksummed pieces of PIECE bytes; loaded by 4 ranks, each wants 64 rows: 4 pieces.
+WIDE_ROWS, WIDE_COLS = 256, 1024
+PIECE = 64 << 10
+STORED_SHARD = WIDE_ROWS // 2 * WIDE_COLS * 4
+#: What the other values of the state take to read: a few small tensors and pickled extras.
+SMALL_VALUES = 16 << 10
 
 
 def full_values(version: int = 0) -> dict[str, torch.Tensor]:
@@ -30,6 +40,7 @@ def full_values(version: int = 0) -> dict[str, torch.Tensor]:
         "repl": torch.randn(4, 3, generator=g),
         "half": torch.randn(8, 2, generator=g).to(torch.bfloat16),
         "plain": torch.arange(7, dtype=torch.int32) + version,
+        "wide": torch.randn(WIDE_ROWS, WIDE_COLS, generator=g),
     }
 
 
@@ -48,6 +59,7 @@ def make_state(mesh, version: int = 0) -> dict:
             "sharded": distribute_tensor(full["sharded"], mesh, [Shard(0)]),
             "repl": distribute_tensor(full["repl"], mesh, [Replicate()]),
             "half": distribute_tensor(full["half"], mesh, [Shard(0)]),
+            "wide": distribute_tensor(full["wide"], mesh, [Shard(0)]),
         },
         "plain": full["plain"].clone(),
         **extra_values(version),
@@ -58,7 +70,7 @@ def empty_like_full(mesh, placements: dict[str, list]) -> dict:
     full = full_values()
     model = {
         k: distribute_tensor(torch.zeros_like(full[k]), mesh, placements[k])
-        for k in ("sharded", "repl", "half")
+        for k in ("sharded", "repl", "half", "wide")
     }
     return {
         "model": model,
@@ -69,7 +81,7 @@ def empty_like_full(mesh, placements: dict[str, list]) -> dict:
 
 def check_loaded(state: dict, version: int = 0) -> None:
     full = full_values(version)
-    for key in ("sharded", "repl", "half"):
+    for key in ("sharded", "repl", "half", "wide"):
         value = state["model"][key]
         assert isinstance(value, DTensor)
         assert torch.equal(value.full_tensor(), full[key]), key
@@ -81,7 +93,7 @@ def check_loaded(state: dict, version: int = 0) -> None:
 
 def check_full(state: dict, version: int = 0) -> None:
     full = full_values(version)
-    for key in ("sharded", "repl", "half"):
+    for key in ("sharded", "repl", "half", "wide"):
         assert torch.equal(state["model"][key], full[key]), key
     assert torch.equal(state["plain"], full["plain"])
     assert {k: state[k] for k in ("step", "cfg")} == extra_values(version)
@@ -116,9 +128,16 @@ def rank_main(rank: int, world: int, port: int, fn, args) -> None:
 
 
 def run_ranks(world: int, fn, *args) -> None:
-    """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes; raises what any raised."""
+    """Runs ``fn(rank, world, *args)`` in ``world`` new processes; raises what any raised.
+
+    The processes are forked from a fork server that has imported torch, DCP and this module
+    once (not from the test process, whose threads must not be forked), so each rank starts
+    in a fraction of a second instead of importing torch again.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", __name__])
     mp.start_processes(
-        rank_main, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn"
+        rank_main, args=(world, free_port(), fn, args), nprocs=world, start_method="forkserver"
     )
 
 
@@ -131,21 +150,71 @@ def make_mesh(world: int):
 # -- rank functions (module level: spawn imports them by name) ----------------------------------
 
 
+def two_rank_cases(rank, world, base):
+    """Everything the 2-rank tests need, in one set of processes: a checkpoint loaded back
+    sharded another way, one written without piece checksums, and two async saves."""
+    save_then_load_other_sharding(rank, world, base + "/ckpt")
+    mesh = make_mesh(world)
+    dcp.save(make_state(mesh), storage_writer=FastCkptWriter(base + "/no-pieces", piece_size=0))
+    async_save_then_mutate(rank, world, base + "/async")
+
+
 def save_then_load_other_sharding(rank, world, path):
-    dcp.save(make_state(make_mesh(world)), storage_writer=FastCkptWriter(path))
+    dcp.save(make_state(make_mesh(world)), storage_writer=FastCkptWriter(path, piece_size=PIECE))
     dist.barrier()
-    other = {"sharded": [Shard(1)], "repl": [Shard(0)], "half": [Replicate()]}
+    # columns of row-sharded shards: regions that are not contiguous bytes
+    other = {"sharded": [Shard(1)], "repl": [Shard(0)], "half": [Replicate()], "wide": [Shard(1)]}
     load_resharded(rank, world, path, other)
 
 
-def load_resharded(rank, world, path, placements):
+def load_resharded(rank, world, path, placements, **options) -> FastCkptReader:
     state = empty_like_full(make_mesh(world), placements)
-    dcp.load(state, storage_reader=FastCkptReader(path))
+    reader = FastCkptReader(path, **options)
+    dcp.load(state, storage_reader=reader)
     check_loaded(state)
     if placements["sharded"] == [Shard(0)]:  # each rank holds only its rows
         local = state["model"]["sharded"].to_local()
         rows = [3, 3, 3, 1][rank] if world == 4 else local.shape[0]
         assert local.shape == (rows, 6)
+    return reader
+
+
+def _read_chars() -> int:
+    """Bytes this process has passed through read()/pread() so far (the kernel's count)."""
+    with open("/proc/self/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+
+
+ROWS = {"sharded": [Shard(0)], "repl": [Shard(0)], "half": [Shard(0)], "wide": [Shard(0)]}
+
+
+def four_rank_loads(rank, world, base):
+    """Loads the 2-rank checkpoints with 4 ranks, counting the bytes each rank reads."""
+    # A checkpoint without piece checksums is read a whole stored shard at a time (this
+    # first load also imports what loading needs, which the kernel's count below would see).
+    reader = load_resharded(rank, world, base + "/no-pieces", ROWS)
+    assert STORED_SHARD <= reader.bytes_read <= STORED_SHARD + SMALL_VALUES, reader.bytes_read
+    # Each rank wants half of one stored shard of "wide": only that half is read (the other
+    # tensors are a few hundred bytes). Counted by the reader and by the kernel.
+    before = _read_chars()
+    reader = load_resharded(rank, world, base + "/ckpt", ROWS, direct_io=False)
+    kernel = _read_chars() - before
+    half = STORED_SHARD // 2
+    assert half <= reader.bytes_read <= half + SMALL_VALUES, reader.bytes_read
+    assert kernel < STORED_SHARD * 3 // 4, kernel  # the reader's own count is not the only proof
+    # One byte damaged in piece 5 of rank 0's file: rank 1 reads pieces 4-7 and fails naming
+    # the piece; rank 0 reads pieces 0-3 of the same file and succeeds.
+    state = empty_like_full(make_mesh(world), ROWS)
+    try:
+        dcp.load(state, storage_reader=FastCkptReader(base + "/damaged"))
+    except CheckpointException as exc:
+        assert set(exc.failures) == {1}, str(exc)
+        error, _ = exc.failures[1]
+        message = str(error)
+        assert "piece 5 of 8" in message and "model.wide" in message, message
+        assert f"tensor bytes [{5 * PIECE}, {6 * PIECE})" in message, message
+    else:
+        raise AssertionError("a damaged piece was not detected")
 
 
 def async_save_then_mutate(rank, world, path):

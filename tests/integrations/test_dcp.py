@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -13,16 +14,15 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from dcp_ranks import (
     EXTRAS_TARGET,
-    async_save_then_mutate,
+    PIECE,
     check_full,
     extra_values,
+    four_rank_loads,
     full_values,
-    load_resharded,
     run_ranks,
     save_and_die,
-    save_then_load_other_sharding,
+    two_rank_cases,
 )
-from torch.distributed.tensor import Shard
 
 import fastckpt
 from fastckpt.cli import main as cli
@@ -36,15 +36,42 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 # -- tests --------------------------------------------------------------------------------------
 
 
-def test_two_ranks_save_load_resharded(tmp_path):
-    path = str(tmp_path / "ckpt")
-    # two ranks save, then load it back sharded another way
-    run_ranks(2, save_then_load_other_sharding, path)
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """One run of 2 ranks for every 2-rank case (see dcp_ranks.two_rank_cases)."""
+    base = str(tmp_path_factory.mktemp("two-ranks"))
+    run_ranks(2, two_rank_cases, base)
+    return base
+
+
+def _damage_piece(src: str, dst: str, piece: int) -> None:
+    """Copies checkpoint ``src`` to ``dst`` with one byte changed in piece ``piece`` of the
+    stored tensor "model.wide" of rank 0's file."""
+    shutil.copytree(src, dst)
+    metadata = read_dcp_metadata(dst)
+    (file_name,) = {f for f, name in metadata.storage_data.values() if name == "model.wide"}
+    path = os.path.join(dst, file_name)
+    with fastckpt.open(path) as r:
+        offset = r.info("model.wide").offset + piece * PIECE + 123
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_two_ranks_save_load_resharded(two_rank_run, tmp_path):
+    path = os.path.join(two_rank_run, "ckpt")
     files = sorted(os.listdir(path))
     assert files[0] == ".metadata" and len(files) == 3  # one file per rank
-    for name in files[1:]:  # each is a valid, checksummed fastckpt file
+    for name in files[1:]:  # each is a valid, checksummed fastckpt file with piece checksums
         with fastckpt.open(os.path.join(path, name)) as r:
             assert r.has_checksums and not r.verify()
+            assert r.meta.pieces is not None and r.meta.pieces.piece_size == PIECE
+    old = os.path.join(two_rank_run, "no-pieces")
+    for name in sorted(os.listdir(old))[1:]:  # written with piece_size=0
+        with fastckpt.open(os.path.join(old, name)) as r:
+            assert r.has_checksums and r.meta.pieces is None
 
     # one process, full tensors
     full = {"model": {k: torch.zeros_like(v) for k, v in full_values().items() if k != "plain"}}
@@ -52,15 +79,17 @@ def test_two_ranks_save_load_resharded(tmp_path):
     dcp.load(full, storage_reader=FastCkptReader(path), no_dist=True)
     check_full(full)
 
-    # four ranks, resharded
-    run_ranks(
-        4, load_resharded, path, {"sharded": [Shard(0)], "repl": [Shard(0)], "half": [Shard(0)]}
-    )
+    # four ranks, resharded: each reads half a stored shard; a damaged piece is caught by the
+    # rank whose range covers it only; a checkpoint without piece checksums still loads
+    base = str(tmp_path)
+    shutil.copytree(path, os.path.join(base, "ckpt"))
+    shutil.copytree(os.path.join(two_rank_run, "no-pieces"), os.path.join(base, "no-pieces"))
+    _damage_piece(path, os.path.join(base, "damaged"), piece=5)
+    run_ranks(4, four_rank_loads, base)
 
 
-def test_async_save_holds_values_at_call_time(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_ranks(2, async_save_then_mutate, path)
+def test_async_save_holds_values_at_call_time(two_rank_run):
+    path = os.path.join(two_rank_run, "async")
     check_full(load_full(path))
     second = load_full(path + "-second")
     assert torch.equal(second["model"]["sharded"], torch.full((10, 6), -7.0))

@@ -1,0 +1,300 @@
+"""Reading a byte range of one stored tensor, verified piece by piece.
+
+A file records a CRC32C per tensor and, for tensors larger than one piece, a CRC32C per
+fixed-size piece (see :data:`fastckpt.format.KEY_PIECE_CRC32C`). A verified range read
+therefore reads the pieces covering the range (rounded out to piece boundaries, which keeps
+the reads aligned for direct I/O), checks each, and hands back only the range; a tensor
+without piece checksums is read and checked whole. Unverified, exactly the range is read.
+
+Pieces lying wholly inside the range are read straight into the destination; only the
+partly covered first and last pieces go through a bounce buffer.
+
+Example:
+    >>> import torch, fastckpt
+    >>> fastckpt.save({"w": torch.arange(8, dtype=torch.uint8)}, "/tmp/fastckpt-range.safetensors")
+    >>> with fastckpt.open("/tmp/fastckpt-range.safetensors") as r:
+    ...     r.read_range("w", 2, 5, verify=True).tolist()
+    [2, 3, 4]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fastckpt import format
+from fastckpt.checkpoint import dtypes
+from fastckpt.errors import ChecksumError
+from fastckpt.io import parallel_io
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
+from fastckpt.io.checksums import crc32c_combine
+from fastckpt.io.executor import Executor
+from fastckpt.io.files import File
+from fastckpt.io.parallel_io import Span
+
+__all__ = ["RangeSource", "read_byte_range", "TensorSlice", "byte_view"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeSource:
+    """What a range read needs of its reader: the open file, how to read it, the checksums."""
+
+    file: File
+    executor: Executor
+    path: str
+    data_offset: int
+    crcs: dict[str, int] | None
+    pieces: format.PieceTable | None
+    direct: bool
+
+
+@dataclasses.dataclass
+class _Region:
+    """Tensor bytes ``[lo, hi)`` read as one unit and checked against ``expected`` (None:
+    not checked); ``piece`` is its index among the tensor's pieces (None: the whole tensor)."""
+
+    lo: int
+    hi: int
+    expected: int | None
+    piece: int | None
+    address: int = 0  # where its bytes land
+    spans: list[int] = dataclasses.field(default_factory=list)  # lengths of the spans reading it
+
+
+def _regions(
+    source: RangeSource, entry: format.TensorEntry, start: int, stop: int, verify: bool
+) -> list[_Region]:
+    if start == stop:
+        return []
+    if not verify:
+        return [_Region(start, stop, None, None)]
+    table = source.pieces
+    if table is not None and entry.name in table.digests:
+        size = table.piece_size
+        return [
+            _Region(i * size, min((i + 1) * size, entry.nbytes), table.crc(entry.name, i), i)
+            for i in range(start // size, -(-stop // size))
+        ]
+    # No piece checksums (an older file, or a tensor of one piece): the whole tensor is one.
+    expected = (source.crcs or {}).get(entry.name)
+    return [_Region(0, entry.nbytes, expected, None)]
+
+
+def _placed(file_offset: int, pos: int) -> int:
+    """The first position at or after ``pos`` with the same offset in a page as the file."""
+    return -(-pos // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT + file_offset % BUFFER_ALIGNMENT
+
+
+def read_byte_range(
+    source: RangeSource,
+    entry: format.TensorEntry,
+    start: int,
+    stop: int,
+    *,
+    out: torch.Tensor | None,
+    verify: bool,
+    span_bytes: int,
+    on_read: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of the tensor ``entry`` as a uint8 tensor (``out`` viewed as
+    bytes when given); see the module's description. ``span_bytes`` caps one parallel read;
+    ``on_read(nbytes)`` is told how many bytes are asked of the file.
+
+    Raises:
+        ChecksumError: a piece (or the whole tensor) read does not match its CRC32C; the
+            message names the file, the tensor and the piece's byte range.
+    """
+    base = source.data_offset + entry.begin  # file offset of the tensor's first byte
+    regions = _regions(source, entry, start, stop, verify)
+    if out is None:
+        # One arena over every region; the result is a view of it (no copy).
+        lo = regions[0].lo if regions else start
+        hi = regions[-1].hi if regions else stop
+        first = _placed(base + lo, 0)
+        arena = aligned_tensor(first + hi - lo)
+        for region in regions:
+            region.address = arena.data_ptr() + first + (region.lo - lo)
+        result = arena[first + (start - lo) : first + (stop - lo)]
+        bounce = None
+        keep: Any = arena
+    else:
+        result = out
+        inside = [r for r in regions if start <= r.lo and r.hi <= stop]
+        outside = [r for r in regions if not (start <= r.lo and r.hi <= stop)]
+        for region in inside:
+            region.address = out.data_ptr() + (region.lo - start)
+        bounce, pos = None, 0
+        if outside:
+            places = []
+            for region in outside:
+                pos = _placed(base + region.lo, pos)
+                places.append(pos)
+                pos += region.hi - region.lo
+            bounce = aligned_tensor(pos)
+            for region, at in zip(outside, places):
+                region.address = bounce.data_ptr() + at
+        keep = (out, bounce)
+    spans = _spans(regions, base, span_bytes)
+    if on_read is not None:
+        on_read(sum(s.nbytes for s in spans))
+    checked = verify and any(r.expected is not None for r in regions)
+    if source.direct:
+        crcs = parallel_io.read_direct(
+            source.executor, source.file, spans, owner=keep, checksum=checked
+        )
+    else:
+        crcs = parallel_io.read_buffered(source.file, spans, checksum=checked)
+    if checked:
+        _check(source, entry, regions, crcs)
+    if out is not None and bounce is not None:  # the partly covered pieces' share of the range
+        for region in regions:
+            if start <= region.lo and region.hi <= stop:
+                continue
+            lo, hi = max(region.lo, start), min(region.hi, stop)
+            at = region.address - bounce.data_ptr() + (lo - region.lo)
+            out[lo - start : hi - start].copy_(bounce[at : at + (hi - lo)])
+    return result
+
+
+def _spans(regions: list[_Region], base: int, span_bytes: int) -> list[Span]:
+    """Each region cut into spans of at most ``span_bytes`` (at file offsets that are
+    multiples of it, so direct reads stay aligned)."""
+    spans = []
+    for region in regions:
+        at = region.lo
+        while at < region.hi:
+            stop = min(region.hi, ((base + at) // span_bytes + 1) * span_bytes - base)
+            spans.append(Span(base + at, region.address + (at - region.lo), stop - at))
+            region.spans.append(stop - at)
+            at = stop
+    return spans
+
+
+def _check(
+    source: RangeSource,
+    entry: format.TensorEntry,
+    regions: list[_Region],
+    crcs: list[list[int]],
+) -> None:
+    """Joins each region's span CRCs (spans come in region order) and compares."""
+    values = iter(crcs)
+    for region in regions:
+        got = 0
+        for i, length in enumerate(region.spans):
+            (value,) = next(values)
+            got = crc32c_combine(got, value, length) if i else value
+        if region.expected is not None and got != region.expected:
+            raise _damaged(source, entry, region, got)
+
+
+def _damaged(
+    source: RangeSource, entry: format.TensorEntry, region: _Region, got: int
+) -> ChecksumError:
+    if region.piece is None:
+        where = ""
+    else:
+        count = format.piece_count(entry.nbytes, source.pieces.piece_size)  # type: ignore[union-attr]
+        where = f" in piece {region.piece} of {count} (tensor bytes [{region.lo}, {region.hi}))"
+    return ChecksumError(
+        f"tensor {entry.name!r} in {source.path} is damaged{where}: "
+        f"CRC32C {got:08x}, expected {region.expected:08x}",
+        tensor=entry.name,
+        filename=source.path,
+    )
+
+
+def byte_view(tensor: torch.Tensor, nbytes: int, what: str = "out") -> torch.Tensor:
+    """``tensor``'s memory as a flat uint8 tensor of ``nbytes`` (TypeError/ValueError naming
+    ``what`` when it is not a contiguous CPU tensor of that many bytes)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous CPU tensor")
+    size = tensor.numel() * tensor.element_size()
+    if size != nbytes:
+        raise ValueError(f"{what} holds {size} bytes, the range has {nbytes}")
+    return (
+        tensor.reshape(-1).view(torch.uint8) if nbytes else tensor.new_empty(0, dtype=torch.uint8)
+    )
+
+
+class TensorSlice:
+    """A stored tensor to be sliced along its first dimension, reading only the rows asked
+    for (like ``safetensors``' ``get_slice``). Made by
+    :meth:`~fastckpt.checkpoint.read.CheckpointReader.get_slice`.
+
+    ``tensor_slice[a:b]`` reads rows ``a`` to ``b`` (one contiguous byte range); an int
+    reads one row; a positive step reads the span of rows from the first to the last asked
+    for and keeps every ``step``-th; indices past the first (``[a:b, 2:5]``) are applied in
+    memory to the rows read.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"w": torch.arange(12.0).reshape(4, 3)}, "/tmp/fastckpt-slice.safetensors")
+        >>> with fastckpt.open("/tmp/fastckpt-slice.safetensors") as r:
+        ...     s = r.get_slice("w")
+        ...     s.shape, s[1:3].tolist(), s[-1, 1:].tolist()
+        ((4, 3), [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]], [10.0, 11.0])
+    """
+
+    def __init__(
+        self,
+        entry: format.TensorEntry,
+        read: Callable[[int, int], torch.Tensor],
+    ):
+        self._entry = entry
+        self._read = read
+        self.shape: tuple[int, ...] = tuple(entry.shape)
+        self.dtype: torch.dtype = dtypes.to_torch(entry.dtype)
+
+    def get_shape(self) -> list[int]:
+        """The stored tensor's shape (as ``safetensors`` gives it)."""
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        """The stored tensor's safetensors dtype name (``"F32"``, ``"BF16"``, ...)."""
+        return self._entry.dtype
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        items: tuple[Any, ...] = index if isinstance(index, tuple) else (index,)
+        if not self.shape or not items or items[0] is Ellipsis:
+            return self._rows(0, self.shape[0] if self.shape else 1)[items]
+        first, rest = items[0], items[1:]
+        rows = self.shape[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            row = first + rows if first < 0 else first
+            if not 0 <= row < rows:
+                raise IndexError(f"index {first} is out of bounds for dimension 0 of size {rows}")
+            return self._rows(row, row + 1)[(0, *rest)]
+        if not isinstance(first, slice):
+            raise TypeError(
+                f"the first index must be an int, a slice or ..., got {type(first).__name__}"
+            )
+        lo, hi, step = first.indices(rows)
+        if step <= 0:
+            raise ValueError(f"slice step must be positive, got {step}")
+        if hi <= lo:
+            return self._rows(0, 0)[(slice(None), *rest)]
+        last = lo + (hi - lo - 1) // step * step
+        block = self._rows(lo, last + 1)
+        if step == 1 and not rest:
+            return block
+        return block[(slice(None, None, step), *rest)]
+
+    def _rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` read into memory, as a tensor (a 0-d tensor is one row)."""
+        row_bytes = self._entry.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+        if not self.shape:
+            row_bytes = self._entry.nbytes
+        raw = self._read(lo * row_bytes, hi * row_bytes)
+        if raw.numel() and raw.data_ptr() % self.dtype.itemsize:
+            raw = raw.clone()  # files from other writers may not align tensors to their dtype
+        shape = (hi - lo, *self.shape[1:]) if self.shape else ()
+        return raw.view(self.dtype).view(shape)
