@@ -467,10 +467,10 @@ def pwrite_file(
     checksum: the kernel's own cost of putting these bytes into this file. Returns seconds.
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile, pathlib
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     seconds = pwrite_file(os.path.join(d, "f"), [b"ab" * 700, b"c"], 2, chunk=512)
-        ...     open(os.path.join(d, "f"), "rb").read() == b"ab" * 700 + b"c"
+        ...     seconds = pwrite_file(f"{d}/f", [b"ab" * 700, b"c"], 2, chunk=512)
+        ...     pathlib.Path(d, "f").read_bytes() == b"ab" * 700 + b"c"
         True
     """
     views = [memoryview(b).cast("B") for b in buffers]
