@@ -344,6 +344,42 @@ def async_save(
     return future
 
 
+def run_pending(
+    future: SaveFuture,
+    work: Callable[[], None],
+    *,
+    name: str,
+    max_pending: int = DEFAULT_MAX_PENDING,
+) -> None:
+    """Runs ``work`` on a new (non-daemon) thread as one of the pending saves: it counts
+    against ``max_pending``, :func:`wait_all` waits for it, and an error nobody retrieves is
+    reported at exit. ``future`` is settled with ``work``'s outcome. Used by savers other
+    than the local one (URLs), so that every ``async_save`` behaves alike.
+
+    Example:
+        >>> future = SaveFuture("memory://doc/example")
+        >>> run_pending(future, lambda: None, name="fastckpt-save:example")
+        >>> wait_all(); future.done()
+        True
+    """
+    _begin(future, max_pending)
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the future
+            _end(future)
+            future._set(None, exc)
+        else:
+            _end(future)
+            future._set(None)
+
+    try:
+        threading.Thread(target=run, name=name, daemon=False).start()
+    except BaseException as exc:  # no thread: the save fails, it takes no place
+        _fail_early(future, exc)
+
+
 def _fail_early(future: SaveFuture, error: BaseException) -> None:
     """Settles a save that failed before anything was queued (it takes no place in the order)."""
     _end(future)

@@ -51,6 +51,7 @@ import torch
 
 from fastckpt import _C, config, format
 from fastckpt.checkpoint import tree
+from fastckpt.checkpoint.asynchronous import run_pending
 from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.checkpoint.tensor_runs import tensor_runs, tensor_view
@@ -523,17 +524,12 @@ def async_save(
         future._set(None, exc)
         return future
 
-    def run() -> None:
-        try:
-            write_plan(
-                plan, url, storage_options=storage_options, part_size=part_size, parallel=parallel
-            )
-        except BaseException as exc:
-            future._set(None, exc)
-        else:
-            future._set(None)
+    def work() -> None:
+        write_plan(
+            plan, url, storage_options=storage_options, part_size=part_size, parallel=parallel
+        )
 
-    threading.Thread(target=run, name="fastckpt-save:url", daemon=False).start()
+    run_pending(future, work, name="fastckpt-save:url")  # fastckpt.wait_all() waits for it
     return future
 
 
