@@ -1,4 +1,5 @@
-"""fastckpt for Lightning: ``FastCkptIO``, ``AsyncFastCkptIO`` and ``FastCkptCheckpoint``.
+"""fastckpt for Lightning: ``FastCkptIO``, ``AsyncFastCkptIO``, ``FastCkptCheckpoint`` and
+``load_from_checkpoint``.
 
 Needs ``lightning`` (or ``pytorch_lightning``): ``pip install "fastckpt[lightning]"``.
 See :mod:`fastckpt.integrations.lightning` for what is stored and how.
@@ -8,6 +9,11 @@ Example:
     >>> callback = FastCkptCheckpoint(dirpath="/tmp/fastckpt-ckpts", every_n_train_steps=500)
 """
 
-from fastckpt.integrations.lightning import AsyncFastCkptIO, FastCkptCheckpoint, FastCkptIO
+from fastckpt.integrations.lightning import (
+    AsyncFastCkptIO,
+    FastCkptCheckpoint,
+    FastCkptIO,
+    load_from_checkpoint,
+)
 
-__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint"]
+__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]

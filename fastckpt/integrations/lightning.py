@@ -91,7 +91,7 @@ except ImportError:
             "package); install it with: pip install 'fastckpt[lightning]'"
         ) from exc
 
-__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint"]
+__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
 
 #: Metadata key: JSON list of ``[path, kind]`` for objects stored as plain data.
 TYPES_KEY = "lightning.types"
@@ -417,6 +417,69 @@ def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, 
     if TYPES_KEY in metadata:
         checkpoint = _restore(checkpoint, metadata[TYPES_KEY], path)
     return checkpoint
+
+
+def load_from_checkpoint(
+    cls: type,
+    checkpoint_path: str | os.PathLike[str],
+    *,
+    map_location: Any = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for fastckpt files.
+
+    ``LightningModule.load_from_checkpoint`` reads with ``torch.load``, which cannot read a
+    safetensors file; this builds the module (or ``LightningDataModule``) the same way: from
+    the hyper-parameters saved in the checkpoint, updated by ``kwargs``, then its state
+    restored (``strict`` as Lightning's). The module is moved to the device of the loaded
+    weights, as Lightning does. ``torch.save`` files are read too.
+
+    Args:
+        cls: the ``LightningModule`` or ``LightningDataModule`` subclass to build.
+        checkpoint_path: a file written by :class:`FastCkptIO` / :class:`FastCkptCheckpoint`.
+        map_location: where tensors go, in ``torch.load``'s forms (default: the CPU).
+        strict: as ``load_from_checkpoint``'s (default: the module's ``strict_loading``).
+        weights_only: ``False`` to load pickled objects (only from a trusted file).
+        **kwargs: hyper-parameters that override the saved ones.
+
+    Example:
+        >>> import torch, lightning.pytorch as pl
+        >>> from fastckpt.lightning import FastCkptIO, load_from_checkpoint
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self, width=4):
+        ...         super().__init__()
+        ...         self.save_hyperparameters()
+        ...         self.layer = torch.nn.Linear(width, 1)
+        >>> net = Net(width=3)
+        >>> FastCkptIO().save_checkpoint(
+        ...     {"state_dict": net.state_dict(), "hyper_parameters": dict(net.hparams)},
+        ...     "/tmp/fastckpt-net.ckpt")
+        >>> back = load_from_checkpoint(Net, "/tmp/fastckpt-net.ckpt")
+        >>> back.hparams.width, torch.equal(back.layer.weight, net.layer.weight)
+        (3, True)
+    """
+    # Lightning's own steps after its torch.load: _load_state builds the object from the
+    # hyper-parameters and restores its state (the same internal function it calls).
+    _load_state = importlib.import_module(f"{pl.__name__}.core.saving")._load_state
+
+    if not (
+        isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule))
+    ):
+        raise TypeError(
+            f"cls must be a LightningModule or LightningDataModule subclass, got {cls!r}"
+        )
+    path = os.fspath(checkpoint_path)
+    location = map_location if map_location is not None else "cpu"
+    checkpoint = _load(path, location, weights_only)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    tensors = [t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, torch.Tensor)]
+    return model.to(tensors[0].device) if tensors else model
 
 
 class _Removal:

@@ -23,7 +23,12 @@ from safetensors import safe_open  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.lightning import AsyncFastCkptIO, FastCkptCheckpoint, FastCkptIO  # noqa: E402
+from fastckpt.lightning import (  # noqa: E402
+    AsyncFastCkptIO,
+    FastCkptCheckpoint,
+    FastCkptIO,
+    load_from_checkpoint,
+)
 
 # Lightning's advice for a CPU-only test run (workers, logging intervals) and its use of a
 # torch API that newer torch deprecates are not the subject here.
@@ -307,6 +312,38 @@ def test_plugin_file_loads_outside_lightning(tmp_path):
     assert state["hyper_parameters"] == {"hidden": 8, "lr": 0.05, "scores": None}
     assert set(state["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
     assert state["lr_schedulers"][0]["last_epoch"] == 1
+
+
+@pytest.mark.parametrize("weights_only_file", [False, True])
+def test_load_from_checkpoint_builds_the_module_from_a_fastckpt_file(tmp_path, weights_only_file):
+    dirpath = tmp_path / "ckpt"
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath, filename="last", save_weights_only=weights_only_file, asynchronous=False
+    )
+    model = _model(hidden=6, lr=0.01)
+    _trainer(tmp_path, 1, [callback]).fit(model, _loader())
+    path = dirpath / "last.ckpt"
+    with pytest.raises(Exception):  # noqa: B017 - Lightning's own reader: torch.load refuses it
+        TinyModel.load_from_checkpoint(path)
+    back = load_from_checkpoint(TinyModel, path)
+    assert isinstance(back, TinyModel) and back.hparams.hidden == 6 and back.hparams.lr == 0.01
+    _assert_same(dict(back.state_dict()), dict(model.state_dict()))
+    # keyword arguments override saved hyper-parameters, as in Lightning
+    assert load_from_checkpoint(TinyModel, path, lr=0.5).hparams.lr == 0.5
+    # a torch.save checkpoint of the same module loads through the same call
+    torch_path = tmp_path / "torch.ckpt"
+    TorchCheckpointIO().save_checkpoint(FastCkptIO().load_checkpoint(path), torch_path)
+    _assert_same(
+        dict(load_from_checkpoint(TinyModel, torch_path).state_dict()), dict(model.state_dict())
+    )
+
+
+def test_load_from_checkpoint_refuses_what_it_cannot_build(tmp_path):
+    with pytest.raises(TypeError, match="LightningModule"):
+        load_from_checkpoint(torch.nn.Linear, tmp_path / "x.ckpt")
+    with pytest.raises(FileNotFoundError) as info:
+        load_from_checkpoint(TinyModel, tmp_path / "missing.ckpt")
+    assert info.value.filename == str(tmp_path / "missing.ckpt")
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
