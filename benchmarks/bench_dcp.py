@@ -98,13 +98,9 @@ def _state(world: int, per_rank: int, fill: bool, saved_by: int | None = None) -
     return state
 
 
-def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
-    warnings.filterwarnings("ignore")  # DCP's overwrite and deprecation notices
-    import torch
+def _join_group(rank: int, world: int, port: int) -> None:
+    """This rank joins the gloo process group of ``world`` ranks on a loopback port."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from fastckpt.dcp import FastCkptReader, FastCkptWriter
 
     dist.init_process_group(
         "gloo",
@@ -113,6 +109,17 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
         world_size=world,
         timeout=datetime.timedelta(seconds=1800),
     )
+
+
+def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
+    warnings.filterwarnings("ignore")  # DCP's overwrite and deprecation notices
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.dcp import FastCkptReader, FastCkptWriter
+
+    _join_group(rank, world, port)
     folder = options["folder"]
     state = _state(world, options["per_rank"], fill=True)
     target = _state(world, options["per_rank"], fill=False)
@@ -207,13 +214,7 @@ def _reshard_main(rank: int, world: int, port: int, options: dict[str, Any]) -> 
 
     from fastckpt.dcp import FastCkptReader, FastCkptWriter
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=1800),
-    )
+    _join_group(rank, world, port)
     folder = options["folder"]
     paths = {name: os.path.join(folder, name) for name in ("pieces", "whole", "theirs")}
     if options["phase"] == "save":
