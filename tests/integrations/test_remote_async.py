@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 fsspec = pytest.importorskip("fsspec")
 
-import fastckpt  # noqa: E402
 from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
+
+import fastckpt  # noqa: E402
 
 
 class GatedMemoryFileSystem(MemoryFileSystem):
