@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import re
@@ -68,6 +69,8 @@ from torch.futures import Future
 import fastckpt
 from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.format import DEFAULT_PIECE_SIZE
+
+_log = logging.getLogger("fastckpt")
 
 __all__ = [
     "FastCkptWriter",
@@ -254,6 +257,7 @@ class FastCkptWriter(StorageWriter):
         self._snapshots: list[_Snapshot] = []
         self._lock = threading.Lock()
         self._pool: Any = None
+        self._removal: threading.Thread | None = None  # unlinking an earlier save's files
 
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -336,7 +340,9 @@ class FastCkptWriter(StorageWriter):
         """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
 
     def close(self) -> None:
-        """Frees the staging buffers kept for the next ``async_save``."""
+        """Frees the staging buffers kept for the next ``async_save`` and waits until the
+        files of replaced checkpoints are removed."""
+        self._wait_for_removal()
         if self._pool is not None:
             self._pool.trim()
 
@@ -508,14 +514,41 @@ class FastCkptWriter(StorageWriter):
         return [_result(item, file_name, name, flat[name]) for item, name in pending]
 
     def _remove_unreferenced(self, referenced: set[str]) -> None:
-        """Removes rank files and temporaries of earlier or failed saves (after the commit)."""
-        for entry in os.listdir(self.path):
-            stale = (_RANK_FILE.match(entry) and entry not in referenced) or _STALE_TMP.match(entry)
-            if stale:
-                try:
-                    os.unlink(os.path.join(self.path, entry))
-                except FileNotFoundError:
-                    pass
+        """Removes rank files and temporaries of earlier or failed saves (after the commit).
+
+        Which files go is decided here; unlinking them runs on a background thread, because
+        a file system frees a large file's blocks slowly (ext4: about 0.2 s per GiB, which
+        would double the commit of a 4-rank save). Only the files listed now are touched,
+        so a later save's files never are; :meth:`close` and the next commit wait for it.
+        """
+        self._wait_for_removal()
+        stale = [
+            os.path.join(self.path, entry)
+            for entry in os.listdir(self.path)
+            if (_RANK_FILE.match(entry) and entry not in referenced) or _STALE_TMP.match(entry)
+        ]
+        if stale:
+            self._removal = threading.Thread(
+                target=_unlink_all, args=(stale,), name="fastckpt-dcp-cleanup", daemon=False
+            )
+            self._removal.start()
+
+    def _wait_for_removal(self) -> None:
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None
+
+
+def _unlink_all(paths: list[str]) -> None:
+    """Removes files that no checkpoint refers to; one already gone is no error, and one
+    that cannot be removed stays for the next save's cleanup."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("could not remove %s, left from an earlier save: %s", path, exc)
 
 
 def _engine_options(options: dict[str, Any]) -> dict[str, Any]:

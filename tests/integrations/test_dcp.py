@@ -104,12 +104,31 @@ def test_rank_killed_during_save_keeps_previous_checkpoint(tmp_path):
     check_full(load_full(path), version=0)  # the first checkpoint, whole
     assert cli(["verify", path]) == 0
     # the next good save replaces it and removes the dead save's leftovers
-    dcp.save({"w": torch.ones(2)}, storage_writer=FastCkptWriter(path), no_dist=True)
+    writer = FastCkptWriter(path)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
     assert torch.equal(load_full(path)["w"], torch.ones(2))
+    writer.close()  # waits for the removal, which runs beside the caller
     after = read_dcp_metadata(path)
     assert after.storage_meta.save_id != before.storage_meta.save_id
     referenced = {f for f, _ in after.storage_data.values()}
     assert sorted(os.listdir(path)) == sorted({".metadata", *referenced})
+
+
+def test_replaced_files_are_removed_beside_the_caller_never_a_later_saves(tmp_path):
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.zeros(3)}, storage_writer=FastCkptWriter(path), no_dist=True)
+    first = set(os.listdir(path))
+    second_writer = FastCkptWriter(path)
+    dcp.save({"w": torch.ones(3)}, storage_writer=second_writer, no_dist=True)
+    # a third save starts while the second one's removal may still run
+    third_writer = FastCkptWriter(path)
+    dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=third_writer, no_dist=True)
+    second_writer.close()
+    third_writer.close()
+    referenced = {f for f, _ in read_dcp_metadata(path).storage_data.values()}
+    assert sorted(os.listdir(path)) == sorted({".metadata", *referenced})
+    assert not (first - {".metadata"}) & set(os.listdir(path))
+    assert torch.equal(load_full(path)["w"], torch.full((3,), 2.0))
 
 
 def test_damaged_file_names_file_and_tensor(tmp_path, capsys):
