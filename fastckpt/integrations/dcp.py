@@ -147,9 +147,12 @@ def is_dcp_checkpoint(
     """
     location = _location(path)
     if remote.is_url(location):
-        fs, inner = remote.url_to_fs(_join(location, METADATA_FILE), storage_options)
-        with remote._Errors(location, "looking for .metadata"):
+        # Unreachable or unknown storage is "not a checkpoint": reading it says why.
+        try:
+            fs, inner = remote.url_to_fs(_join(location, METADATA_FILE), storage_options)
             return bool(fs.isfile(inner))
+        except (ImportError, ValueError, OSError):
+            return False
     return os.path.isdir(location) and os.path.isfile(os.path.join(location, METADATA_FILE))
 
 
@@ -325,7 +328,9 @@ class FastCkptWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Creates the directory; refuses an existing checkpoint unless ``overwrite``."""
         if remote.is_url(self.path):  # object stores have no directories to create
-            exists = is_dcp_checkpoint(self.path, storage_options=self.storage_options)
+            exists = not self.overwrite and is_dcp_checkpoint(
+                self.path, storage_options=self.storage_options
+            )
         else:
             os.makedirs(self.path, exist_ok=True)
             exists = os.path.exists(os.path.join(self.path, METADATA_FILE))
@@ -1098,9 +1103,7 @@ def _file_sizes(path: str, storage_options: dict[str, Any] | None = None) -> dic
     if not remote.is_url(path):
         if not os.path.isdir(path):
             return {}
-        return {
-            entry.name: entry.stat().st_size for entry in os.scandir(path) if entry.is_file()
-        }
+        return {entry.name: entry.stat().st_size for entry in os.scandir(path) if entry.is_file()}
     fs, inner = remote.url_to_fs(path, storage_options)
     with remote._Errors(path, "listing"):
         listing = fs.ls(inner, detail=True)
