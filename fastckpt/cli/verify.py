@@ -91,7 +91,6 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     import fastckpt
     from fastckpt.cli.inspect import describe_file
     from fastckpt.errors import HeaderError
-
     from fastckpt.integrations.dcp import is_dcp_checkpoint
     from fastckpt.integrations.remote import is_url
 
