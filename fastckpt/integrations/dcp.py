@@ -94,6 +94,9 @@ __all__ = [
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_([0-9a-f]+)\.safetensors$")
 _MAX_PENDING_SNAPSHOTS = 2
+#: First read of a rank file at a URL: its header (of a few KiB for most rank files) without
+#: much of the data, which a resharded load may not want.
+_HEADER_PROBE = 64 << 10
 _STALE_TMP = re.compile(r"^(__\d+_[0-9a-f]+\.safetensors|\.metadata)\.[0-9a-f]+\.tmp$")
 
 
@@ -836,7 +839,10 @@ class FastCkptReader(StorageReader):
         """A reader of one rank file: its header read, nothing else (a URL: one request)."""
         if remote.is_url(path):
             return remote.RemoteReader(
-                path, storage_options=self.storage_options, **self.io_options
+                path,
+                storage_options=self.storage_options,
+                header_probe=_HEADER_PROBE,
+                **self.io_options,
             )
         return fastckpt.open(path, **self.io_options)
 

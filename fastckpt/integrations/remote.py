@@ -568,8 +568,10 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
 class RemoteReader(HeaderView):
     """A checkpoint at a URL opened for lazy reading: what ``fastckpt.open(url)`` returns.
 
-    Only the header is read on opening; each :meth:`get_tensors` fetches just the bytes of
-    the tensors asked for, with parallel ranged reads into one arena.
+    Only the header is read on opening (a first read of ``header_probe`` bytes holds the
+    header's length and usually the whole header; a longer header takes a second read);
+    each :meth:`get_tensors` fetches just the bytes of the tensors asked for, with parallel
+    ranged reads into one arena, and :meth:`read_range` just the pieces covering a range.
 
     Example:
         >>> import torch
@@ -586,14 +588,18 @@ class RemoteReader(HeaderView):
         storage_options: Mapping[str, Any] | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         parallel: int = DEFAULT_PARALLEL,
+        header_probe: int = _HEADER_PROBE,
     ):
         if part_size < 1 or parallel < 1:
             raise ValueError(
                 f"part_size and parallel must be positive, got {part_size}, {parallel}"
             )
+        if header_probe < 8:
+            raise ValueError(f"header_probe must be at least 8 bytes, got {header_probe}")
         self.path = url
         self.part_size, self.parallel = part_size, parallel
-        #: data bytes fetched by :meth:`read_range` (checksummed pieces included)
+        self._header_probe = header_probe
+        #: data bytes fetched so far (by range reads: the checksummed pieces read)
         self.bytes_read = 0
         self._count_lock = threading.Lock()
         with _Errors(url, "resolving the URL"):
@@ -620,7 +626,8 @@ class RemoteReader(HeaderView):
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, f"{url}: is a directory, not a file", url)
         self.size = size = int(info["size"])
-        first = self._cat(0, min(size, _HEADER_PROBE), "reading the header") if size else b""
+        probe = min(size, self._header_probe)
+        first = self._cat(0, probe, "reading the header") if size else b""
         try:
             n = format.parse_header_length(first, size)
             raw = first[8 : 8 + n] if len(first) >= 8 + n else self._cat(8, 8 + n, "header")
@@ -660,13 +667,16 @@ class RemoteReader(HeaderView):
             run.arena_pos = pos
             pos += run.end - run.begin
         arena = torch.empty(pos, dtype=torch.uint8)
-        step = self._range_step(sum(run.end - run.begin for run in runs))
+        total = sum(run.end - run.begin for run in runs)
+        step = self._range_step(total)
         ranges = []  # (data begin, data end, arena position)
         for run in runs:
             for start in range(run.begin, run.end, step):
                 stop = min(run.end, start + step)
                 ranges.append((start, stop, run.arena_pos + start - run.begin))
         self._fetch_ranges(arena, ranges)
+        with self._count_lock:
+            self.bytes_read += total
         views = {
             e.name: tensor_view(arena, run.arena_pos + e.begin - run.begin, e)
             for run in runs
