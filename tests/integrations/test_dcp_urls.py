@@ -237,3 +237,16 @@ def test_remote_reader_read_range_verifies_pieces():
         with pytest.raises(fastckpt.ChecksumError, match=r"piece 6 of 30") as caught:
             r.read_range("w", 20000, 36000, verify=True)
     assert caught.value.tensor == "w" and url in str(caught.value)
+
+
+def test_remote_reader_read_range_without_piece_checksums_reads_whole_tensor():
+    from fastckpt.checkpoint.save import plan_save
+
+    url = f"memory://range-{uuid.uuid4().hex}/w.safetensors"
+    w = torch.arange(30000, dtype=torch.int32)
+    remote.write_plan(plan_save({"w": w}, piece_size=0), url)  # a CRC32C per tensor only
+    with remote.open_url(url) as r:
+        assert r.meta.pieces is None
+        got = r.read_range("w", 20000, 20008, verify=True)
+        assert torch.equal(got.view(torch.int32), w[5000:5002])
+        assert r.bytes_read == 120000  # the whole tensor, to check its CRC32C
