@@ -160,7 +160,8 @@ def test_memory_url_round_trip(tmp_path, capsys):
     assert torch.equal(target["model"]["w"], state["model"]["w"])
     assert torch.equal(target["model"]["b"], state["model"]["b"])
     assert target["step"] == 3 and target["cfg"] == state["cfg"]
-    assert reader.bytes_read == 64 * 1024 * 4 + 5 * 4  # the tensors, each fetched once
+    tensors = 64 * 1024 * 4 + 5 * 4  # each fetched once, beside the few pickled values
+    assert tensors < reader.bytes_read < tensors + 8192, reader.bytes_read
 
     full = load_full(url)
     assert torch.equal(full["model"]["w"], state["model"]["w"]) and full["cfg"] == state["cfg"]
