@@ -1,7 +1,8 @@
 """torch.distributed.checkpoint on fastckpt files: ``FastCkptWriter`` and ``FastCkptReader``.
 
 DCP plans multi-rank saves and loads (and reshards between world sizes); these move the
-bytes, one aligned, checksummed fastckpt file per rank, committed atomically.
+bytes, one aligned, checksummed fastckpt file per rank, committed atomically, in a local
+directory or at an fsspec URL (``s3://...``, ``memory://...``; ``storage_options=``).
 
 Example:
     >>> import os, tempfile, torch

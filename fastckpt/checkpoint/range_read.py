@@ -34,7 +34,14 @@ from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
 
-__all__ = ["RangeSource", "read_byte_range", "TensorSlice", "byte_view"]
+__all__ = [
+    "RangeSource",
+    "read_byte_range",
+    "TensorSlice",
+    "byte_view",
+    "covering_regions",
+    "damaged_region",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +70,30 @@ class _Region:
     spans: list[int] = dataclasses.field(default_factory=list)  # lengths of the spans reading it
 
 
-def _regions(
-    source: RangeSource, entry: format.TensorEntry, start: int, stop: int, verify: bool
+def covering_regions(
+    pieces: format.PieceTable | None,
+    crcs: dict[str, int] | None,
+    entry: format.TensorEntry,
+    start: int,
+    stop: int,
+    verify: bool,
 ) -> list[_Region]:
+    """The units in which bytes ``[start, stop)`` of tensor ``entry`` are read and checked:
+    the checksummed pieces covering the range, the whole tensor when it has no piece
+    checksums, or (``verify=False``) exactly the range. Shared by every reader of ranges
+    (local files and URLs), so they read and check the same bytes.
+
+    Example:
+        >>> entry = format.TensorEntry("w", "U8", (10000,), 0, 10000)
+        >>> table = format.PieceTable(4096, {"w": bytes(12)})
+        >>> [(r.lo, r.hi, r.piece) for r in covering_regions(table, {"w": 0}, entry, 5000, 9000, True)]
+        [(4096, 8192, 1), (8192, 10000, 2)]
+    """
     if start == stop:
         return []
     if not verify:
         return [_Region(start, stop, None, None)]
-    table = source.pieces
+    table = pieces
     if table is not None and entry.name in table.digests:
         size = table.piece_size
         return [
@@ -78,7 +101,7 @@ def _regions(
             for i in range(start // size, -(-stop // size))
         ]
     # No piece checksums (an older file, or a tensor of one piece): the whole tensor is one.
-    expected = (source.crcs or {}).get(entry.name)
+    expected = (crcs or {}).get(entry.name)
     return [_Region(0, entry.nbytes, expected, None)]
 
 
@@ -107,7 +130,7 @@ def read_byte_range(
             message names the file, the tensor and the piece's byte range.
     """
     base = source.data_offset + entry.begin  # file offset of the tensor's first byte
-    regions = _regions(source, entry, start, stop, verify)
+    regions = covering_regions(source.pieces, source.crcs, entry, start, stop, verify)
     if out is None:
         # One arena over every region; the result is a view of it (no copy).
         lo = regions[0].lo if regions else start
@@ -186,22 +209,28 @@ def _check(
             (value,) = next(values)
             got = crc32c_combine(got, value, length) if i else value
         if region.expected is not None and got != region.expected:
-            raise _damaged(source, entry, region, got)
+            raise damaged_region(source.path, source.pieces, entry, region, got)
 
 
-def _damaged(
-    source: RangeSource, entry: format.TensorEntry, region: _Region, got: int
+def damaged_region(
+    path: str,
+    pieces: format.PieceTable | None,
+    entry: format.TensorEntry,
+    region: _Region,
+    got: int,
 ) -> ChecksumError:
+    """The error for a region of :func:`covering_regions` whose CRC32C is ``got``: it names
+    the file (or URL), the tensor and, for a piece, its index and byte range."""
     if region.piece is None:
         where = ""
     else:
-        count = format.piece_count(entry.nbytes, source.pieces.piece_size)  # type: ignore[union-attr]
+        count = format.piece_count(entry.nbytes, pieces.piece_size)  # type: ignore[union-attr]
         where = f" in piece {region.piece} of {count} (tensor bytes [{region.lo}, {region.hi}))"
     return ChecksumError(
-        f"tensor {entry.name!r} in {source.path} is damaged{where}: "
+        f"tensor {entry.name!r} in {path} is damaged{where}: "
         f"CRC32C {got:08x}, expected {region.expected:08x}",
         tensor=entry.name,
-        filename=source.path,
+        filename=path,
     )
 
 

@@ -311,24 +311,30 @@ def _convert_dcp(args: argparse.Namespace) -> bool:
     """Consolidates a DCP directory SRC into DST, or writes DST as one with ``--to-dcp``;
     False when neither applies (an ordinary file conversion)."""
     from fastckpt.integrations import dcp
+    from fastckpt.integrations.remote import is_url, url_to_fs
 
     src, dst = args.src, args.dst
     to_dcp = getattr(args, "to_dcp", False)
     if not to_dcp and not dcp.is_dcp_checkpoint(src):
         return False
-    if os.path.exists(dst) and not args.force:
+    if is_url(dst):
+        fs, inner = url_to_fs(dst)
+        exists = fs.exists(inner)
+    else:
+        exists = os.path.exists(dst)
+    if exists and not args.force:
         raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
     started = time.perf_counter()
     if to_dcp:
-        if not os.path.isfile(src):
+        if not is_url(src) and not os.path.isfile(src):
             raise CliError(f"no such file: {src}", USAGE)
         dcp.to_dcp(src, dst)
-        written = "DCP checkpoint directory"
+        written = "DCP checkpoint"
     else:
-        if os.path.isdir(dst):
+        if not is_url(dst) and os.path.isdir(dst):
             raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
         dcp.consolidate(src, dst, allow_pickle=args.allow_pickle)
-        written = f"one file, {format_bytes(os.path.getsize(dst))}"
+        written = "one file" if is_url(dst) else f"one file, {format_bytes(os.path.getsize(dst))}"
     seconds = time.perf_counter() - started
     print(f"Converted {src} -> {dst} ({written}) in {seconds:.1f} s")
     return True

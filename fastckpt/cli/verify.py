@@ -91,9 +91,11 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     import fastckpt
     from fastckpt.cli.inspect import describe_file
     from fastckpt.errors import HeaderError
+    from fastckpt.integrations.dcp import is_dcp_checkpoint
+    from fastckpt.integrations.remote import is_url
 
     name = os.fspath(path)
-    if os.path.isdir(name):  # a torch.distributed.checkpoint directory
+    if os.path.isdir(name) or (is_url(name) and is_dcp_checkpoint(name)):  # a DCP checkpoint
         from fastckpt.integrations.dcp import verify_dcp
 
         return Verdict(*verify_dcp(name))

@@ -15,6 +15,12 @@ coordinator replace ``.metadata`` (temporary file, fsync, rename, directory fsyn
 remove the files no checkpoint refers to any more. A save that fails or is killed at any
 point therefore leaves the previous checkpoint in the directory whole and loadable.
 
+At an fsspec URL (``s3://bucket/ckpt``, ``memory://...``) the layout and the protocol are the
+same, with the remote save's commit in place of the rename: each rank file is one upload
+that appears whole or not at all (an S3 multipart upload completes, or is aborted), and
+``.metadata`` is written only after every rank's upload has returned. Loads read each rank
+file's header once, then fetch the checksummed pieces a rank needs with ranged reads.
+
 Example:
     >>> import os, tempfile, torch
     >>> import torch.distributed.checkpoint as dcp
@@ -69,6 +75,7 @@ from torch.futures import Future
 import fastckpt
 from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.format import DEFAULT_PIECE_SIZE
+from fastckpt.integrations import remote
 
 _log = logging.getLogger("fastckpt")
 
@@ -90,6 +97,9 @@ __all__ = [
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_([0-9a-f]+)\.safetensors$")
 _MAX_PENDING_SNAPSHOTS = 2
+#: First read of a rank file at a URL: its header (of a few KiB for most rank files) without
+#: much of the data, which a resharded load may not want.
+_HEADER_PROBE = 64 << 10
 _STALE_TMP = re.compile(r"^(__\d+_[0-9a-f]+\.safetensors|\.metadata)\.[0-9a-f]+\.tmp$")
 
 
@@ -115,27 +125,48 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _local_path(checkpoint_id: str | os.PathLike[str]) -> str:
+def _location(checkpoint_id: str | os.PathLike[str]) -> str:
+    """A local directory (a plain path, or a ``file://`` URL turned back into one) or an fsspec
+    URL (``s3://``, ``memory://``, ...), without a trailing ``/``."""
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(checkpoint_id).__name__}")
     path = os.fspath(checkpoint_id)
-    if "://" in path:
-        raise ValueError(f"path {path!r}: URLs are not supported here, only local directories")
-    return path
+    if remote.is_url(path):
+        return path.rstrip("/")
+    return remote.local_path(path) if remote.handles(path) else path
 
 
-def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a DCP checkpoint directory (ours or DCP's own ``FileSystemWriter``).
+def _join(base: str, name: str) -> str:
+    """``name`` inside the checkpoint ``base`` (a local directory or a URL)."""
+    return f"{base}/{name}" if remote.is_url(base) else os.path.join(base, name)
+
+
+def is_dcp_checkpoint(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> bool:
+    """Whether ``path`` is a DCP checkpoint (ours or DCP's own ``FileSystemWriter``): a
+    directory, or a URL, holding ``.metadata``.
 
     Example:
-        >>> is_dcp_checkpoint("/no/such/dir")
-        False
+        >>> is_dcp_checkpoint("/no/such/dir"), is_dcp_checkpoint("memory://no/such/ckpt")
+        (False, False)
     """
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
+    location = _location(path)
+    if remote.is_url(location):
+        # Unreachable or unknown storage is "not a checkpoint": reading it says why.
+        try:
+            fs, inner = remote.url_to_fs(_join(location, METADATA_FILE), storage_options)
+            return bool(fs.isfile(inner))
+        except (ImportError, ValueError, OSError):
+            return False
+    return os.path.isdir(location) and os.path.isfile(os.path.join(location, METADATA_FILE))
 
 
-def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
-    """DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` of a checkpoint directory.
+def read_dcp_metadata(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> Metadata:
+    """DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` of a checkpoint (a
+    directory or a URL).
 
     The file is a pickle (as DCP writes it): read only checkpoints you trust.
 
@@ -143,12 +174,17 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
         FileNotFoundError: ``path`` holds no ``.metadata``.
         fastckpt.HeaderError: the file is not a DCP metadata pickle.
     """
-    meta_path = os.path.join(os.fspath(path), METADATA_FILE)
-    with open(meta_path, "rb") as f:
-        try:
-            metadata = pickle.load(f)
-        except Exception as exc:  # any unpickling failure means a damaged file
-            raise fastckpt.HeaderError(f"{meta_path}: not a DCP metadata file ({exc})") from None
+    location = _location(path)
+    meta_path = _join(location, METADATA_FILE)
+    if remote.is_url(location):
+        data = remote.read_bytes(meta_path, storage_options)
+    else:
+        with open(meta_path, "rb") as f:
+            data = f.read()
+    try:
+        metadata = pickle.loads(data)
+    except Exception as exc:  # any unpickling failure means a damaged file
+        raise fastckpt.HeaderError(f"{meta_path}: not a DCP metadata file ({exc})") from None
     if not isinstance(metadata, Metadata):
         raise fastckpt.HeaderError(
             f"{meta_path}: holds a {type(metadata).__name__}, not DCP Metadata"
@@ -171,14 +207,20 @@ def _is_ours(metadata: Metadata) -> bool:
 class _Snapshot:
     """One rank's tensors copied into fastckpt's pinned staging buffers by ``stage``.
 
-    ``writer`` holds the filled buffers (writes deferred until a file exists);
+    ``writer`` holds the filled buffers (writes deferred until a file exists), or is None
+    for a snapshot taken for a URL, whose ``plan.tensors`` are host copies;
     ``names`` maps the id of each stand-in tensor of the staged state dict to its stored name.
     """
 
-    writer: Any  # fastckpt.checkpoint.save.StreamWriter
+    writer: Any  # fastckpt.checkpoint.save.StreamWriter; None: plan.tensors are copies
     plan: Any  # fastckpt.checkpoint.save.SavePlan
     names: dict[int, str]
     keep: list[Any]  # the stand-ins, so their ids stay unique while registered
+
+    def abort(self) -> None:
+        """Gives the staging buffers back (a snapshot of copies just drops them)."""
+        if self.writer is not None:
+            self.writer.abort()
 
 
 def _stand_in(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +256,15 @@ class FastCkptWriter(StorageWriter):
     page-locked staging buffers, which the engine then writes to disk directly, so the call
     returns after one memory copy and the caller may change the tensors at once.
 
+    At an fsspec URL (``s3://bucket/ckpt``, ``memory://...``; ``file://`` is a local path)
+    each rank streams its file with the remote save's machinery (one multipart upload on
+    S3, so the file appears whole or not at all), and the coordinator writes ``.metadata``
+    only after every rank's upload completed, then deletes the rank files it no longer
+    refers to: a failed save leaves the previous checkpoint at the URL loadable.
+    ``async_save`` stages into host memory (a copy of each tensor) and uploads from there.
+
     Args:
-        path: the checkpoint directory (created if missing). ``checkpoint_id=`` of
+        path: the checkpoint directory (created if missing) or URL. ``checkpoint_id=`` of
             ``dcp.save`` replaces it.
         overwrite: replace a checkpoint already at ``path`` (else ``RuntimeError``).
         checksum: record a CRC32C per tensor and per piece of ``piece_size`` bytes of each
@@ -223,8 +272,11 @@ class FastCkptWriter(StorageWriter):
             a rank needs).
         piece_size: bytes per checksummed piece (a multiple of 4 KiB, default 4 MiB): the
             granularity of a resharded load's reads.
+        storage_options: for the fsspec file system of a URL (``key``, ``secret``,
+            ``endpoint_url``, ...); default: ``FASTCKPT_STORAGE_OPTIONS``.
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
-            ``staging_bytes`` for ``fastckpt.save``.
+            ``staging_bytes`` for ``fastckpt.save``; at a URL, ``part_size`` (bytes per
+            uploaded part) and ``parallel`` (parts in flight).
 
     Example:
         >>> import os, tempfile, torch
@@ -234,6 +286,10 @@ class FastCkptWriter(StorageWriter):
         >>> _ = dcp.save({"w": torch.ones(4)}, storage_writer=FastCkptWriter(path), no_dist=True)
         >>> sorted(os.listdir(path))[0]
         '.metadata'
+        >>> url = "memory://doc-dcp/writer"
+        >>> _ = dcp.save({"w": torch.ones(4)}, storage_writer=FastCkptWriter(url), no_dist=True)
+        >>> is_dcp_checkpoint(url)
+        True
     """
 
     def __init__(
@@ -243,10 +299,12 @@ class FastCkptWriter(StorageWriter):
         overwrite: bool = True,
         checksum: bool = True,
         piece_size: int = DEFAULT_PIECE_SIZE,
+        storage_options: dict[str, Any] | None = None,
         **io_options: Any,
     ):
         super().__init__()
-        self.path = _local_path(path)
+        self.path = _location(path)
+        self.storage_options = storage_options
         self.overwrite = overwrite
         self.checksum = checksum
         self.piece_size = piece_size
@@ -263,7 +321,7 @@ class FastCkptWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (to ``checkpoint_id`` when given)."""
         if checkpoint_id:
-            self.path = _local_path(checkpoint_id)
+            self.path = _location(checkpoint_id)
         self.save_id = secrets.token_hex(6)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -276,8 +334,14 @@ class FastCkptWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Creates the directory; refuses an existing checkpoint unless ``overwrite``."""
-        os.makedirs(self.path, exist_ok=True)
-        if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_FILE)):
+        if remote.is_url(self.path):  # object stores have no directories to create
+            exists = not self.overwrite and is_dcp_checkpoint(
+                self.path, storage_options=self.storage_options
+            )
+        else:
+            os.makedirs(self.path, exist_ok=True)
+            exists = os.path.exists(os.path.join(self.path, METADATA_FILE))
+        if not self.overwrite and exists:
             raise RuntimeError(f"{self.path} already holds a checkpoint and overwrite=False")
         return plan
 
@@ -301,6 +365,13 @@ class FastCkptWriter(StorageWriter):
         """Commits the checkpoint: ``.metadata`` replaced atomically, then old files removed."""
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
+        referenced = {file for file, _ in metadata.storage_data.values()}
+        if remote.is_url(self.path):
+            # Every rank's upload has completed (DCP gathered their results): publish.
+            url = _join(self.path, METADATA_FILE)
+            remote.write_bytes(url, pickle.dumps(metadata), self.storage_options)
+            self._remove_unreferenced_at_url(referenced)
+            return
         final = os.path.join(self.path, METADATA_FILE)
         tmp = f"{final}.{secrets.token_hex(6)}.tmp"
         try:
@@ -314,7 +385,7 @@ class FastCkptWriter(StorageWriter):
                 os.unlink(tmp)
             raise
         _fsync_dir(self.path)
-        self._remove_unreferenced({file for file, _ in metadata.storage_data.values()})
+        self._remove_unreferenced(referenced)
 
     def storage_meta(self) -> StorageMeta | None:
         """Identifies this save (``checkpoint_id`` and ``save_id``) in the metadata."""
@@ -322,9 +393,9 @@ class FastCkptWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is something this writer can save to (a local path)."""
+        """Whether ``checkpoint_id`` is something this writer can save to (a path or URL)."""
         try:
-            _local_path(checkpoint_id)
+            _location(checkpoint_id)
         except (TypeError, ValueError):
             return False
         return True
@@ -377,6 +448,11 @@ class FastCkptWriter(StorageWriter):
             flat[name] = source
             names[key] = name
         plan = plan_save(flat, checksum=self.checksum, piece_size=self.piece_size)
+        if remote.is_url(self.path):
+            # Uploads stream from host memory: the snapshot is a copy of each tensor.
+            plan.tensors = {n: t.detach().to("cpu", copy=True) for n, t in plan.tensors.items()}
+            self._keep_snapshot(_Snapshot(None, plan, names, keep))
+            return staged
         with self._lock:
             if self._pool is None:
                 self._pool = StagingPool(max(plan.data_size, 64 << 20))
@@ -389,12 +465,15 @@ class FastCkptWriter(StorageWriter):
         except BaseException:
             writer.abort()
             raise
+        self._keep_snapshot(_Snapshot(writer, plan, names, keep))
+        return staged
+
+    def _keep_snapshot(self, snapshot: _Snapshot) -> None:
         with self._lock:
             # A save that failed before writing never claims its snapshot: keep the newest.
             while len(self._snapshots) >= _MAX_PENDING_SNAPSHOTS:
-                self._snapshots.pop(0).writer.abort()
-            self._snapshots.append(_Snapshot(writer, plan, names, keep))
-        return staged
+                self._snapshots.pop(0).abort()
+            self._snapshots.append(snapshot)
 
     def _stage_structure(
         self, obj: Any, keep: list[torch.Tensor]
@@ -442,7 +521,7 @@ class FastCkptWriter(StorageWriter):
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         file_name = plan.storage_data or _rank_file(self.rank, self.save_id)
-        path = os.path.join(self.path, file_name)
+        path = _join(self.path, file_name)
         snapshot = self._take_snapshot(plan, planner)
         results: list[WriteResult] = []
         if snapshot is not None:
@@ -472,6 +551,15 @@ class FastCkptWriter(StorageWriter):
         from fastckpt.io.commit import AtomicFile
 
         writer = snap.writer
+        if writer is None:  # host copies: written like any state (to a URL or a path)
+            self._write_plan(snap.plan, path)
+            return
+        if remote.is_url(path):
+            writer.abort()
+            raise ValueError(
+                f"{path}: this async save was staged for the local directory the writer had "
+                "then; make the FastCkptWriter with the URL so staging prepares an upload"
+            )
         try:
             out = AtomicFile(path)
         except BaseException:
@@ -504,14 +592,59 @@ class FastCkptWriter(StorageWriter):
                     tensor = tensor.cpu()
                 flat[name] = tensor
             pending.append((item, name))
-        fastckpt.save(
-            flat,
-            os.path.join(self.path, file_name),
-            checksum=self.checksum,
-            piece_size=self.piece_size,
-            **self.io_options,
-        )
+        if remote.is_url(self.path):
+            from fastckpt.checkpoint.save import plan_save
+
+            plan = plan_save(flat, checksum=self.checksum, piece_size=self.piece_size)
+            self._write_plan(plan, _join(self.path, file_name))
+        else:
+            fastckpt.save(
+                flat,
+                os.path.join(self.path, file_name),
+                checksum=self.checksum,
+                piece_size=self.piece_size,
+                **self.io_options,
+            )
         return [_result(item, file_name, name, flat[name]) for item, name in pending]
+
+    def _write_plan(self, plan: Any, path: str) -> None:
+        """Writes a planned rank file of host tensors: uploaded at a URL (complete or
+        absent), else saved atomically like any fastckpt file."""
+        if not remote.is_url(path):
+            fastckpt.save(
+                dict(plan.tensors),
+                path,
+                checksum=self.checksum,
+                piece_size=self.piece_size,
+                **self.io_options,
+            )
+            return
+        unknown = sorted(set(self.io_options) - {"part_size", "parallel"})
+        if unknown:
+            raise TypeError(
+                f"{path}: {', '.join(unknown)} apply to local paths; a URL takes part_size "
+                "and parallel"
+            )
+        remote.write_plan(plan, path, storage_options=self.storage_options, **self.io_options)
+
+    def _remove_unreferenced_at_url(self, referenced: set[str]) -> None:
+        """Deletes rank files (and temporaries) of earlier or failed saves at the URL; a
+        deletion that fails leaves only an unreferenced file, so it is not an error."""
+        fs, inner = remote.url_to_fs(self.path, self.storage_options)
+        fs.invalidate_cache(inner)  # a listing cached before the ranks' uploads is stale
+        with remote._Errors(self.path, "listing"):
+            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(inner, detail=False)]
+        stale = [
+            f"{inner.rstrip('/')}/{name}"
+            for name in names
+            if (_RANK_FILE.match(name) and name not in referenced) or _STALE_TMP.match(name)
+        ]
+        if stale:
+            try:
+                fs.rm(stale)
+            except Exception:  # best effort: the checkpoint is committed either way
+                pass
+            fs.invalidate_cache(inner)
 
     def _remove_unreferenced(self, referenced: set[str]) -> None:
         """Removes rank files and temporaries of earlier or failed saves (after the commit).
@@ -585,11 +718,18 @@ class FastCkptReader(StorageReader):
     a time. A damaged piece raises :class:`fastckpt.ChecksumError` naming the file, the
     stored tensor, the piece's byte range and the state-dict key.
 
+    At an fsspec URL the same holds over the network: each rank file's header is read once,
+    then each request fetches the checksummed pieces covering its range with ranged reads
+    (streamed GETs on S3), all requests in parallel, and checks every piece.
+
     Args:
-        path: the checkpoint directory (``checkpoint_id=`` of ``dcp.load`` replaces it).
+        path: the checkpoint directory or URL (``checkpoint_id=`` of ``dcp.load`` replaces it).
         verify: check CRC32Cs (default True); ``False`` reads exactly the regions asked for.
+        storage_options: for the fsspec file system of a URL; default:
+            ``FASTCKPT_STORAGE_OPTIONS``.
         **io: ``engine``, ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
-            ``direct_io`` for ``fastckpt.open``.
+            ``direct_io`` for ``fastckpt.open``; at a URL, ``part_size`` (bytes per ranged
+            read) and ``parallel`` (ranged reads in flight per request).
 
     Attributes:
         bytes_read: data bytes this reader asked of the rank files since the last
@@ -605,11 +745,25 @@ class FastCkptReader(StorageReader):
         >>> dcp.load(out, storage_reader=FastCkptReader(path), no_dist=True)
         >>> out["w"].tolist()
         [0, 1, 2, 3]
+        >>> url = "memory://doc-dcp/reader"
+        >>> _ = dcp.save({"w": torch.arange(4)}, storage_writer=FastCkptWriter(url), no_dist=True)
+        >>> out = {"w": torch.zeros(4, dtype=torch.int64)}
+        >>> dcp.load(out, storage_reader=FastCkptReader(url), no_dist=True)
+        >>> out["w"].tolist()
+        [0, 1, 2, 3]
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, **io_options: Any):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        **io_options: Any,
+    ):
         super().__init__()
-        self.path = _local_path(path)
+        self.path = _location(path)
+        self.storage_options = storage_options
         self.verify = verify
         self.io_options = io_options
         self.storage_data: dict[MetadataIndex, tuple[str, str]] = {}
@@ -622,12 +776,12 @@ class FastCkptReader(StorageReader):
         self.storage_data = {}
         self.bytes_read = 0
         if checkpoint_id:
-            self.path = _local_path(checkpoint_id)
+            self.path = _location(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata``; refuses checkpoints other writers made (say which reader fits)."""
-        metadata = read_dcp_metadata(self.path)
+        metadata = read_dcp_metadata(self.path, storage_options=self.storage_options)
         if metadata.storage_data and not _is_ours(metadata):
             raise fastckpt.HeaderError(
                 f"{self.path} was not written by FastCkptWriter; read it with DCP's "
@@ -671,11 +825,14 @@ class FastCkptReader(StorageReader):
         # Whole stored tensors wanted whole by one contiguous target are read straight into
         # it; every other request reads only its byte range of the stored tensor.
         direct = _DirectReads(self)
-        ranged: dict[str, list[ReadItem]] = {}
-        for file_name, reqs in per_file.items():
-            rest = direct.claim(file_name, reqs, planner)
-            if rest:
-                ranged[file_name] = rest
+        if remote.is_url(self.path):  # ranged reads fetch whole tensors into targets too
+            ranged = per_file
+        else:
+            ranged = {}
+            for file_name, reqs in per_file.items():
+                rest = direct.claim(file_name, reqs, planner)
+                if rest:
+                    ranged[file_name] = rest
         try:
             if ranged:
                 self._read_ranges(ranged, planner)
@@ -690,8 +847,7 @@ class FastCkptReader(StorageReader):
         try:
             tasks: list[tuple[str, ReadItem, torch.Tensor | None]] = []
             for file_name, reqs in per_file.items():
-                path = os.path.join(self.path, file_name)
-                readers[file_name] = fastckpt.open(path, **self.io_options)
+                readers[file_name] = self._open(_join(self.path, file_name))
                 for req in reqs:
                     target = None
                     if req.type != LoadItemType.BYTE_IO:
@@ -711,6 +867,17 @@ class FastCkptReader(StorageReader):
             for reader in readers.values():
                 self._count(reader.bytes_read)
                 reader.close()
+
+    def _open(self, path: str) -> Any:
+        """A reader of one rank file: its header read, nothing else (a URL: one request)."""
+        if remote.is_url(path):
+            return remote.RemoteReader(
+                path,
+                storage_options=self.storage_options,
+                header_probe=_HEADER_PROBE,
+                **self.io_options,
+            )
+        return fastckpt.open(path, **self.io_options)
 
     def _read_request(
         self, reader: Any, file_name: str, req: ReadItem, target: torch.Tensor | None
@@ -749,9 +916,10 @@ class FastCkptReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a directory holding a checkpoint written by us."""
+        """Whether ``checkpoint_id`` is a directory or URL holding a checkpoint written by us
+        (storage options of a URL: ``FASTCKPT_STORAGE_OPTIONS``)."""
         try:
-            path = _local_path(checkpoint_id)
+            path = _location(checkpoint_id)
             return is_dcp_checkpoint(path) and _is_ours(read_dcp_metadata(path))
         except (TypeError, ValueError, OSError, FastCkptError):
             return False
@@ -809,9 +977,16 @@ def _single_process() -> Iterator[None]:
         yield
 
 
-def _reader_for(path: str, metadata: Metadata) -> StorageReader:
+def _reader_for(
+    path: str, metadata: Metadata, storage_options: dict[str, Any] | None = None
+) -> StorageReader:
     if not metadata.storage_data or _is_ours(metadata):
-        return FastCkptReader(path)
+        return FastCkptReader(path, storage_options=storage_options)
+    if remote.is_url(path):
+        raise ValueError(
+            f"{path} was written by DCP's FileSystemWriter; at a URL only checkpoints "
+            "written by FastCkptWriter are read here"
+        )
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(path)
@@ -840,8 +1015,11 @@ def _unflatten(flat: dict[str, Any], mapping: dict[str, Any] | None) -> dict[str
     return root
 
 
-def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every value of a DCP checkpoint (ours or DCP's own), as full tensors, in one process.
+def load_full(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every value of a DCP checkpoint (ours or DCP's own; at a URL, ours), as full tensors,
+    in one process.
 
     Non-tensor values are unpickled (DCP stores them with ``torch.save``): load only
     checkpoints you trust.
@@ -857,8 +1035,8 @@ def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    path = _local_path(path)
-    metadata = read_dcp_metadata(path)
+    path = _location(path)
+    metadata = read_dcp_metadata(path, storage_options=storage_options)
     flat: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -868,7 +1046,7 @@ def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
     with _single_process():
         dcp.load(
             flat,
-            storage_reader=_reader_for(path, metadata),
+            storage_reader=_reader_for(path, metadata, storage_options),
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             no_dist=True,
         )
@@ -914,14 +1092,16 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         dcp.save(state, storage_writer=FastCkptWriter(dst), no_dist=True)
 
 
-def describe_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``fastckpt inspect`` reports about a DCP checkpoint directory (JSON-able).
+def describe_dcp(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What ``fastckpt inspect`` reports about a DCP checkpoint directory or URL (JSON-able).
 
     Keys: ``path``, ``kind`` (``"dcp"``), ``writer`` (``"fastckpt"`` or ``"dcp"``), ``entries``
     (``key, type, dtype, shape, chunks, bytes``), ``files`` (name and size), ``total_bytes``.
     """
-    path = _local_path(path)
-    metadata = read_dcp_metadata(path)
+    path = _location(path)
+    metadata = read_dcp_metadata(path, storage_options=storage_options)
     entries = []
     total = 0
     for fqn, md in metadata.state_dict_metadata.items():
@@ -946,18 +1126,30 @@ def describe_dcp(path: str | os.PathLike[str]) -> dict[str, Any]:
     files = sorted(
         {_file_of(v) for v in (metadata.storage_data or {}).values()} - {None}  # type: ignore[arg-type]
     )
+    sizes = _file_sizes(path, storage_options)
     return {
         "path": path,
         "kind": "dcp",
         "writer": "fastckpt" if _is_ours(metadata) else "dcp",
         "entries": entries,
-        "files": [
-            {"name": f, "bytes": os.path.getsize(os.path.join(path, f))}
-            if os.path.exists(os.path.join(path, f))
-            else {"name": f, "bytes": None}
-            for f in files
-        ],
+        "files": [{"name": f, "bytes": sizes.get(f)} for f in files],
         "total_bytes": total,
+    }
+
+
+def _file_sizes(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, int]:
+    """Name -> size of every file directly in the checkpoint directory or URL."""
+    if not remote.is_url(path):
+        if not os.path.isdir(path):
+            return {}
+        return {entry.name: entry.stat().st_size for entry in os.scandir(path) if entry.is_file()}
+    fs, inner = remote.url_to_fs(path, storage_options)
+    with remote._Errors(path, "listing"):
+        listing = fs.ls(inner, detail=True)
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in listing
+        if e.get("type") == "file"
     }
 
 
@@ -967,18 +1159,21 @@ def _file_of(storage: Any) -> str | None:
     return getattr(storage, "relative_path", None)
 
 
-def verify_dcp(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
-    """Checks a DCP checkpoint directory: its metadata, that every item it names exists, and
-    (for ours) every tensor's CRC32C. Returns ``(status, detail, damaged)`` with status ``OK``,
-    ``DAMAGED``, ``UNVERIFIABLE`` (DCP's own format has no checksums) or ``ERROR``.
+def verify_dcp(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> tuple[str, str, list[str]]:
+    """Checks a DCP checkpoint directory or URL: its metadata, that every item it names
+    exists, and (for ours) every tensor's CRC32C. Returns ``(status, detail, damaged)`` with
+    status ``OK``, ``DAMAGED``, ``UNVERIFIABLE`` (DCP's own format has no checksums) or
+    ``ERROR``.
 
     Example:
-        >>> verify_dcp("/no/such/dir")[0]
-        'ERROR'
+        >>> verify_dcp("/no/such/dir")[0], verify_dcp("memory://no/such/ckpt")[0]
+        ('ERROR', 'ERROR')
     """
-    name = os.fspath(path)
+    name = _location(path)
     try:
-        metadata = read_dcp_metadata(name)
+        metadata = read_dcp_metadata(name, storage_options=storage_options)
     except FastCkptError as exc:
         return "DAMAGED", f"{name}: {exc}", []
     except OSError as exc:
@@ -989,7 +1184,11 @@ def verify_dcp(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
         per_file.setdefault(_file_of(storage) or "?", []).append(
             storage[1] if isinstance(storage, tuple) else ""
         )
-    missing = [f for f in per_file if not os.path.isfile(os.path.join(name, f))]
+    try:
+        present = _file_sizes(name, storage_options)
+    except OSError as exc:
+        return "ERROR", f"{name}: {exc.strerror or exc}", []
+    missing = [f for f in per_file if f not in present]
     if missing:
         return "DAMAGED", f"{name}: missing files: {', '.join(sorted(missing))}", []
     if not _is_ours(metadata):
@@ -1001,9 +1200,9 @@ def verify_dcp(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
         )
     damaged: list[str] = []
     for file_name, names in sorted(per_file.items()):
-        file_path = os.path.join(name, file_name)
+        file_path = _join(name, file_name)
         try:
-            with fastckpt.open(file_path) as reader:
+            with _open_rank_file(file_path, storage_options) as reader:
                 absent = sorted(set(names) - set(reader.keys()))
                 if absent:
                     damaged += [f"{file_name}:{n} (missing)" for n in absent]
@@ -1020,6 +1219,12 @@ def verify_dcp(path: str | os.PathLike[str]) -> tuple[str, str, list[str]]:
         f"{name} (DCP checkpoint, {len(metadata.state_dict_metadata)} keys, {len(per_file)} files)",
         [],
     )
+
+
+def _open_rank_file(path: str, storage_options: dict[str, Any] | None) -> Any:
+    if remote.is_url(path):
+        return remote.RemoteReader(path, storage_options=storage_options)
+    return fastckpt.open(path)
 
 
 def format_dcp(info: dict[str, Any]) -> str:

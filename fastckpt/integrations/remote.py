@@ -564,8 +564,10 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
 class RemoteReader(HeaderView):
     """A checkpoint at a URL opened for lazy reading: what ``fastckpt.open(url)`` returns.
 
-    Only the header is read on opening; each :meth:`get_tensors` fetches just the bytes of
-    the tensors asked for, with parallel ranged reads into one arena.
+    Only the header is read on opening (a first read of ``header_probe`` bytes holds the
+    header's length and usually the whole header; a longer header takes a second read);
+    each :meth:`get_tensors` fetches just the bytes of the tensors asked for, with parallel
+    ranged reads into one arena, and :meth:`read_range` just the pieces covering a range.
 
     Example:
         >>> import torch
@@ -582,13 +584,20 @@ class RemoteReader(HeaderView):
         storage_options: Mapping[str, Any] | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         parallel: int = DEFAULT_PARALLEL,
+        header_probe: int = _HEADER_PROBE,
     ):
         if part_size < 1 or parallel < 1:
             raise ValueError(
                 f"part_size and parallel must be positive, got {part_size}, {parallel}"
             )
+        if header_probe < 8:
+            raise ValueError(f"header_probe must be at least 8 bytes, got {header_probe}")
         self.path = url
         self.part_size, self.parallel = part_size, parallel
+        self._header_probe = header_probe
+        #: data bytes fetched so far (by range reads: the checksummed pieces read)
+        self.bytes_read = 0
+        self._count_lock = threading.Lock()
         with _Errors(url, "resolving the URL"):
             self._fs, self._path = url_to_fs(url, storage_options)
         self._read_header()
@@ -613,7 +622,8 @@ class RemoteReader(HeaderView):
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, f"{url}: is a directory, not a file", url)
         self.size = size = int(info["size"])
-        first = self._cat(0, min(size, _HEADER_PROBE), "reading the header") if size else b""
+        probe = min(size, self._header_probe)
+        first = self._cat(0, probe, "reading the header") if size else b""
         try:
             n = format.parse_header_length(first, size)
             raw = first[8 : 8 + n] if len(first) >= 8 + n else self._cat(8, 8 + n, "header")
@@ -653,21 +663,16 @@ class RemoteReader(HeaderView):
             run.arena_pos = pos
             pos += run.end - run.begin
         arena = torch.empty(pos, dtype=torch.uint8)
-        streamed = _is_s3(self._fs)
-        # A streamed GET costs no buffer of its size, so S3 reads take fewer, larger ranges
-        # (about `parallel` of them, never smaller than part_size): fewer requests, as many
-        # in flight. Other stores return each range whole, so ranges stay at part_size.
         total = sum(run.end - run.begin for run in runs)
-        step = max(self.part_size, -(-total // self.parallel)) if streamed else self.part_size
+        step = self._range_step(total)
         ranges = []  # (data begin, data end, arena position)
         for run in runs:
             for start in range(run.begin, run.end, step):
                 stop = min(run.end, start + step)
                 ranges.append((start, stop, run.arena_pos + start - run.begin))
-        if streamed:
-            self._fetch_streamed(arena, ranges)
-        else:
-            self._fetch(arena, ranges)
+        self._fetch_ranges(arena, ranges)
+        with self._count_lock:
+            self.bytes_read += total
         views = {
             e.name: tensor_view(arena, run.arena_pos + e.begin - run.begin, e)
             for run in runs
@@ -676,6 +681,94 @@ class RemoteReader(HeaderView):
         if verify:
             self._verify(views)
         return views
+
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of tensor ``name`` (offsets into the tensor's bytes), fetched
+        with parallel ranged reads: a uint8 tensor, or ``out`` (a contiguous CPU tensor of
+        ``stop - start`` bytes, any dtype) filled and returned. As the local reader's
+        ``read_range``: ``verify=True`` fetches the checksummed pieces covering the range and
+        checks each (a tensor without piece checksums is fetched and checked whole).
+
+        Raises:
+            ValueError: the range is not within the tensor, or ``out`` does not fit it.
+            ChecksumError: a piece fetched does not match its CRC32C (naming the URL, the
+                tensor and the piece), or ``verify=True`` and the file has no checksums.
+
+        Example:
+            >>> import torch
+            >>> save({"w": torch.arange(10, dtype=torch.int32)}, "memory://doc/range.safetensors")
+            >>> with open_url("memory://doc/range.safetensors") as r:
+            ...     r.read_range("w", 8, 20, verify=True).view(torch.int32).tolist()
+            [2, 3, 4]
+        """
+        from fastckpt.checkpoint.range_read import byte_view, covering_regions, damaged_region
+
+        e = self._entry(name)
+        for what, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+        if not 0 <= start <= stop <= e.nbytes:
+            raise ValueError(
+                f"byte range [{start}, {stop}) is not within tensor {name!r} "
+                f"({e.nbytes} bytes) of {self.path}"
+            )
+        target = None if out is None else byte_view(out, stop - start)
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        regions = covering_regions(self.meta.pieces, self.meta.crcs, e, start, stop, verify)
+        if not regions:
+            return out if out is not None else torch.empty(0, dtype=torch.uint8)
+        lo, hi = regions[0].lo, regions[-1].hi
+        # The pieces are fetched into `out` itself when they are exactly the range.
+        exact = target is not None and (lo, hi) == (start, stop)
+        arena = target if exact else torch.empty(hi - lo, dtype=torch.uint8)
+        assert arena is not None
+        step = self._range_step(hi - lo)
+        ranges = [
+            (e.begin + at, e.begin + min(hi, at + step), at - lo) for at in range(lo, hi, step)
+        ]
+        self._fetch_ranges(arena, ranges)
+        with self._count_lock:
+            self.bytes_read += hi - lo
+        for region in regions:
+            if region.expected is None:
+                continue
+            piece = arena[region.lo - lo : region.hi - lo]
+            got = _C.crc32c(piece.data_ptr(), piece.numel()) if piece.numel() else 0
+            if got != region.expected:
+                raise damaged_region(self.path, self.meta.pieces, e, region, got)
+        result = arena[start - lo : stop - lo]
+        if target is None:
+            return result
+        if not exact:
+            target.copy_(result)
+        return out  # type: ignore[return-value]
+
+    def _range_step(self, total: int) -> int:
+        """Bytes per ranged read when fetching ``total`` bytes.
+
+        A streamed S3 GET costs no buffer of its size, so S3 reads take fewer, larger ranges
+        (about ``parallel`` of them, never smaller than ``part_size``): fewer requests, as
+        many in flight. Other stores return each range whole, so ranges stay at part_size.
+        """
+        if _is_s3(self._fs):
+            return max(self.part_size, -(-total // self.parallel))
+        return self.part_size
+
+    def _fetch_ranges(self, arena: torch.Tensor, ranges: list[tuple[int, int, int]]) -> None:
+        """Fetches data-section ranges ``(begin, end, arena position)`` into ``arena``."""
+        if _is_s3(self._fs):
+            self._fetch_streamed(arena, ranges)
+        else:
+            self._fetch(arena, ranges)
 
     def _fetch(self, arena: torch.Tensor, ranges: list[tuple[int, int, int]]) -> None:
         base, address = self.header.data_offset, arena.data_ptr()

@@ -217,9 +217,9 @@ def four_rank_loads(rank, world, base):
         raise AssertionError("a damaged piece was not detected")
 
 
-def async_save_then_mutate(rank, world, path):
+def async_save_then_mutate(rank, world, path, **writer_options):
     state = make_state(make_mesh(world))
-    writer = FastCkptWriter(path)
+    writer = FastCkptWriter(path, **writer_options)
     future = dcp.async_save(state, storage_writer=writer)
     # change everything at once: the checkpoint must hold the values at call time
     for value in state["model"].values():
@@ -248,3 +248,55 @@ def save_and_die(rank, world, path):
     dcp.save(
         make_state(make_mesh(world), 1), storage_writer=FastCkptWriter(path), planner=DieMidSave()
     )
+
+
+# -- checkpoints at URLs (a moto S3 server in the test process) -----------------------------------
+
+
+class RaiseMidSave(DefaultSavePlanner):
+    """Makes rank 1's write fail (an OSError, as a refused upload raises) after rank 0's
+    file went out whole: the coordinator must not commit the save."""
+
+    def resolve_data(self, write_item):
+        if dist.get_rank() == 1 and write_item.index.fqn == "model.repl":
+            raise OSError(5, "write refused (test)")
+        return super().resolve_data(write_item)
+
+
+def s3_two_rank_cases(rank, world, base, options):
+    """2 ranks at ``base`` (an s3:// URL): a checkpoint for the loads, two async saves, and a
+    save that fails on rank 1 over a committed checkpoint."""
+    mesh = make_mesh(world)
+    writer = FastCkptWriter(base + "/ckpt", piece_size=PIECE, storage_options=options)
+    dcp.save(make_state(mesh), storage_writer=writer)
+    async_save_then_mutate(rank, world, base + "/async", storage_options=options)
+    path = base + "/failed"
+    dcp.save(make_state(mesh, 0), storage_writer=FastCkptWriter(path, storage_options=options))
+    try:
+        dcp.save(
+            make_state(mesh, 1),
+            storage_writer=FastCkptWriter(path, storage_options=options),
+            planner=RaiseMidSave(),
+        )
+    except CheckpointException as exc:
+        assert set(exc.failures) == {1}, str(exc)
+    else:
+        raise AssertionError("the save with a failing rank did not fail")
+
+
+def s3_four_rank_loads(rank, world, base, options):
+    """4 ranks load the 2-rank checkpoint at ``base``: each fetches half a stored shard of
+    "wide"; a damaged piece is caught by the one rank whose range covers it, naming the URL."""
+    reader = load_resharded(rank, world, base + "/ckpt", ROWS, storage_options=options)
+    half = STORED_SHARD // 2
+    assert half <= reader.bytes_read <= half + SMALL_VALUES, reader.bytes_read
+    state = empty_like_full(make_mesh(world), ROWS)
+    try:
+        dcp.load(state, storage_reader=FastCkptReader(base + "/damaged", storage_options=options))
+    except CheckpointException as exc:
+        assert set(exc.failures) == {1}, str(exc)
+        message = str(exc.failures[1][0])
+        assert "piece 5 of 8" in message and "model.wide" in message, message
+        assert f"{base}/damaged/__0_" in message, message
+    else:
+        raise AssertionError("a damaged piece was not detected")

@@ -33,35 +33,7 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A moto S3 server in this process, on a free loopback port."""
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def _options(endpoint: str, key: str = "testing", secret: str = "testing") -> dict:
-    return {
-        "key": key,
-        "secret": secret,
-        "endpoint_url": endpoint,
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-
-
-@pytest.fixture
-def s3(s3_endpoint):
-    """(bucket URL, storage options, s3fs file system) for a fresh bucket."""
-    options = _options(s3_endpoint)
-    fs, _ = remote.url_to_fs("s3://x", options)
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    fs.call_s3("create_bucket", Bucket=bucket)
-    return f"s3://{bucket}", options, fs
+# s3_endpoint (a moto server on loopback) and s3 (a fresh bucket) are in conftest.py.
 
 
 def _nested(scale: int = 1) -> dict:
@@ -292,7 +264,7 @@ def _set_auth(endpoint: str, allowed_unauthenticated: str) -> None:
 def test_s3_wrong_credentials_name_the_url(s3, s3_endpoint):
     base, _, _ = s3
     url = f"{base}/secret.safetensors"
-    bad = _options(s3_endpoint, key="AKIAWRONGWRONGWRONG0", secret="wrong")
+    bad = {**s3[1], "key": "AKIAWRONGWRONGWRONG0", "secret": "wrong"}
     _set_auth(s3_endpoint, "0")
     try:
         with pytest.raises(PermissionError) as info:
