@@ -146,17 +146,23 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
         blocked = time.perf_counter() - start
         future.result()
         total = time.perf_counter() - start
+        ours_writer.wait_for_cleanup()  # untimed, as for the synchronous save
         both = torch.tensor([blocked, total], dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         times.setdefault(f"{name}-block", []).append(float(both[0]))
         times.setdefault(f"{name}-total", []).append(float(both[1]))
 
+    def save_ours() -> None:
+        writer = FastCkptWriter(ours)
+        timed("save-fastckpt", lambda: dcp.save(state, storage_writer=writer))
+        # Untimed: the replaced files are removed after the commit, beside the caller; wait,
+        # so that the next timed step does not share the disk with that removal.
+        writer.wait_for_cleanup()
+
     ours = os.path.join(folder, "ours")
     theirs = os.path.join(folder, "theirs")
     steps = {
-        "save-fastckpt": lambda: timed(
-            "save-fastckpt", lambda: dcp.save(state, storage_writer=FastCkptWriter(ours))
-        ),
+        "save-fastckpt": lambda: save_ours(),
         "load-fastckpt": lambda: (
             evict(ours),
             timed("load-fastckpt", lambda: dcp.load(target, storage_reader=FastCkptReader(ours))),

@@ -35,6 +35,7 @@ from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
 
 __all__ = [
+    "check_byte_range",
     "RangeSource",
     "read_byte_range",
     "TensorSlice",
@@ -232,6 +233,25 @@ def damaged_region(
         tensor=entry.name,
         filename=path,
     )
+
+
+def check_byte_range(name: str, nbytes: int, start: int, stop: int, where: str) -> None:
+    """Refuses a byte range ``[start, stop)`` that is not ints within tensor ``name`` of
+    ``nbytes`` bytes (``where``: the file or URL, for the message).
+
+    Example:
+        >>> check_byte_range("w", 8, 2, 9, "ckpt.safetensors")
+        Traceback (most recent call last):
+        ...
+        ValueError: byte range [2, 9) is not within tensor 'w' (8 bytes) of ckpt.safetensors
+    """
+    for what, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= start <= stop <= nbytes:
+        raise ValueError(
+            f"byte range [{start}, {stop}) is not within tensor {name!r} ({nbytes} bytes) of {where}"
+        )
 
 
 def byte_view(tensor: torch.Tensor, nbytes: int, what: str = "out") -> torch.Tensor:

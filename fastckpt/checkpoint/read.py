@@ -35,7 +35,13 @@ import torch
 
 from fastckpt import _C, format
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
-from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, byte_view, read_byte_range
+from fastckpt.checkpoint.range_read import (
+    RangeSource,
+    TensorSlice,
+    byte_view,
+    check_byte_range,
+    read_byte_range,
+)
 from fastckpt.checkpoint.tensor_runs import Run, tensor_runs, tensor_view
 from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import resolve_io, staging_bytes
@@ -253,14 +259,7 @@ class CheckpointReader(HeaderView):
         """
         self._check_open()
         e = self._entry(name)
-        for what, value in (("start", start), ("stop", stop)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-        if not 0 <= start <= stop <= e.nbytes:
-            raise ValueError(
-                f"byte range [{start}, {stop}) is not within tensor {name!r} "
-                f"({e.nbytes} bytes) of {self.path}"
-            )
+        check_byte_range(name, e.nbytes, start, stop, self.path)
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
         dest = None if out is None else byte_view(out, stop - start)

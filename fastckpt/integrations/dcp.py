@@ -413,7 +413,7 @@ class FastCkptWriter(StorageWriter):
     def close(self) -> None:
         """Frees the staging buffers kept for the next ``async_save`` and waits until the
         files of replaced checkpoints are removed."""
-        self._wait_for_removal()
+        self.wait_for_cleanup()
         if self._pool is not None:
             self._pool.trim()
 
@@ -654,7 +654,7 @@ class FastCkptWriter(StorageWriter):
         would double the commit of a 4-rank save). Only the files listed now are touched,
         so a later save's files never are; :meth:`close` and the next commit wait for it.
         """
-        self._wait_for_removal()
+        self.wait_for_cleanup()
         stale = [
             os.path.join(self.path, entry)
             for entry in os.listdir(self.path)
@@ -666,7 +666,20 @@ class FastCkptWriter(StorageWriter):
             )
             self._removal.start()
 
-    def _wait_for_removal(self) -> None:
+    def wait_for_cleanup(self) -> None:
+        """Waits until the files of the checkpoints this writer replaced are removed (they
+        are removed on a background thread after each commit).
+
+        Example:
+            >>> import os, tempfile, torch, torch.distributed.checkpoint as dcp
+            >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+            >>> writer = FastCkptWriter(path)
+            >>> for step in range(2):
+            ...     _ = dcp.save({"w": torch.full((4,), step)}, storage_writer=writer, no_dist=True)
+            >>> writer.wait_for_cleanup()
+            >>> len([f for f in os.listdir(path) if f.endswith(".safetensors")])
+            1
+        """
         if self._removal is not None:
             self._removal.join()
             self._removal = None

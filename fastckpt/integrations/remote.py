@@ -709,17 +709,15 @@ class RemoteReader(HeaderView):
             ...     r.read_range("w", 8, 20, verify=True).view(torch.int32).tolist()
             [2, 3, 4]
         """
-        from fastckpt.checkpoint.range_read import byte_view, covering_regions, damaged_region
+        from fastckpt.checkpoint.range_read import (
+            byte_view,
+            check_byte_range,
+            covering_regions,
+            damaged_region,
+        )
 
         e = self._entry(name)
-        for what, value in (("start", start), ("stop", stop)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-        if not 0 <= start <= stop <= e.nbytes:
-            raise ValueError(
-                f"byte range [{start}, {stop}) is not within tensor {name!r} "
-                f"({e.nbytes} bytes) of {self.path}"
-            )
+        check_byte_range(name, e.nbytes, start, stop, self.path)
         target = None if out is None else byte_view(out, stop - start)
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
