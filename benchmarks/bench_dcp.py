@@ -201,6 +201,7 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
     if rank == 0:
         with open(options["result"], "w", encoding="utf-8") as f:
             json.dump(times, f)
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 
@@ -228,6 +229,7 @@ def _reshard_main(rank: int, world: int, port: int, options: dict[str, Any]) -> 
         dcp.save(state, storage_writer=FastCkptWriter(paths["pieces"]))
         dcp.save(state, storage_writer=FastCkptWriter(paths["whole"], piece_size=0))
         dcp.save(state, storage_writer=dcp.FileSystemWriter(paths["theirs"]))
+        dist.barrier()
         dist.destroy_process_group()
         return
     target = _state(world, options["per_rank"], fill=False, saved_by=options["saved_by"])
@@ -263,6 +265,7 @@ def _reshard_main(rank: int, world: int, port: int, options: dict[str, Any]) -> 
     if rank == 0:
         with open(options["result"], "w", encoding="utf-8") as f:
             json.dump({"times": times, "bytes": read}, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

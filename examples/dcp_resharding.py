@@ -60,6 +60,7 @@ def rank_main(rank: int, world: int, port: int, directory: str) -> None:
     same = torch.equal(resharded["model"]["embed"].full_tensor(), weights["embed"])
     if rank == 0:
         print(f"{world} ranks resharded step {resharded['step']}: identical: {same}")
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

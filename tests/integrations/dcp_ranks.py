@@ -123,6 +123,7 @@ def rank_main(rank: int, world: int, port: int, fn, args) -> None:
     )
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 
