@@ -1315,8 +1315,13 @@ class _DirectReads:
                 continue
             if self.handle is None:
                 from fastckpt.aio import aio_handle
+                from fastckpt.config import resolve_io
 
-                self.handle = aio_handle(block_size=8 << 20, queue_depth=32, intra_op_parallelism=4)
+                # The I/O settings every load of this directory uses (tuned, configured or
+                # built in): every rank of a node reads at once, so a deeper private queue
+                # per rank only floods the device and lets one rank starve the others.
+                io = resolve_io(self.reader.path, _engine_options(self.reader.io_options))
+                self.handle = aio_handle(**dataclasses.asdict(io))
             if info.nbytes:
                 self.handle.async_pread(target, path, info.offset)
                 self.reader._count(info.nbytes)
