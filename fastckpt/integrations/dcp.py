@@ -176,11 +176,7 @@ def read_dcp_metadata(
     """
     location = _location(path)
     meta_path = _join(location, METADATA_FILE)
-    if remote.is_url(location):
-        data = remote.read_bytes(meta_path, storage_options)
-    else:
-        with open(meta_path, "rb") as f:
-            data = f.read()
+    data = remote.read_bytes(meta_path, storage_options)
     try:
         metadata = pickle.loads(data)
     except Exception as exc:  # any unpickling failure means a damaged file

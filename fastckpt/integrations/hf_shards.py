@@ -353,11 +353,7 @@ def _resolve(
 
 def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[str, str]:
     """The weight map of an index file, checked: shard names must be plain file names."""
-    if remote.is_url(index):
-        data = remote.read_bytes(index, storage_options)
-    else:
-        with open(index, "rb") as f:
-            data = f.read()
+    data = remote.read_bytes(index, storage_options)
     try:
         document = json.loads(data)
     except ValueError as exc:
@@ -384,11 +380,7 @@ def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[s
 def _index_metadata(index: str | None, storage_options: Mapping[str, Any] | None) -> dict:
     if index is None:
         return {}
-    if remote.is_url(index):
-        data = remote.read_bytes(index, storage_options)
-    else:
-        with open(index, "rb") as f:
-            data = f.read()
+    data = remote.read_bytes(index, storage_options)
     meta = json.loads(data).get("metadata") or {}
     return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 

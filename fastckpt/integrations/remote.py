@@ -551,7 +551,17 @@ def write_bytes(url: str, data: bytes, storage_options: Mapping[str, Any] | None
 
 
 def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
-    """Reads a whole small object (an index file); errors name the URL."""
+    """Reads a whole small object (an index file) at a URL, or a local file at a plain path;
+    errors name the URL or path.
+
+    Example:
+        >>> write_bytes("memory://doc/small.json", b"{}")
+        >>> read_bytes("memory://doc/small.json")
+        b'{}'
+    """
+    if not is_url(url):
+        with open(url, "rb") as f:
+            return f.read()
     with _Errors(url, "resolving the URL"):
         fs, path = url_to_fs(url, storage_options)
     with _Errors(url, "read"):
