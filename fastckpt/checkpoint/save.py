@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import os
 import threading
 from typing import Any, Iterator, Mapping
@@ -347,7 +346,7 @@ class StreamWriter:
         header = self.plan.header_from(self.sums)
         if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
             raise AssertionError("header size changed between planning and writing")
-        _pwrite_all(self.file, header, 0)
+        self.file.pwrite_all(header, 0)
         if self.file.size() != self.plan.file_size:
             self.file.truncate(self.plan.file_size)
 
@@ -364,15 +363,6 @@ class StreamWriter:
                 pass
             finally:
                 self.pool.release(buf)
-
-
-def _pwrite_all(file: File, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(file.fd, view, offset)
-        if written <= 0:  # never loop on a file system that stops taking bytes
-            raise OSError(errno.EIO, f"write made no progress at offset {offset}", file.path)
-        view, offset = view[written:], offset + written
 
 
 def save(
@@ -545,7 +535,7 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
     header = plan.header_from(sums)
     if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
         raise AssertionError("header size changed between planning and writing")
-    _pwrite_all(file, header, 0)
+    file.pwrite_all(header, 0)
 
 
 def _add_segments(acc: PieceCrcs, span: Span, crcs: list[int]) -> None:

@@ -117,14 +117,6 @@ def _rank_file(rank: int, save_id: str) -> str:
     return f"__{rank}_{save_id}.safetensors"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _location(checkpoint_id: str | os.PathLike[str]) -> str:
     """A local directory (a plain path, or a ``file://`` URL turned back into one) or an fsspec
     URL (``s3://``, ``memory://``, ...), without a trailing ``/``."""
@@ -134,11 +126,6 @@ def _location(checkpoint_id: str | os.PathLike[str]) -> str:
     if remote.is_url(path):
         return path.rstrip("/")
     return remote.local_path(path) if remote.handles(path) else path
-
-
-def _join(base: str, name: str) -> str:
-    """``name`` inside the checkpoint ``base`` (a local directory or a URL)."""
-    return f"{base}/{name}" if remote.is_url(base) else os.path.join(base, name)
 
 
 def is_dcp_checkpoint(
@@ -155,7 +142,7 @@ def is_dcp_checkpoint(
     if remote.is_url(location):
         # Unreachable or unknown storage is "not a checkpoint": reading it says why.
         try:
-            fs, inner = remote.url_to_fs(_join(location, METADATA_FILE), storage_options)
+            fs, inner = remote.url_to_fs(remote.join(location, METADATA_FILE), storage_options)
             return bool(fs.isfile(inner))
         except (ImportError, ValueError, OSError):
             return False
@@ -175,7 +162,7 @@ def read_dcp_metadata(
         fastckpt.HeaderError: the file is not a DCP metadata pickle.
     """
     location = _location(path)
-    meta_path = _join(location, METADATA_FILE)
+    meta_path = remote.join(location, METADATA_FILE)
     data = remote.read_bytes(meta_path, storage_options)
     try:
         metadata = pickle.loads(data)
@@ -362,26 +349,14 @@ class FastCkptWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
         referenced = {file for file, _ in metadata.storage_data.values()}
+        # Every rank's file is durable (DCP gathered their results): publish, whole or not
+        # at all (temp file, fsync, rename, directory fsync; on object stores one upload).
+        meta_path = remote.join(self.path, METADATA_FILE)
+        remote.write_bytes(meta_path, pickle.dumps(metadata), self.storage_options)
         if remote.is_url(self.path):
-            # Every rank's upload has completed (DCP gathered their results): publish.
-            url = _join(self.path, METADATA_FILE)
-            remote.write_bytes(url, pickle.dumps(metadata), self.storage_options)
             self._remove_unreferenced_at_url(referenced)
-            return
-        final = os.path.join(self.path, METADATA_FILE)
-        tmp = f"{final}.{secrets.token_hex(6)}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.path)
-        self._remove_unreferenced(referenced)
+        else:
+            self._remove_unreferenced(referenced)
 
     def storage_meta(self) -> StorageMeta | None:
         """Identifies this save (``checkpoint_id`` and ``save_id``) in the metadata."""
@@ -517,7 +492,7 @@ class FastCkptWriter(StorageWriter):
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         file_name = plan.storage_data or _rank_file(self.rank, self.save_id)
-        path = _join(self.path, file_name)
+        path = remote.join(self.path, file_name)
         snapshot = self._take_snapshot(plan, planner)
         results: list[WriteResult] = []
         if snapshot is not None:
@@ -592,7 +567,7 @@ class FastCkptWriter(StorageWriter):
             from fastckpt.checkpoint.save import plan_save
 
             plan = plan_save(flat, checksum=self.checksum, piece_size=self.piece_size)
-            self._write_plan(plan, _join(self.path, file_name))
+            self._write_plan(plan, remote.join(self.path, file_name))
         else:
             fastckpt.save(
                 flat,
@@ -856,7 +831,7 @@ class FastCkptReader(StorageReader):
         try:
             tasks: list[tuple[str, ReadItem, torch.Tensor | None]] = []
             for file_name, reqs in per_file.items():
-                readers[file_name] = self._open(_join(self.path, file_name))
+                readers[file_name] = self._open(remote.join(self.path, file_name))
                 for req in reqs:
                     target = None
                     if req.type != LoadItemType.BYTE_IO:
@@ -1209,7 +1184,7 @@ def verify_dcp(
         )
     damaged: list[str] = []
     for file_name, names in sorted(per_file.items()):
-        file_path = _join(name, file_name)
+        file_path = remote.join(name, file_name)
         try:
             with _open_rank_file(file_path, storage_options) as reader:
                 absent = sorted(set(names) - set(reader.keys()))

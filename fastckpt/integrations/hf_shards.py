@@ -43,7 +43,6 @@ import concurrent.futures
 import json
 import os
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,12 +105,6 @@ def parse_shard_size(size: int | str) -> int:
 
 
 # --------------------------------------------------------------------------- paths
-
-
-def _join(directory: str, name: str) -> str:
-    if remote.is_url(directory):
-        return directory.rstrip("/") + "/" + name
-    return os.path.join(directory, name)
 
 
 def _local(path: Any) -> str | None:
@@ -225,27 +218,6 @@ def _save_one(state: dict[str, torch.Tensor], target: str, options: dict[str, An
         fastckpt.save(state, target, **options)
 
 
-def _write_index_local(directory: str, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync of the directory: the index appears whole or not at all."""
-    final = os.path.join(directory, INDEX_NAME)
-    temp = f"{final}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(temp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_stale(directory: str, keep: set[str]) -> None:
     """Deletes shards of an earlier save that the new index does not name."""
     for name in os.listdir(directory):
@@ -302,7 +274,7 @@ def save_sharded(
     stored = [tree.flatten(shard).tensors for shard in shards]
 
     def write(i: int) -> None:
-        _save_one(shards[i], _join(directory, names[i]), options)
+        _save_one(shards[i], remote.join(directory, names[i]), options)
 
     with concurrent.futures.ThreadPoolExecutor(min(parallel, len(groups))) as pool:
         for f in [pool.submit(write, i) for i in range(len(groups))]:
@@ -317,11 +289,10 @@ def save_sharded(
         "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
     }
     data = (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
+    # the index appears whole or not at all, after every shard is durable
+    remote.write_bytes(remote.join(local or directory, INDEX_NAME), data, storage_options)
     if local is not None:
-        _write_index_local(local, data)
         _remove_stale(local, set(names) | {INDEX_NAME})
-    else:
-        remote.write_bytes(_join(directory, INDEX_NAME), data, storage_options)
 
 
 # --------------------------------------------------------------------------- load
@@ -342,10 +313,10 @@ def _resolve(
         directory = path.rsplit("/", 1)[0] if remote.is_url(path) else os.path.dirname(path)
         return directory, path, None
     directory = path.rstrip("/") if remote.is_url(path) else path
-    index = _join(directory, INDEX_NAME)
+    index = remote.join(directory, INDEX_NAME)
     if _exists(index, storage_options):
         return directory, index, None
-    single = _join(directory, WEIGHTS_NAME)
+    single = remote.join(directory, WEIGHTS_NAME)
     if _exists(single, storage_options):
         return directory, None, single
     raise FileNotFoundError(2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path)
@@ -434,11 +405,11 @@ def load_sharded(
 
     def read(shard: str) -> dict[str, torch.Tensor]:
         wanted = None if keys is None else by_shard[shard]
-        found = _load_one(_join(directory, shard), wanted, options)
+        found = _load_one(remote.join(directory, shard), wanted, options)
         missing = [n for n in by_shard[shard] if n not in found]
         if missing:
             raise HeaderError(
-                f"{_join(directory, shard)}: lacks tensor {missing[0]!r} that {index} maps to it"
+                f"{remote.join(directory, shard)}: lacks tensor {missing[0]!r} that {index} maps to it"
             )
         return found
 
@@ -499,7 +470,7 @@ class ShardedReader:
         self._owner: dict[str, str] = {}  # tensor name -> shard
         try:
             for name in files:
-                shard = single or _join(directory, name)
+                shard = single or remote.join(directory, name)
                 if remote.is_url(shard):
                     reader = remote.open_url(shard, storage_options=storage_options, **open_options)
                 else:

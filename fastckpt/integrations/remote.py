@@ -42,6 +42,7 @@ import concurrent.futures
 import ctypes
 import errno
 import json
+import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +59,7 @@ from fastckpt.checkpoint.tensor_runs import tensor_runs, tensor_view
 from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.io import parallel_io
 from fastckpt.io.checksums import PieceCrcs
+from fastckpt.io.commit import write_atomically
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -67,6 +69,7 @@ __all__ = [
     "handles",
     "local_path",
     "is_url",
+    "join",
     "load",
     "open_url",
     "read_bytes",
@@ -126,6 +129,16 @@ def handles(path: Any) -> bool:
 def local_path(url: str) -> str:
     """The path of a ``file://`` or ``local://`` URL."""
     return url.split("://", 1)[1]
+
+
+def join(base: str, name: str) -> str:
+    """``name`` inside ``base``, a local directory or a URL.
+
+    Example:
+        >>> join("s3://bucket/run/", "model.safetensors"), join("/tmp/run", "a")
+        ('s3://bucket/run/model.safetensors', '/tmp/run/a')
+    """
+    return base.rstrip("/") + "/" + name if is_url(base) else os.path.join(base, name)
 
 
 def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -534,13 +547,17 @@ def async_save(
 
 
 def write_bytes(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Writes a small object (an index file) whole, with the same commit rule as :func:`save`.
+    """Writes a small object (an index file) whole at a URL, or a local file at a plain path,
+    with the same commit rule as :func:`save`.
 
     Example:
         >>> write_bytes("memory://doc/note.json", b"{}")
         >>> read_bytes("memory://doc/note.json")
         b'{}'
     """
+    if not is_url(url):
+        write_atomically(url, data)
+        return
     with _Errors(url, "resolving the URL"):
         fs, path = url_to_fs(url, storage_options)
     pieces = iter([data]) if data else iter(())

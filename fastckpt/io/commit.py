@@ -33,7 +33,13 @@ from typing import Any
 from fastckpt import _C
 from fastckpt.io.files import File
 
-__all__ = ["AtomicFile", "fsync_directory", "check_destination", "remove_stale_temporaries"]
+__all__ = [
+    "AtomicFile",
+    "fsync_directory",
+    "check_destination",
+    "remove_stale_temporaries",
+    "write_atomically",
+]
 
 
 def check_destination(f: Any, argname: str = "f") -> str:
@@ -213,3 +219,18 @@ class AtomicFile:
             self.commit()
         else:
             self.abort()
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes a small file (an index, a metadata file) by the commit protocol: it appears
+    whole and durable at ``path``, or the old one stays.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> target = pathlib.Path(tempfile.mkdtemp(), "index.json")
+        >>> write_atomically(target, b"{}")
+        >>> target.read_bytes()
+        b'{}'
+    """
+    with AtomicFile(path, direct=False) as out:
+        out.file.pwrite_all(data, 0)

@@ -102,6 +102,15 @@ class File:
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
+    def pwrite_all(self, data: bytes, offset: int) -> None:
+        """Writes all of ``data`` at ``offset`` through the page cache (headers, small files)."""
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            if written <= 0:  # never loop on a file system that stops taking bytes
+                raise OSError(errno.EIO, f"write made no progress at offset {offset}", self.path)
+            view, offset = view[written:], offset + written
+
     def fsync(self) -> None:
         os.fsync(self.fd)
 
