@@ -13,12 +13,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
-from fastckpt.errors import HeaderError
+from fastckpt.errors import ChecksumError, HeaderError
 
 __all__ = ["HeaderView", "TensorInfo"]
 
@@ -105,6 +106,15 @@ class HeaderView:
         """Whether the file records a CRC32C per tensor."""
         return self.meta.crcs is not None
 
+    def require_checksums(self, verify: bool = True) -> None:
+        """Refuses to verify (``verify=True``) a file that records no checksums.
+
+        Raises:
+            ChecksumError: naming the file.
+        """
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+
     def _entry(self, name: str) -> format.TensorEntry:
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
@@ -112,6 +122,36 @@ class HeaderView:
             return self.header.entries[self.meta.aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def _range_request(
+        self, name: str, start: int, stop: int, out: torch.Tensor | None, verify: bool
+    ) -> tuple[format.TensorEntry, torch.Tensor | None]:
+        """Checks a request for bytes ``[start, stop)`` of tensor ``name``; returns its entry
+        and ``out`` as the bytes to fill (None without ``out``)."""
+        from fastckpt.checkpoint.range_read import byte_view, check_byte_range
+
+        e = self._entry(name)
+        check_byte_range(name, e.nbytes, start, stop, self.path)
+        target = None if out is None else byte_view(out, stop - start)
+        self.require_checksums(verify)
+        return e, target
+
+    def read(
+        self, names: Sequence[str] | None = None, *, verify: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Stored tensors (all when ``names`` is None): stored name -> tensor."""
+        raise NotImplementedError
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Reads one tensor (by stored name or alias)."""
+        return self.get_tensors([name])[name]
+
+    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
+        """Reads several tensors in one batch of parallel reads; ``name -> tensor``."""
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        tensors = self.read(list(names), verify=verify)
+        return {n: tensors[self.meta.aliases.get(n, n)] for n in names}
 
     def info(self, name: str) -> TensorInfo:
         """dtype, shape, size and file offset of a tensor, without reading it."""

@@ -145,10 +145,7 @@ def load(
         intra_op_parallelism=intra_op_parallelism,
     ) as reader:
         check = reader.has_checksums and (VERIFY_DEFAULT if verify is None else verify)
-        if verify and not reader.has_checksums:
-            from fastckpt.errors import ChecksumError
-
-            raise ChecksumError(f"{reader.path} has no checksums to verify", filename=reader.path)
+        reader.require_checksums(verify)
         names = None if keys is None else list(keys)
         if mmap:
             stored = reader.map(names, verify=bool(verify))

@@ -38,8 +38,6 @@ from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
 from fastckpt.checkpoint.range_read import (
     RangeSource,
     TensorSlice,
-    byte_view,
-    check_byte_range,
     read_byte_range,
 )
 from fastckpt.checkpoint.tensor_runs import Run, tensor_runs, tensor_view
@@ -258,11 +256,7 @@ class CheckpointReader(HeaderView):
             [2, 3, 4]
         """
         self._check_open()
-        e = self._entry(name)
-        check_byte_range(name, e.nbytes, start, stop, self.path)
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
-        dest = None if out is None else byte_view(out, stop - start)
+        e, dest = self._range_request(name, start, stop, out, verify)
         # O_DIRECT or the page cache, by what is resident of this range (not of the file)
         read = self._source((self.header.data_offset + e.begin + start, stop - start))
         source = RangeSource(
@@ -302,17 +296,6 @@ class CheckpointReader(HeaderView):
         e = self._entry(name)
         return TensorSlice(e, lambda lo, hi: self.read_range(e.name, lo, hi, verify=verify))
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """Reads one tensor (waiting only for what is still in flight if it was prefetched)."""
-        return self.get_tensors([name])[name]
-
-    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
-        """Reads several tensors in one batch of parallel reads."""
-        if isinstance(names, str):
-            raise TypeError("names must be a sequence of str, not a str")
-        tensors = self.read(list(names), verify=verify)
-        return {n: tensors[self.meta.aliases.get(n, n)] for n in names}
-
     def read(
         self,
         names: Sequence[str] | None = None,
@@ -331,8 +314,7 @@ class CheckpointReader(HeaderView):
         for n in wanted:
             e = self._entry(n)
             entries[e.name] = e
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums(verify)
         result: dict[str, torch.Tensor] = {}
         to_read = []
         for name, e in entries.items():
@@ -378,8 +360,7 @@ class CheckpointReader(HeaderView):
             raise ValueError(f"mapping gives CPU tensors; this reader loads to {self.device}")
         wanted = list(self.header.entries) if names is None else names
         entries = {self._entry(n).name: self._entry(n) for n in wanted}
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums(verify)
         data = self._mapping()
         if verify:
             runs = tensor_runs(entries.values())
@@ -507,8 +488,7 @@ class CheckpointReader(HeaderView):
             e = self._entry(n)
             if e.name not in self._prefetched:
                 entries[e.name] = e
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums(verify)
         pending = self._start(
             list(entries.values()), pin_memory=pin_memory, verify=verify, background=True
         )
@@ -524,8 +504,7 @@ class CheckpointReader(HeaderView):
         Raises:
             ChecksumError: the file has no checksums (it cannot be verified).
         """
-        if not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums()
         damaged: list[str] = []
         crcs = self.meta.crcs or {}
         wanted = (

@@ -660,17 +660,6 @@ class RemoteReader(HeaderView):
         self._adopt_header(header)
 
     # -- reading --------------------------------------------------------------------------
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """Fetches one tensor."""
-        return self.get_tensors([name])[name]
-
-    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
-        """Fetches several tensors with parallel ranged reads; ``name -> tensor``."""
-        if isinstance(names, str):
-            raise TypeError("names must be a sequence of str, not a str")
-        tensors = self.read(list(names), verify=verify)
-        return {n: tensors[self.meta.aliases.get(n, n)] for n in names}
-
     def read(
         self, names: Sequence[str] | None = None, *, verify: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -681,8 +670,7 @@ class RemoteReader(HeaderView):
         """
         wanted = list(self.header.entries) if names is None else names
         entries = {e.name: e for e in map(self._entry, wanted)}
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums(verify)
         runs = tensor_runs(list(entries.values()))
         pos = 0
         for run in runs:  # same offset modulo 64 as in the data section: dtypes stay aligned
@@ -736,18 +724,9 @@ class RemoteReader(HeaderView):
             ...     r.read_range("w", 8, 20, verify=True).view(torch.int32).tolist()
             [2, 3, 4]
         """
-        from fastckpt.checkpoint.range_read import (
-            byte_view,
-            check_byte_range,
-            covering_regions,
-            damaged_region,
-        )
+        from fastckpt.checkpoint.range_read import covering_regions, damaged_region
 
-        e = self._entry(name)
-        check_byte_range(name, e.nbytes, start, stop, self.path)
-        target = None if out is None else byte_view(out, stop - start)
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        e, target = self._range_request(name, start, stop, out, verify)
         regions = covering_regions(self.meta.pieces, self.meta.crcs, e, start, stop, verify)
         if not regions:
             return out if out is not None else torch.empty(0, dtype=torch.uint8)
@@ -882,8 +861,7 @@ class RemoteReader(HeaderView):
         ``progress`` is accepted for symmetry with ``fastckpt.open`` readers (no bar here).
         """
         del progress
-        if not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+        self.require_checksums()
         damaged = []
         for name in list(self.header.entries) if names is None else names:
             try:
@@ -994,8 +972,7 @@ def load(
     reader = RemoteReader(
         url, storage_options=storage_options, part_size=part_size, parallel=parallel
     )
-    if verify and not reader.has_checksums:
-        raise ChecksumError(f"{url} has no checksums to verify", filename=url)
+    reader.require_checksums(verify)
     check = reader.has_checksums and verify is not False
     stored = reader.read(None if keys is None else list(keys), verify=check)
     if isinstance(target, torch.device):
