@@ -111,6 +111,16 @@ class HeaderView:
 
         Raises:
             ChecksumError: naming the file.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-nosum.safetensors", checksum=False)
+            >>> with fastckpt.open("/tmp/fastckpt-nosum.safetensors") as r:
+            ...     r.require_checksums(verify=False)  # nothing to check, nothing asked
+            ...     r.require_checksums()
+            Traceback (most recent call last):
+            ...
+            fastckpt.errors.ChecksumError: /tmp/fastckpt-nosum.safetensors has no checksums to verify
         """
         if verify and not self.has_checksums:
             raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
