@@ -15,7 +15,9 @@ import torch
 import fastckpt
 from fastckpt.cli.verify import verify_file
 
-work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+# without an argument, a scratch folder that is removed when the run ends
+_scratch = None if len(sys.argv) > 1 else tempfile.TemporaryDirectory()
+work = sys.argv[1] if _scratch is None else _scratch.name
 path = os.path.join(work, "ckpt.safetensors")
 state = {"model": {"w": torch.randn(4, 4)}, "param_groups": [{"lr": 0.1}], "epoch": 3}
 fastckpt.save(state, path)

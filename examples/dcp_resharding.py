@@ -87,4 +87,8 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:  # a scratch folder that goes away with the run
+        with tempfile.TemporaryDirectory() as scratch:
+            main(scratch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,19 @@ def test_lightning_example_trains_and_resumes(tmp_path):
     assert "last.ckpt: epoch 1, global step 8" in out.stdout
     assert "resumed to epoch 3, global step 12" in out.stdout
     assert "'last.ckpt'" in out.stdout
+
+
+@pytest.mark.parametrize("script", ["partial_reads.py", "damaged_files.py"])
+def test_example_without_a_folder_leaves_nothing_behind(tmp_path, script):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert list(scratch.iterdir()) == []
