@@ -45,6 +45,7 @@ from fastckpt.cli._common import (
     require_gds,
     size_arg,
 )
+from fastckpt.cli.tune.plot import plot_results, require_matplotlib
 from fastckpt.cli.tune.sweep import (
     QUICK_BUDGET,
     QUICK_DESCRIPTION,
@@ -58,6 +59,9 @@ from fastckpt.cli.tune.sweep import (
     quick_sweep,
     run_sweep,
 )
+from fastckpt.cli.tune.sweep_log import SweepLog
+from fastckpt.cli.tune.tuned_file import save_gds_winner, save_winner
+from fastckpt.progress import progress_bar
 
 __all__ = ["add_parser", "run", "why_winner"]
 
@@ -166,9 +170,6 @@ def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt tune`` with parsed arguments; returns the exit status."""
-    from fastckpt.cli.tune import plot, tuned_file
-    from fastckpt.cli.tune.sweep_log import SweepLog
-
     if args.no_read and args.no_write:
         raise CliError("--no_read and --no_write leave nothing to measure", USAGE)
     if args.gds:
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.gpu:
         require_cuda("--gpu")
     if args.plot:
-        plot.require_matplotlib()
+        require_matplotlib()
         plot_dir = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(plot_dir) or not os.access(plot_dir, os.W_OK):
             raise CliError(f"--plot {args.plot}: cannot write in {plot_dir}", USAGE)
@@ -201,12 +202,11 @@ def run(args: argparse.Namespace) -> int:
 
     log = SweepLog.open(args.log_dir, dirs=dirs, io_size=args.io_size) if args.log_dir else None
     started = time.perf_counter()
-    files = SweepFiles(dirs, args.io_size, gpu=args.gpu, gds=args.gds, cache=cache)
+    files = None
     try:
+        files = SweepFiles(dirs, args.io_size, gpu=args.gpu, gds=args.gds, cache=cache)
         if read:
             files.prepare_reads()
-        from fastckpt.progress import progress_bar
-
         total = len(configs) + confirmations(len(configs))
         with progress_bar(total, "tuning", unit="config") as bar:
             results = run_sweep(
@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
                 observer=_Shown(bar, log, budget, verbose=args.verbose),
             )
     finally:
-        files.close()
+        if files is not None:
+            files.close()
         if log is not None:
             log.close()
     elapsed = time.perf_counter() - started
@@ -232,10 +233,10 @@ def run(args: argparse.Namespace) -> int:
     if log is not None:
         print(f"Measurements logged to {log.path}")
     if args.gds:
-        for key, path in tuned_file.save_gds_winner(winner, dirs, read=read, write=write).items():
+        for key, path in save_gds_winner(winner, dirs, read=read, write=write).items():
             print(f"Saved GPUDirect Storage figures for file system {key} in {path}")
     else:
-        saved = tuned_file.save_winner(
+        saved = save_winner(
             winner,
             dirs,
             io_size=args.io_size,
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         for key, path in saved.items():
             print(f"Saved for file system {key} in {path}")
     if args.plot:
-        plot.plot_results(results, sweep, args.plot, read=read, write=write)
+        plot_results(results, sweep, args.plot, read=read, write=write)
         print(f"Plot written to {args.plot}")
     return 0
 
