@@ -26,17 +26,11 @@ import torch
 
 import fastckpt
 from fastckpt.aio import aio_handle
-from fastckpt.cli.measure import (
-    FIO_LOCKED,
-    PageCache,
-    drop_page_cache,
-    filesystem_of,
-    fio_sequential,
-    fio_version,
-    fsync_path,
-    median,
-    parse_size,
-)
+from fastckpt.bench.caches import PageCache, drop_page_cache, fsync_path
+from fastckpt.bench.filesystems import filesystem_of
+from fastckpt.bench.fio import FIO_LOCKED, fio_sequential, fio_version
+from fastckpt.bench.units import median
+from fastckpt.config import parse_size
 
 PARALLELISM = (1, 2, 4, 8)
 # fio's sequential figure is the best of these (block size, queue depth, engine, options).

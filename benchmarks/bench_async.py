@@ -31,7 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-from fastckpt.cli import measure as M
+from fastckpt.bench.caches import make_durable
+from fastckpt.bench.children import report, run_child
+from fastckpt.bench.measure import Measure
+from fastckpt.bench.units import format_bytes, median
+from fastckpt.config import parse_size
 
 MODES = ("none", "copy", "save", "async_save", "torch_save", "torch_thread")
 
@@ -40,7 +44,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import fastckpt
-    from fastckpt.cli.synthetic import llm_like_state_dict
+    from fastckpt.bench.synthetic import llm_like_state_dict
 
     torch.manual_seed(0)
     state = llm_like_state_dict(args.size)
@@ -56,12 +60,12 @@ def child(args: argparse.Namespace) -> None:
 
     def torch_save_durable(obj, where):
         torch.save(obj, where)
-        M.make_durable(where)
+        make_durable(where)
 
     if args.mode == "async_save":  # warm the staging pool like a training run's first save would
         fastckpt.async_save(state, path).result()
     compute = 0.0
-    with M.Measure() as m:
+    with Measure() as m:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             for _ in range(args.matmuls_per_step):
@@ -96,7 +100,7 @@ def child(args: argparse.Namespace) -> None:
         for t in threads:
             t.join()
         final_wait = time.perf_counter() - t0
-    M.report(
+    report(
         {
             "mode": args.mode,
             "blocked": blocked,
@@ -109,7 +113,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", type=M.parse_size, default=M.parse_size("2G"))
+    p.add_argument("--size", type=parse_size, default=parse_size("2G"))
     p.add_argument(
         "--dir", default=None, help="directory on the disk to test (default: ../bench-async-tmp)"
     )
@@ -152,7 +156,7 @@ def main() -> None:
                     "--matmuls-per-step",
                     str(args.matmuls_per_step),
                 ]
-                res = M.run_child(argv, timeout=1200)
+                res = run_child(argv, timeout=1200)
                 if "error" in res:
                     print(f"{mode}: {res['error']}", file=sys.stderr)
                     continue
@@ -165,7 +169,7 @@ def main() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
-    med = M.median
+    med = median
     rows = {}
     for mode, runs in results.items():
         if not runs:
@@ -181,7 +185,7 @@ def main() -> None:
         }
     ckpts = args.steps // args.every
     print(
-        f"\n{M.format_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
+        f"\n{format_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
         f"steps ({ckpts} checkpoints), medians of {args.repeats} runs\n"
     )
     print("| mode | blocks per checkpoint (s) | loop total (s) | peak RSS (MiB) |")

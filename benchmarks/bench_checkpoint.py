@@ -10,7 +10,7 @@ and peak RSS belong to that method alone:
 * save: the child builds the same seeded LLM-like state dict, syncs, then times the save
   until the data is durable: ``fastckpt.save`` (which fsyncs and commits atomically),
   ``torch.save`` and ``safetensors.torch.save_file``, each followed by an fsync of the
-  file and of its directory (the savers of ``fastckpt.cli.peers``);
+  file and of its directory (the savers of ``fastckpt.bench.peers``);
 * load: the child drops the page cache (as root; otherwise evicts the file's pages with
   ``posix_fadvise``), then times the load *and* a touch of every page of every tensor, so
   loaders that map the file lazily pay for their reads: ``fastckpt.load`` (default
@@ -41,8 +41,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from fastckpt.cli import measure as C
-from fastckpt.cli.peers import child_load, child_save
+from fastckpt.bench.caches import PageCache
+from fastckpt.bench.children import child_main, spawn
+from fastckpt.bench.filesystems import (
+    available_memory,
+    filesystem_of,
+    free_bytes,
+    require_directory,
+)
+from fastckpt.bench.fio import FIO_LOCKED, fio_path, fio_round, fio_version
+from fastckpt.bench.report import fmt, log, machine
+from fastckpt.bench.results import Results, rotate
+from fastckpt.bench.timed_runs import child_load, child_save
+from fastckpt.bench.units import MiB, format_bytes
+from fastckpt.config import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,7 +78,7 @@ SAVE_VS_TORCH = 5.0
 LOAD_VS_SAFETENSORS = 1.2
 LOAD_OF_FIO = 0.9
 NOISY_SPREAD = 1.5  # max/min GB/s over rounds above which a method is called noisy
-RSS_ALLOWANCE = 32 * C.MiB  # interpreter and engine bookkeeping on top of the staging budget
+RSS_ALLOWANCE = 32 * MiB  # interpreter and engine bookkeeping on top of the staging budget
 
 
 # ============================================================================ child side
@@ -83,15 +95,15 @@ def run_one(op: str, method: str, workdir: str, args: argparse.Namespace) -> dic
     if op == "save" and os.path.exists(path):
         os.remove(path)
     spec = {"op": op, "method": method, "file": path, "size": args.size, "seed": args.seed}
-    return C.spawn(__file__, spec, args.child_timeout)
+    return spawn(__file__, spec, args.child_timeout)
 
 
 def check_directory(directory: Path, size: int) -> None:
-    C.require_directory(directory, 3 * size + 256 * C.MiB, memory=False)
-    mem = C.available_memory()
+    require_directory(directory, 3 * size + 256 * MiB, memory=False)
+    mem = available_memory()
     if mem is not None and mem < 2.5 * size:
-        C.log(
-            f"warning: only {C.format_bytes(mem)} of memory available for a {C.format_bytes(size)} "
+        log(
+            f"warning: only {format_bytes(mem)} of memory available for a {format_bytes(size)} "
             "state dict; children may be killed or figures skewed by swapping"
         )
 
@@ -123,8 +135,8 @@ def _table(
         rss = s.get("extra_rss")
         lines.append(
             f"| {label} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | {s['seconds']:.2f} "
-            f"| {C.fmt(speedup, '.2f', '×')} | {C.fmt(of_fio, '.0f', '%')} | {C.fmt(s.get('cpu_seconds'), '.2f')} "
-            f"| {C.fmt(None if rss is None else rss / C.MiB, '.0f')} |"
+            f"| {fmt(speedup, '.2f', '×')} | {fmt(of_fio, '.0f', '%')} | {fmt(s.get('cpu_seconds'), '.2f')} "
+            f"| {fmt(None if rss is None else rss / MiB, '.0f')} |"
         )
     return lines + [""]
 
@@ -139,7 +151,7 @@ def _rounds_table(rounds: dict[str, list[float | None]]) -> list[str]:
         "|---|" + "---:|" * n,
     ]
     for label, values in rounds.items():
-        cells = [C.fmt(v, ".2f") for v in values] + [""] * (n - len(values))
+        cells = [fmt(v, ".2f") for v in values] + [""] * (n - len(values))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -150,7 +162,7 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
     fio_r = fio.get("read") if fio else None
     out = [
         (
-            f"## Checkpoint benchmark — {C.format_bytes(meta['payload_bytes'])} LLM-like "
+            f"## Checkpoint benchmark — {format_bytes(meta['payload_bytes'])} LLM-like "
             f"state dict ({meta['tensors']} tensors, float32 + bfloat16)"
         ),
         "",
@@ -208,17 +220,17 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
 
     r = ratio(saves["fastckpt"], saves["safetensors"])
     out.append(
-        f"| save ≥ {SAVE_VS_SAFETENSORS}× safetensors save_file | {C.fmt(r, '.2f', '×')} "
+        f"| save ≥ {SAVE_VS_SAFETENSORS}× safetensors save_file | {fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= SAVE_VS_SAFETENSORS)} |"
     )
     r = ratio(saves["fastckpt"], saves["torch"])
     out.append(
-        f"| save ≥ {SAVE_VS_TORCH}× torch.save | {C.fmt(r, '.2f', '×')} "
+        f"| save ≥ {SAVE_VS_TORCH}× torch.save | {fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= SAVE_VS_TORCH)} |"
     )
     r = ratio(loads["fastckpt"], loads["safetensors"])
     out.append(
-        f"| load ≥ {LOAD_VS_SAFETENSORS}× safetensors load_file (touched) | {C.fmt(r, '.2f', '×')} "
+        f"| load ≥ {LOAD_VS_SAFETENSORS}× safetensors load_file (touched) | {fmt(r, '.2f', '×')} "
         f"| {verdict(r, lambda v: v >= LOAD_VS_SAFETENSORS)} |"
     )
     r = ratio(loads["fastckpt"], fio_r)
@@ -232,9 +244,9 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
     if budget and worst is not None:
         limit = budget + RSS_ALLOWANCE
         out.append(
-            f"| save extra peak RSS ≤ staging budget ({budget / C.MiB:.0f} MiB, +{RSS_ALLOWANCE // C.MiB} MiB "
-            f"allowance), not the checkpoint's {meta['payload_bytes'] / C.MiB:.0f} MiB | worst "
-            f"{worst / C.MiB:.0f} MiB (median {saves['fastckpt']['extra_rss'] / C.MiB:.0f}) "
+            f"| save extra peak RSS ≤ staging budget ({budget / MiB:.0f} MiB, +{RSS_ALLOWANCE // MiB} MiB "
+            f"allowance), not the checkpoint's {meta['payload_bytes'] / MiB:.0f} MiB | worst "
+            f"{worst / MiB:.0f} MiB (median {saves['fastckpt']['extra_rss'] / MiB:.0f}) "
             f"| {'yes' if worst <= limit else '**no**'} |"
         )
     else:
@@ -258,13 +270,13 @@ def parent_main(args: argparse.Namespace) -> int:
         if created_base:
             base.rmdir()
         raise
-    fs_type, source, mount = C.filesystem_of(base)
-    free_before = C.format_bytes(C.free_bytes(base))
+    fs_type, source, mount = filesystem_of(base)
+    free_before = format_bytes(free_bytes(base))
     workdir = tempfile.mkdtemp(prefix="fastckpt-bench-", dir=base)
-    have_fio = C.fio_path() is not None and not args.no_fio
-    fio_bytes = max(C.MiB, args.size // C.MiB * C.MiB)
-    results = C.Results()
-    C.log(f"{C.format_bytes(args.size)} x {args.repeats} rounds in {workdir} ({fs_type} {source})")
+    have_fio = fio_path() is not None and not args.no_fio
+    fio_bytes = max(MiB, args.size // MiB * MiB)
+    results = Results()
+    log(f"{format_bytes(args.size)} x {args.repeats} rounds in {workdir} ({fs_type} {source})")
     try:
         for rnd in range(args.repeats):
             for name in {v[1] for v in SAVES.values()}:
@@ -272,10 +284,10 @@ def parent_main(args: argparse.Namespace) -> int:
                 if os.path.exists(p):
                     os.remove(p)
             if have_fio:
-                for kind, res in C.fio_round(workdir, fio_bytes, args.child_timeout).items():
+                for kind, res in fio_round(workdir, fio_bytes, args.child_timeout).items():
                     results.record("fio", kind, rnd, res)
             for op, methods in (("save", list(SAVES)), ("load", list(LOADS))):
-                for method in C.rotate(methods, rnd):
+                for method in rotate(methods, rnd):
                     results.record(op, method, rnd, run_one(op, method, workdir, args))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -321,11 +333,11 @@ def parent_main(args: argparse.Namespace) -> int:
     if caches - {"drop_caches"}:
         notes.append(f"page cache not dropped for every load (got {sorted(map(str, caches))})")
     if stats["fio"] is None:
-        notes.append("fio not installed" if C.fio_path() is None else "fio skipped (--no-fio)")
+        notes.append("fio not installed" if fio_path() is None else "fio skipped (--no-fio)")
     first = ok[0] if ok else {}
     io_cfg = fastckpt.config.resolve_io(str(base), {}).__dict__
     budget = fastckpt.config.staging_bytes()
-    host = C.machine()
+    host = machine()
 
     rounds = {f"save {SAVES[m][0]}": results.per_round("save", m, args.repeats) for m in SAVES}
     rounds.update(
@@ -347,7 +359,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "tensors": first.get("tensors", "?"),
         "cache_note": (
             "page cache dropped before each load (sync; echo 3 > /proc/sys/vm/drop_caches)"
-            if C.PageCache().can_drop
+            if PageCache().can_drop
             else "not root: file pages evicted with posix_fadvise(DONTNEED)"
         ),
         "cpus": host["cpus"],
@@ -358,13 +370,13 @@ def parent_main(args: argparse.Namespace) -> int:
         "safetensors": host["versions"]["safetensors"],
         "fastckpt_io": ", ".join(f"{k}={v}" for k, v in io_cfg.items()),
         "staging_bytes": budget,
-        "staging_note": C.format_bytes(budget) if budget else "n/a",
+        "staging_note": format_bytes(budget) if budget else "n/a",
         "fio": (
-            f"{C.fio_version()}, --rw=write|read --bs=4M --iodepth=32 --direct=1 --ioengine=io_uring "
-            f"{' '.join(C.FIO_LOCKED)} --size={fio_bytes} (writes --end_fsync=1); fio's own runtime"
+            f"{fio_version()}, --rw=write|read --bs=4M --iodepth=32 --direct=1 --ioengine=io_uring "
+            f"{' '.join(FIO_LOCKED)} --size={fio_bytes} (writes --end_fsync=1); fio's own runtime"
         )
         if have_fio
-        else ("fio not installed" if C.fio_path() is None else "skipped (--no-fio)"),
+        else ("fio not installed" if fio_path() is None else "skipped (--no-fio)"),
         "wall_seconds": time.perf_counter() - t_start,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "notes": notes,
@@ -387,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--size",
-        type=C.parse_size,
-        default=C.parse_size("2G"),
+        type=parse_size,
+        default=parse_size("2G"),
         help="state dict size, e.g. 512M, 2G, 8G (default 2G)",
     )
     parser.add_argument(
@@ -401,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        return C.child_main(args.child, HANDLERS)
+        return child_main(args.child, HANDLERS)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     return parent_main(args)

@@ -45,8 +45,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastckpt.cli import measure as C
-from fastckpt.cli.peers import LOADERS, Loader, Skip, child_load, child_save
+from fastckpt.bench.caches import PageCache, drop_page_cache
+from fastckpt.bench.children import child_main, spawn
+from fastckpt.bench.filesystems import filesystem_of, require_directory
+from fastckpt.bench.fio import fio_path, fio_round
+from fastckpt.bench.peers import LOADERS, Loader, Skip
+from fastckpt.bench.report import fmt, log, machine
+from fastckpt.bench.results import Results, rotate
+from fastckpt.bench.timed_runs import child_load, child_save
+from fastckpt.bench.units import MiB, format_bytes, median
+from fastckpt.config import parse_size
+from fastckpt.io.page_cache import MEMORY_FILESYSTEMS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -194,7 +203,7 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
             dev.copy_(host, non_blocking=True)
             torch.cuda.synchronize(device)
             rates.append(n / (time.perf_counter() - t0) / 1e9)
-        return {"gbps": C.median(rates[1:]), "seconds": n / C.median(rates[1:]) / 1e9}
+        return {"gbps": median(rates[1:]), "seconds": n / median(rates[1:]) / 1e9}
     # disk: the fastckpt file's data section into page-locked memory, 1 GiB at a time
     from fastckpt.aio import aio_handle
     from fastckpt.io.aligned_memory import aligned_tensor
@@ -204,7 +213,7 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
     handle = aio_handle()
     piece = 1 << 30
     buf = aligned_tensor(min(piece, nbytes), lock=True)
-    cache = C.drop_page_cache([path])
+    cache = drop_page_cache([path])
     t0 = time.perf_counter()
     pos = 0
     while pos < nbytes:
@@ -222,7 +231,7 @@ HANDLERS = {"save": _child_save, "load": _child_load, "ceiling": lambda spec: _c
 
 
 def run_child(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    return C.spawn(__file__, spec, args.child_timeout)
+    return spawn(__file__, spec, args.child_timeout)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -238,11 +247,11 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         "",
         f"- GPU: {meta['gpu']} ({meta['device']}); torch {meta['torch']}, safetensors {meta['safetensors']}",
         f"- directory: {meta['dir']} on {meta['filesystem']}",
-        f"- state dict: {C.format_bytes(meta['payload_bytes'])} LLM-like, {meta['repeats']} rounds (medians)",
+        f"- state dict: {format_bytes(meta['payload_bytes'])} LLM-like, {meta['repeats']} rounds (medians)",
         f"- {meta['cache_note']}; GDS: {meta['gds']}",
         (
-            f"- disk read ceiling: {C.fmt(disk, '.2f', ' GB/s')} ({meta['disk_how']}); pinned H2D: "
-            f"{C.fmt(h2d, '.2f', ' GB/s')}; the slower: {C.fmt(bound, '.2f', ' GB/s')}"
+            f"- disk read ceiling: {fmt(disk, '.2f', ' GB/s')} ({meta['disk_how']}); pinned H2D: "
+            f"{fmt(h2d, '.2f', ' GB/s')}; the slower: {fmt(bound, '.2f', ' GB/s')}"
         ),
         "",
     ]
@@ -262,9 +271,9 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         mode = f" ({s['gds_mode']})" if s.get("gds_mode") else ""
         out.append(
             f"| {label}{mode} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | "
-            f"{s['seconds']:.2f} | {C.fmt(_ratio(s['gbps'], st), '.2f', '×')} | "
-            f"{C.fmt(_ratio(s['gbps'], bound) and 100 * _ratio(s['gbps'], bound), '.0f', '%')} | "
-            f"{C.fmt(s.get('cpu_seconds'), '.1f')} |"
+            f"{s['seconds']:.2f} | {fmt(_ratio(s['gbps'], st), '.2f', '×')} | "
+            f"{fmt(_ratio(s['gbps'], bound) and 100 * _ratio(s['gbps'], bound), '.0f', '%')} | "
+            f"{fmt(s.get('cpu_seconds'), '.1f')} |"
         )
     out += [
         "",
@@ -283,8 +292,8 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
             continue
         out.append(
             f"| {label} | {s['gbps']:.2f} | {s['gbps_min']:.2f}–{s['gbps_max']:.2f} | {s['seconds']:.2f} | "
-            f"{C.fmt(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
-            f"{C.fmt(s.get('cpu_seconds'), '.1f')} |"
+            f"{fmt(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
+            f"{fmt(s.get('cpu_seconds'), '.1f')} |"
         )
     best = max((stats["load"].get(m, {}).get("gbps") or 0) for m in ("fastckpt", "fastckpt-gds"))
     out += [
@@ -292,11 +301,11 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
         "### Targets",
         "",
         (
-            f"- load ≥ {LOAD_VS_SAFETENSORS}× safetensors: {C.fmt(_ratio(best, st), '.2f', '×')} → "
+            f"- load ≥ {LOAD_VS_SAFETENSORS}× safetensors: {fmt(_ratio(best, st), '.2f', '×')} → "
             f"{'met' if (_ratio(best, st) or 0) >= LOAD_VS_SAFETENSORS else 'NOT met'}"
         ),
         (
-            f"- load ≥ {LOAD_OF_CEILING:.0%} of min(disk, H2D): {C.fmt(_ratio(best, bound), '.0%')} → "
+            f"- load ≥ {LOAD_OF_CEILING:.0%} of min(disk, H2D): {fmt(_ratio(best, bound), '.0%')} → "
             f"{'met' if (_ratio(best, bound) or 0) >= LOAD_OF_CEILING else 'NOT met'}"
         ),
         "",
@@ -325,38 +334,38 @@ def parent_main(args: argparse.Namespace) -> int:
     base = Path(args.dir).resolve()
     created = not base.exists()
     base.mkdir(parents=True, exist_ok=True)
-    fs_type, source, mount = C.filesystem_of(base)
-    memory = fs_type in C.MEMORY_FILESYSTEMS  # tmpfs: the "disk" ceiling is a memory read
+    fs_type, source, mount = filesystem_of(base)
+    memory = fs_type in MEMORY_FILESYSTEMS  # tmpfs: the "disk" ceiling is a memory read
     try:
-        C.require_directory(base, 3 * args.size + 256 * C.MiB, memory=memory)
+        require_directory(base, 3 * args.size + 256 * MiB, memory=memory)
     except SystemExit:
         if created:
             base.rmdir()
         raise
     workdir = tempfile.mkdtemp(prefix="fastckpt-bench-cuda-", dir=base)
     paths = {k: os.path.join(workdir, v) for k, v in FILES.items()}
-    have_fio = C.fio_path() is not None and not args.no_fio and not memory
-    results = C.Results()
-    C.log(
-        f"{C.format_bytes(args.size)} x {args.repeats} rounds on {args.device}, in {workdir} ({fs_type} {source})"
+    have_fio = fio_path() is not None and not args.no_fio and not memory
+    results = Results()
+    log(
+        f"{format_bytes(args.size)} x {args.repeats} rounds on {args.device}, in {workdir} ({fs_type} {source})"
     )
     base_spec = {"device": args.device, "size": args.size, "seed": args.seed}
     try:
         for rnd in range(args.repeats):
-            for method in C.rotate(SAVES, rnd):
+            for method in rotate(SAVES, rnd):
                 if os.path.exists(paths[method]):
                     os.remove(paths[method])
                 spec = {**base_spec, "op": "save", "method": method, "file": paths[method]}
                 results.record("save", method, rnd, run_child(spec, args))
             if have_fio:
-                fio = C.fio_round(workdir, args.size // C.MiB * C.MiB, args.child_timeout)
+                fio = fio_round(workdir, args.size // MiB * MiB, args.child_timeout)
                 results.record("ceiling", "disk", rnd, fio["read"])
             elif os.path.exists(paths["fastckpt"]):
                 spec = {**base_spec, "op": "ceiling", "method": "disk", "file": paths["fastckpt"]}
                 results.record("ceiling", "disk", rnd, run_child(spec, args))
             spec = {**base_spec, "op": "ceiling", "method": "h2d"}
             results.record("ceiling", "h2d", rnd, run_child(spec, args))
-            for method in C.rotate(LOADS, rnd):
+            for method in rotate(LOADS, rnd):
                 path = paths[LOAD_FILE[method]]
                 if not os.path.exists(path):
                     res = {"error": f"{os.path.basename(path)} was not saved"}
@@ -397,7 +406,7 @@ def parent_main(args: argparse.Namespace) -> int:
     import fastckpt.gds
 
     gds_info = fastckpt.gds.engine_info()
-    host = C.machine()
+    host = machine()
     first = next((r for r in raw if "payload_bytes" in r), {})
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -411,7 +420,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "cache_note": (
             "page cache dropped before each load"
-            if C.PageCache().can_drop
+            if PageCache().can_drop
             else "not root: file pages evicted with posix_fadvise(DONTNEED)"
         ),
         "gds": (
@@ -444,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--size",
-        type=C.parse_size,
-        default=C.parse_size("8G"),
+        type=parse_size,
+        default=parse_size("8G"),
         help="state dict size, e.g. 1G, 8G (default 8G)",
     )
     parser.add_argument(
@@ -463,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        return C.child_main(args.child, HANDLERS)
+        return child_main(args.child, HANDLERS)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     return parent_main(args)

@@ -43,15 +43,11 @@ import time
 import warnings
 from typing import Any
 
-from fastckpt.cli.measure import (
-    filesystem_of,
-    fmt,
-    format_bytes,
-    log,
-    median,
-    parse_size,
-    rotate,
-)
+from fastckpt.bench.filesystems import filesystem_of
+from fastckpt.bench.report import fmt, log
+from fastckpt.bench.results import rotate
+from fastckpt.bench.units import format_bytes, median
+from fastckpt.config import parse_size
 
 TENSOR_BYTES = 64 << 20  # each rank's shard of one weight
 
@@ -329,8 +325,8 @@ def _ceilings(folder: str, world: int, per_rank: int, repeat: int) -> dict[str, 
     """Seconds for the disk to write (with fsync) and read (cold, O_DIRECT) ``world`` files of
     ``per_rank`` bytes at once: medians over ``repeat``."""
     from fastckpt.aio import aio_handle
-    from fastckpt.cli._common import PageCache
-    from fastckpt.cli._rawio import make_buffer, timed_read, timed_write
+    from fastckpt.bench.caches import PageCache
+    from fastckpt.bench.rawio import make_buffer, timed_read, timed_write
 
     paths = [os.path.join(folder, f"ceiling-{i}.bin") for i in range(world)]
     handle = aio_handle(block_size=8 << 20, queue_depth=32, intra_op_parallelism=4)

@@ -32,7 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-from fastckpt.cli import measure as M
+from fastckpt.bench.children import report, run_child
+from fastckpt.bench.measure import Measure
+from fastckpt.bench.results import rotate
+from fastckpt.bench.units import format_bytes, median
+from fastckpt.config import parse_size
 
 MODES = ("none", "copy", "torch", "lightning_async", "fastckpt", "fastckpt_async")
 
@@ -136,10 +140,10 @@ def child(args: argparse.Namespace) -> None:
         trainer.save_checkpoint = counted_save
         checkpoint.on_train_batch_end = timed_hook
     data = DataLoader(TensorDataset(torch.randn(args.steps * args.batch, width)), args.batch)
-    with M.Measure() as m:
+    with Measure() as m:
         trainer.fit(Stack(), data)  # includes teardown: the wait for the last writes
     state_bytes = sum(t.numel() * t.element_size() for t in state_tensors().values())
-    M.report(
+    report(
         {
             "mode": args.mode,
             "blocked": blocked,
@@ -154,7 +158,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", type=M.parse_size, default=M.parse_size("512M"))
+    p.add_argument("--size", type=parse_size, default=parse_size("512M"))
     p.add_argument("--width", type=int, default=4096, help="width of each square layer")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument(
@@ -177,14 +181,14 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for r in range(args.repeats):
-            for mode in M.rotate(modes, r):  # interleaved: disk noise hits every mode
+            for mode in rotate(modes, r):  # interleaved: disk noise hits every mode
                 directory = root / mode
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
                 argv = [sys.executable, __file__, "--child", mode, "--dir", str(directory)]
                 for name in ("size", "width", "batch", "steps", "every"):
                     argv += [f"--{name}", str(getattr(args, name))]
-                res = M.run_child(argv, timeout=1800)
+                res = run_child(argv, timeout=1800)
                 if "error" in res:
                     print(f"{mode}: {res['error']}", file=sys.stderr)
                     continue
@@ -192,13 +196,13 @@ def main() -> None:
                 later = res["blocked"][1:] or res["blocked"]
                 print(
                     f"round {r + 1} {mode}: loop {res['loop']:.2f} s, blocked per checkpoint "
-                    f"{M.median(later) or 0:.3f} s (first {res['blocked'][0] if res['blocked'] else 0:.3f} s)",
+                    f"{median(later) or 0:.3f} s (first {res['blocked'][0] if res['blocked'] else 0:.3f} s)",
                     file=sys.stderr,
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    med = M.median
+    med = median
     rows = {}
     for mode, runs in results.items():
         if not runs:
@@ -216,8 +220,8 @@ def main() -> None:
     checkpoints = args.steps // args.every
     print(
         f"\n{any_run['layers']} x Linear({args.width}, {args.width}) = "
-        f"{M.format_bytes(any_run['layers'] * args.width**2 * 4)} of parameters; checkpoint (weights + Adam state) "
-        f"{M.format_bytes(any_run['state_bytes'])}; {args.steps} steps, a checkpoint every "
+        f"{format_bytes(any_run['layers'] * args.width**2 * 4)} of parameters; checkpoint (weights + Adam state) "
+        f"{format_bytes(any_run['state_bytes'])}; {args.steps} steps, a checkpoint every "
         f"{args.every} ({checkpoints} per run); medians of {args.repeats} runs\n"
     )
     names = {

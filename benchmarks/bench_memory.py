@@ -53,8 +53,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastckpt.cli import measure as M
-from fastckpt.cli.peers import LOADERS, SAVERS, Skip, child_load, child_save
+from fastckpt.bench.caches import drop_page_cache, warm_page_cache
+from fastckpt.bench.checks import file_crc32, tensor_crc32s
+from fastckpt.bench.children import child_main, spawn
+from fastckpt.bench.filesystems import filesystem_of, free_bytes
+from fastckpt.bench.fio import FIO_LOCKED, fio_path, fio_sequential
+from fastckpt.bench.peers import LOADERS, SAVERS, Skip
+from fastckpt.bench.report import fmt, log, markdown_table, version_of
+from fastckpt.bench.results import rotate, summarize
+from fastckpt.bench.timed_runs import child_load, child_save
+from fastckpt.bench.units import MiB, format_bytes
+from fastckpt.config import parse_size
+from fastckpt.io.page_cache import MEMORY_FILESYSTEMS
 
 REPO = Path(__file__).resolve().parent.parent
 FILES = {
@@ -69,22 +79,22 @@ DEFAULT_LOADS = tuple(m for m in LOADERS if m != "fastckpt-noverify")
 COPYING_PEERS = ("runai", "fastsafetensors", "safetensors-pread", "torch")
 MAPPING_PEERS = ("safetensors", "safe_open", "torch-mmap")
 #: fio's cold reads: into registered (pinned, reused) buffers, and into plain ones.
-FIO_READS = {"read": M.FIO_LOCKED, "read-plain": ()}
+FIO_READS = {"read": FIO_LOCKED, "read-plain": ()}
 
 # Targets the numbers are read against (none is asserted).
 LOAD_VS_BEST_PEER = 1.0
 LOAD_OF_PREADV = 0.8
 LOAD_OF_FIO = 0.9
 SAVE_VS_SAFETENSORS_TMPFS = 1.5
-LOAD_RSS_ALLOWANCE = 64 * M.MiB
-SAVE_EXTRA_RSS = 256 * M.MiB
+LOAD_RSS_ALLOWANCE = 64 * MiB
+SAVE_EXTRA_RSS = 256 * MiB
 
 
 # ============================================================================ child side
 
 
 def _state(spec: dict[str, Any]) -> dict[str, Any]:
-    from fastckpt.cli.synthetic import llm_like_state_dict
+    from fastckpt.bench.synthetic import llm_like_state_dict
 
     return llm_like_state_dict(spec["size"], seed=spec["seed"])
 
@@ -102,8 +112,8 @@ def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
             if name == "safetensors":  # the peers read this file
                 raise RuntimeError(f"cannot write the peers' file: {why}") from None
     crcs = {
-        "tensors": M.tensor_crc32s(state),
-        "file": M.file_crc32(os.path.join(directory, FILES["safetensors"])),
+        "tensors": tensor_crc32s(state),
+        "file": file_crc32(os.path.join(directory, FILES["safetensors"])),
     }
     with open(spec["crc_file"], "w", encoding="utf-8") as f:
         json.dump(crcs, f)
@@ -127,20 +137,20 @@ class Run:
         self.raw: list[dict[str, Any]] = []
 
     def child(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return M.spawn(__file__, spec, self.args.child_timeout)
+        return spawn(__file__, spec, self.args.child_timeout)
 
     def record(self, regime: str, rnd: int, op: str, method: str, res: dict[str, Any]) -> None:
         self.raw.append({"regime": regime, "round": rnd, "op": op, "method": method, **res})
         when = "sampled" if rnd < 0 else f"round {rnd + 1}"
         head = f"{regime:5s} {when}: {op} {method:15s}"
         if "error" in res or "skipped" in res:
-            M.log(f"{head} {res.get('error') or 'skipped: ' + res['skipped']}")
+            log(f"{head} {res.get('error') or 'skipped: ' + res['skipped']}")
             return
         rate = (
             res["payload_bytes"] / res["seconds"] / 1e9 if "payload_bytes" in res else res["gbps"]
         )
         wrong = f"  WRONG BYTES {res['wrong']}" if res.get("wrong") else ""
-        M.log(f"{head} {rate:6.2f} GB/s  cpu {res.get('cpu_seconds', 0):5.2f} s{wrong}")
+        log(f"{head} {rate:6.2f} GB/s  cpu {res.get('cpu_seconds', 0):5.2f} s{wrong}")
 
 
 def regime_dir(regime: str, args: argparse.Namespace) -> Path:
@@ -148,17 +158,17 @@ def regime_dir(regime: str, args: argparse.Namespace) -> Path:
 
 
 def check_regime_dir(regime: str, base: Path, size: int) -> None:
-    fs_type, _, mount = M.filesystem_of(base)
-    memory = fs_type in M.MEMORY_FILESYSTEMS
+    fs_type, _, mount = filesystem_of(base)
+    memory = fs_type in MEMORY_FILESYSTEMS
     if regime == "tmpfs" and not memory:
         raise SystemExit(f"error: --shm {base} is on {fs_type} ({mount}), not a memory file system")
     if regime != "tmpfs" and memory:
         raise SystemExit(f"error: --dir {base} is on {fs_type} ({mount}); pick a disk for {regime}")
-    need = 4 * size + 64 * M.MiB
-    if M.free_bytes(base) < need:
+    need = 4 * size + 64 * MiB
+    if free_bytes(base) < need:
         raise SystemExit(
-            f"error: {base} has {M.format_bytes(M.free_bytes(base))} free; the {regime} regime "
-            f"needs about {M.format_bytes(need)}"
+            f"error: {base} has {format_bytes(free_bytes(base))} free; the {regime} regime "
+            f"needs about {format_bytes(need)}"
         )
 
 
@@ -172,14 +182,14 @@ def run_regime(run: Run, regime: str, workdir: str) -> dict[str, Any]:
         raise SystemExit(f"error: preparing the {regime} files failed: {prep['error']}")
     files = [os.path.join(workdir, FILES[kind]) for kind in {m.file for m in LOADERS.values()}]
     fio = None
-    if regime == "cold" and M.fio_path() and not args.no_fio:
+    if regime == "cold" and fio_path() and not args.no_fio:
         fio = os.path.join(workdir, "fio.dat")
     loads = [m for m in args.loads if m in LOADERS]
     saves = list(args.saves)
     for rnd in range(args.repeats + (0 if args.no_streams else 1)):
         sample = rnd == args.repeats  # the extra round: thread counts, not timings
         if not sample:
-            for method in M.rotate(saves, rnd) if saves else []:
+            for method in rotate(saves, rnd) if saves else []:
                 path = os.path.join(workdir, "save-" + FILES[SAVERS[method].file])
                 res = run.child({**base, "op": "save", "method": method, "file": path})
                 run.record(regime, rnd, "save", method, res)
@@ -189,19 +199,19 @@ def run_regime(run: Run, regime: str, workdir: str) -> dict[str, Any]:
                     os.remove(path)
             if fio:
                 for kind in ("write", *FIO_READS):
-                    M.drop_page_cache([fio])
-                    res = M.fio_sequential(
+                    drop_page_cache([fio])
+                    res = fio_sequential(
                         kind.split("-")[0],
                         fio,
-                        args.size // M.MiB * M.MiB,
+                        args.size // MiB * MiB,
                         bs="4M",
-                        extra=FIO_READS.get(kind, M.FIO_LOCKED),
+                        extra=FIO_READS.get(kind, FIO_LOCKED),
                     )
                     run.record(regime, rnd, "fio", kind, res)
                 os.remove(fio)
         if regime == "hot":
-            M.warm_page_cache(files)
-        for method in list(M.rotate(loads, rnd)):
+            warm_page_cache(files)
+        for method in list(rotate(loads, rnd)):
             path = os.path.join(workdir, FILES[LOADERS[method].file])
             spec = {
                 **base,
@@ -235,9 +245,9 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             and (r["round"] < 0) == sampled
         ]
 
-    loads = {m: M.summarize(pick("load", m)) for m in args.loads}
-    saves = {m: M.summarize(pick("save", m)) for m in args.saves}
-    fio = {k: M.summarize(pick("fio", k)) for k in ("write", *FIO_READS)}
+    loads = {m: summarize(pick("load", m)) for m in args.loads}
+    saves = {m: summarize(pick("save", m)) for m in args.saves}
+    fio = {k: summarize(pick("fio", k)) for k in ("write", *FIO_READS)}
     streams = {}
     for m in args.loads:
         s = [r for r in pick("load", m, sampled=True) if "streams" in r]
@@ -255,16 +265,16 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             rows.append([LOADERS[m].label, "—", "—", "—", "—", "—", "—", f"skipped: {why_not(s)}"])
             continue
         ratio = fast_load / s["gbps"] if fast_load else None
-        over = (s["extra_rss_max"] - nbytes) / M.MiB if s.get("extra_rss_max") is not None else None
+        over = (s["extra_rss_max"] - nbytes) / MiB if s.get("extra_rss_max") is not None else None
         st = streams.get(m)
         rows.append(
             [
                 LOADERS[m].label,
                 f"{s['gbps']:.2f}",
                 f"{s['gbps_min']:.2f}–{s['gbps_max']:.2f}",
-                M.fmt(ratio, ".2f", "×"),
-                M.fmt(s["cpu_seconds"] / gb, ".2f"),
-                M.fmt(over, "+.0f"),
+                fmt(ratio, ".2f", "×"),
+                fmt(s["cpu_seconds"] / gb, ".2f"),
+                fmt(over, "+.0f"),
                 f"{st[0]:.1f} (max {st[1]})" if st else "n/a",
                 "**WRONG BYTES**" if m in wrong else "yes",
             ]
@@ -278,8 +288,8 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
                 f"fio seq read (O_DIRECT, 4 MiB × 32, {label} buffers)",
                 f"{f['gbps']:.2f}",
                 f"{f['gbps_min']:.2f}–{f['gbps_max']:.2f}",
-                M.fmt(fast_load / f["gbps"] if fast_load else None, ".2f", "×"),
-                M.fmt(f["cpu_seconds"] / (f["seconds"] * f["gbps"]), ".2f"),
+                fmt(fast_load / f["gbps"] if fast_load else None, ".2f", "×"),
+                fmt(f["cpu_seconds"] / (f["seconds"] * f["gbps"]), ".2f"),
                 "",
                 "",
                 "",
@@ -293,7 +303,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
     out = [
         f"### {regime}: load ({cache}; {where})",
         "",
-        M.markdown_table(
+        markdown_table(
             [
                 "method",
                 "GB/s",
@@ -320,10 +330,10 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             [
                 SAVERS[m].label,
                 f"{s['gbps']:.2f}",
-                M.fmt(fast_save / s["gbps"] if fast_save else None, ".2f", "×"),
-                M.fmt(s["cpu_seconds"] / gb, ".2f"),
-                M.fmt(
-                    s["extra_rss_max"] / M.MiB if s.get("extra_rss_max") is not None else None,
+                fmt(fast_save / s["gbps"] if fast_save else None, ".2f", "×"),
+                fmt(s["cpu_seconds"] / gb, ".2f"),
+                fmt(
+                    s["extra_rss_max"] / MiB if s.get("extra_rss_max") is not None else None,
                     ".0f",
                 ),
                 "",
@@ -335,7 +345,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             [
                 "fio seq write (O_DIRECT, end_fsync)",
                 f"{f['gbps']:.2f}",
-                M.fmt(fast_save / f["gbps"] if fast_save else None, ".2f", "×"),
+                fmt(fast_save / f["gbps"] if fast_save else None, ".2f", "×"),
                 "",
                 "",
                 "",
@@ -345,7 +355,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
         out += [
             f"### {regime}: save (timed until durable)",
             "",
-            M.markdown_table(
+            markdown_table(
                 ["method", "GB/s", "fastckpt is ×", "CPU s/GB", "extra peak RSS (MiB)", "note"],
                 rows,
                 "lrrrrl",
@@ -364,7 +374,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             if value is None
             else ("met" if (value >= goal if low else value <= goal) else "NOT met")
         )
-        checks.append(f"- {regime}: {text}: {M.fmt(value, spec, suffix)} → {met}")
+        checks.append(f"- {regime}: {text}: {fmt(value, spec, suffix)} → {met}")
 
     def best_of(methods: tuple[str, ...]) -> float | None:
         rates = [loads[m]["gbps"] for m in methods if m in loads and loads[m].get("n")]
@@ -422,9 +432,9 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             )
     worst = loads.get("fastckpt", {}).get("extra_rss_max")
     check(
-        f"load peak RSS ≤ size + {LOAD_RSS_ALLOWANCE // M.MiB} MiB (worst round, above size)",
-        None if worst is None else (worst - nbytes) / M.MiB,
-        LOAD_RSS_ALLOWANCE / M.MiB,
+        f"load peak RSS ≤ size + {LOAD_RSS_ALLOWANCE // MiB} MiB (worst round, above size)",
+        None if worst is None else (worst - nbytes) / MiB,
+        LOAD_RSS_ALLOWANCE / MiB,
         "+.0f",
         " MiB",
         low=False,
@@ -433,17 +443,17 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
     if mm.get("n"):
         check(
             "mmap load: peak RSS beyond the touched pages (= size)",
-            (mm["extra_rss_max"] - nbytes) / M.MiB,
-            LOAD_RSS_ALLOWANCE / M.MiB,
+            (mm["extra_rss_max"] - nbytes) / MiB,
+            LOAD_RSS_ALLOWANCE / MiB,
             "+.0f",
             " MiB",
             low=False,
         )
     worst = saves.get("fastckpt", {}).get("extra_rss_max")
     check(
-        f"save extra RSS ≤ {SAVE_EXTRA_RSS // M.MiB} MiB (worst round)",
-        None if worst is None else worst / M.MiB,
-        SAVE_EXTRA_RSS / M.MiB,
+        f"save extra RSS ≤ {SAVE_EXTRA_RSS // MiB} MiB (worst round)",
+        None if worst is None else worst / MiB,
+        SAVE_EXTRA_RSS / MiB,
         ".0f",
         " MiB",
         low=False,
@@ -462,14 +472,14 @@ def parent_main(args: argparse.Namespace) -> int:
             base.mkdir(parents=True)
             made.append(base)
         check_regime_dir(regime, base, args.size)
-    M.log(f"{M.format_bytes(args.size)} x {args.repeats} rounds, regimes {', '.join(args.regime)}")
+    log(f"{format_bytes(args.size)} x {args.repeats} rounds, regimes {', '.join(args.regime)}")
     try:
         for regime in args.regime:
             base = regime_dir(regime, args)
             workdir = tempfile.mkdtemp(prefix=f"fastckpt-bench-{regime}-", dir=base)
             try:
                 prep = run_regime(run, regime, workdir)
-                fs_type, source, _ = M.filesystem_of(workdir)
+                fs_type, source, _ = filesystem_of(workdir)
                 text, more = regime_report(run, regime, prep, f"{base} on {fs_type} {source}")
                 reports.append(text)
                 checks += more
@@ -483,16 +493,16 @@ def parent_main(args: argparse.Namespace) -> int:
                 pass
     cores = len(os.sched_getaffinity(0))
     print(
-        f"## Memory-speed checkpoint benchmark — {M.format_bytes(prep.get('payload_bytes', args.size))} "
+        f"## Memory-speed checkpoint benchmark — {format_bytes(prep.get('payload_bytes', args.size))} "
         f"LLM-like state dict ({prep.get('tensors', '?')} tensors, float32 + bfloat16)"
     )
     print()
     print(
         f"- {datetime.datetime.now().isoformat(timespec='seconds')}; {cores} cores, "
-        f"{M.format_bytes(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} memory, kernel {platform.release()}"
+        f"{format_bytes(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} memory, kernel {platform.release()}"
     )
     versions = ", ".join(
-        f"{d} {M.version_of(d)}"
+        f"{d} {version_of(d)}"
         for d in ("fastckpt", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
     )
     print(f"- {versions}")
@@ -518,7 +528,7 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": run.raw}, f, indent=2)
-        M.log(f"raw results written to {args.json}")
+        log(f"raw results written to {args.json}")
     bad = [r for r in run.raw if r.get("wrong")]
     return 1 if bad or not any(r["op"] == "load" and "seconds" in r for r in run.raw) else 0
 
@@ -539,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--size", type=M.parse_size, default=M.parse_size("1G"), help="state dict size (default 1G)"
+        "--size", type=parse_size, default=parse_size("1G"), help="state dict size (default 1G)"
     )
     parser.add_argument(
         "--repeats", type=int, default=5, help="rounds; medians are reported (default 5)"
@@ -580,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        return M.child_main(args.child, HANDLERS)
+        return child_main(args.child, HANDLERS)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if "fastckpt" not in args.loads:

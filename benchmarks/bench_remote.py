@@ -44,8 +44,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastckpt.cli import measure as C
-from fastckpt.cli.synthetic import llm_like_state_dict
+from fastckpt.bench.checks import touch
+from fastckpt.bench.children import report, run_child
+from fastckpt.bench.filesystems import filesystem_of
+from fastckpt.bench.measure import Measure
+from fastckpt.bench.report import fmt, log
+from fastckpt.bench.results import rotate
+from fastckpt.bench.synthetic import llm_like_state_dict
+from fastckpt.bench.units import format_bytes, median
+from fastckpt.config import parse_size
 
 SAVE_METHODS = ["fastckpt", "safetensors", "torch.save", "raw upload"]
 LOAD_METHODS = ["fastckpt", "safetensors", "torch.load"]
@@ -85,7 +92,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
             data = safetensors.torch.save(state)  # serialized before the clock starts
             del state
-        with C.Measure() as m:
+        with Measure() as m:
             if kind == "shard":
                 target = spec["target"]
                 if method == "sharded":
@@ -109,7 +116,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                     else:
                         torch.save(state, f)
     else:
-        with C.Measure() as m:
+        with Measure() as m:
             if method == "fastckpt":
                 tensors = remote.load(
                     spec["url"], storage_options=options, part_size=part, parallel=parallel
@@ -123,7 +130,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                         tensors = safetensors.torch.load(f.read())
                     else:
                         tensors = torch.load(f, weights_only=True)
-            result["checksum"] = C.touch(tensors)
+            result["checksum"] = touch(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     result.update(m.as_dict(), nbytes=nbytes)
     return result
@@ -131,7 +138,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    return C.run_child(argv, timeout=timeout)
+    return run_child(argv, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------ driver
@@ -174,19 +181,19 @@ def _table(title: str, rows: dict[str, list[dict[str, Any]]], ratio_to: list[str
         if not ok:
             lines.append(f"| {method} | failed: {runs[0].get('error', '?')} |")
             continue
-        rates[method] = C.median(r["nbytes"] / r["seconds"] / 1e9 for r in ok)
+        rates[method] = median(r["nbytes"] / r["seconds"] / 1e9 for r in ok)
     for method, runs in rows.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
             continue
         cells = [
-            C.fmt(rates[method], ".3f"),
-            C.fmt(C.median(r["seconds"] for r in ok), ".2f"),
-            C.fmt(C.median(r["cpu_seconds"] for r in ok), ".2f"),
-            C.format_bytes(C.median(r["extra_rss"] for r in ok)),
+            fmt(rates[method], ".3f"),
+            fmt(median(r["seconds"] for r in ok), ".2f"),
+            fmt(median(r["cpu_seconds"] for r in ok), ".2f"),
+            format_bytes(median(r["extra_rss"] for r in ok)),
         ]
         for other in ratio_to:
-            cells.append(C.fmt(rates[method] / rates[other], ".2f") if other in rates else "n/a")
+            cells.append(fmt(rates[method] / rates[other], ".2f") if other in rates else "n/a")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -203,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every measurement to this file")
     args = parser.parse_args(argv)
     if args.child:
-        C.report(_child(json.loads(args.child)))
+        report(_child(json.loads(args.child)))
         return 0
 
-    size = C.parse_size(args.size)
-    part = C.parse_size(args.part_size)
+    size = parse_size(args.size)
+    part = parse_size(args.part_size)
     server, endpoint = _start_server()
     import fsspec.core
 
@@ -226,23 +233,23 @@ def main(argv: list[str] | None = None) -> int:
         url["torch"],
     )
     for r in range(args.repeats):
-        for method in C.rotate(SAVE_METHODS, r):
-            C.log(f"round {r + 1}: save {method}")
+        for method in rotate(SAVE_METHODS, r):
+            log(f"round {r + 1}: save {method}")
             spec = dict(common, kind="save", method=method, url=url[method])
             saves[method].append(_run(spec, timeout))
-            C.log(f"  {saves[method][-1]}")
+            log(f"  {saves[method][-1]}")
         fs.rm(url["raw upload"])
-        for method in C.rotate(LOAD_METHODS, r):
-            C.log(f"round {r + 1}: load {method}")
+        for method in rotate(LOAD_METHODS, r):
+            log(f"round {r + 1}: load {method}")
             spec = dict(common, kind="load", method=method, url=url[method])
             loads[method].append(_run(spec, timeout))
-            C.log(f"  {loads[method][-1]}")
+            log(f"  {loads[method][-1]}")
         fs.rm([url["fastckpt"], url["safetensors"], url["torch"]])
         if not args.skip_shards:
             base = Path(args.dir) / f"bench-remote-{uuid.uuid4().hex[:8]}"
             base.mkdir(parents=True)
             try:
-                for method in C.rotate(SHARD_METHODS, r):
+                for method in rotate(SHARD_METHODS, r):
                     target = base / ("sharded" if method == "sharded" else "single.safetensors")
                     spec = dict(
                         common,
@@ -251,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                         target=str(target),
                         shard_size=size // 4,
                     )
-                    C.log(f"round {r + 1}: {method} on {args.dir}")
+                    log(f"round {r + 1}: {method} on {args.dir}")
                     shards[method].append(_run(spec, timeout))
-                    C.log(f"  {shards[method][-1]}")
+                    log(f"  {shards[method][-1]}")
             finally:
                 shutil.rmtree(base, ignore_errors=True)
     server.stdin.close()
@@ -261,16 +268,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sums = {m: {r.get("checksum") for r in runs if "error" not in r} for m, runs in loads.items()}
     agree = len({s for v in sums.values() for s in v}) <= 1
-    print(f"## bench_remote: {C.format_bytes(size)} state dict, S3 = moto on loopback\n")
+    print(f"## bench_remote: {format_bytes(size)} state dict, S3 = moto on loopback\n")
     print(
         f"{platform.node()} · {os.cpu_count()} CPUs · Python {platform.python_version()} · "
-        f"part {C.format_bytes(part)} × {args.parallel} in flight · medians of {args.repeats}"
+        f"part {format_bytes(part)} × {args.parallel} in flight · medians of {args.repeats}"
         f" · loaders agree on the bytes: {agree}\n"
     )
     print(_table("Save to S3", saves, ["safetensors", "torch.save", "raw upload"]))
     print(_table("Load from S3", loads, ["safetensors", "torch.load"]))
     if not args.skip_shards:
-        fs_type = C.filesystem_of(args.dir)
+        fs_type = filesystem_of(args.dir)
         title = f"Sharded save (4 shards) vs one file, on {fs_type[1]} ({args.dir})"
         print(_table(title, shards, ["single file"]))
     if args.json:

@@ -1,7 +1,10 @@
-"""Pieces the commands share: errors with an exit status, argument types, cold caches, files.
+"""Pieces the commands share: errors with an exit status, argument types, checks, files.
 
 Exit statuses follow one rule across commands: 0 success, 1 the work failed or found
 damage, 2 the command line (or the machine) cannot do what was asked.
+
+Byte counts are shown with :func:`fastckpt.bench.units.format_bytes` (imported here for
+the commands).
 
 Example:
     >>> size_arg("64K")
@@ -13,28 +16,22 @@ Example:
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from fastckpt.bench.units import format_bytes
 from fastckpt.config import parse_size
 
 __all__ = [
     "FAILURE",
     "USAGE",
     "CliError",
-    "PageCache",
     "bool_arg",
     "check_engines",
     "checkpoint_files",
     "engine_list_arg",
     "format_bytes",
-    "fsync_path",
-    "gbps",
-    "median",
     "positive_int_arg",
     "require_cuda",
     "require_gds",
@@ -176,137 +173,6 @@ def require_gds() -> None:
     info = engines()["gds"]
     if not info.available:
         raise CliError(f"--gds: GPUDirect Storage is not available here: {info.reason}", USAGE)
-
-
-# ------------------------------------------------------------------------ numbers
-
-
-def format_bytes(nbytes: float) -> str:
-    """A byte count for people, in powers of 1024.
-
-    Example:
-        >>> format_bytes(1536), format_bytes(12)
-        ('1.50 KiB', '12 B')
-    """
-    if nbytes < 1024:
-        return f"{int(nbytes)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        nbytes /= 1024
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.2f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Throughput in GB/s (10**9 bytes per second, as storage vendors and DeepSpeed count).
-
-    Example:
-        >>> gbps(2_000_000_000, 1.0)
-        2.0
-    """
-    return nbytes / seconds / 1e9 if seconds > 0 else math.inf
-
-
-def median(values: Iterable[float | None]) -> float:
-    """The median of the values that were measured (None left out), or NaN for none.
-
-    Example:
-        >>> median([3.0, 1.0, 2.0])
-        2.0
-        >>> median([None, 4.0])
-        4.0
-    """
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else math.nan
-
-
-# ------------------------------------------------------------------------ cold reads
-
-
-class PageCache:
-    """Drops the kernel's page cache before timed reads, where this process may.
-
-    Dropping needs root (writing ``/proc/sys/vm/drop_caches``). Where that is refused, the
-    clean pages of the files about to be read are still evicted with
-    ``posix_fadvise(DONTNEED)`` (allowed to anyone), and fastckpt's engines read with
-    O_DIRECT, which bypasses the cache on file systems that allow it.
-
-    Example:
-        >>> cache = PageCache()
-        >>> cache.can_drop in (True, False)
-        True
-    """
-
-    PATH = "/proc/sys/vm/drop_caches"
-
-    def __init__(self) -> None:
-        self.reason = ""
-        self.can_drop = self._try_drop()
-
-    def _try_drop(self) -> bool:
-        try:
-            os.sync()
-            with open(self.PATH, "w", encoding="ascii") as f:
-                f.write("3\n")
-            return True
-        except OSError as exc:
-            self.reason = exc.strerror or str(exc)
-            return False
-
-    def drop(self, paths: Iterable[str | os.PathLike[str]] = ()) -> None:
-        """Makes the next read of ``paths`` come from the device (as far as permitted)."""
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        if self.can_drop:
-            self._try_drop()
-
-    def describe(self) -> str:
-        """One line for the output: how reads are kept cold."""
-        if self.can_drop:
-            return "page cache dropped before every read (running as root)"
-        return (
-            f"page cache not dropped ({self.PATH}: {self.reason or 'not permitted'}; needs root): "
-            "reads rely on O_DIRECT and posix_fadvise"
-        )
-
-
-def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
-    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs and others refuse it).
-
-    Example:
-        >>> import tempfile
-        >>> direct_io_supported(tempfile.gettempdir()) in (True, False)
-        True
-    """
-    import tempfile
-
-    from fastckpt.io.files import File
-
-    fd, probe = tempfile.mkstemp(prefix=".fastckpt-probe-", dir=directory)
-    os.close(fd)
-    try:
-        with File(probe) as f:
-            return f.direct
-    finally:
-        os.unlink(probe)
-
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """Flushes a file's data to the device (what "timed to durability" means here)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------ paths

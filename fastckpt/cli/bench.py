@@ -28,24 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import time
 from typing import Any
 
+from fastckpt.bench.units import format_bytes, gbps, median
 from fastckpt.cli._common import (
     ENGINE_CHOICES,
     FAILURE,
     USAGE,
     CliError,
-    PageCache,
     bool_arg,
     check_engines,
-    direct_io_supported,
-    format_bytes,
-    gbps,
-    median,
     positive_int_arg,
     require_cuda,
     require_gds,
@@ -53,7 +47,7 @@ from fastckpt.cli._common import (
     warn,
 )
 
-__all__ = ["LIBRARIES", "MEMORY_PEERS", "add_parser", "run", "run_checkpoint", "run_raw"]
+__all__ = ["add_parser", "run", "run_checkpoint", "run_raw"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -206,7 +200,16 @@ def run(args: argparse.Namespace) -> int:
 
 def run_raw(args: argparse.Namespace) -> int:
     """Raw mode: one configuration, ``--loops`` timed writes or reads of ``--io_size`` bytes."""
-    from fastckpt.cli._rawio import check_pattern, make_buffer, make_handle, timed_read, timed_write
+    from fastckpt.bench.caches import PageCache
+    from fastckpt.bench.filesystems import direct_io_supported
+    from fastckpt.bench.rawio import (
+        check_file,
+        check_pattern,
+        make_buffer,
+        make_handle,
+        timed_read,
+        timed_write,
+    )
     from fastckpt.config import IOConfig, resolve_io
 
     folder = _check_folder(args.folder, args.io_size + (16 << 20))
@@ -255,7 +258,7 @@ def run_raw(args: argparse.Namespace) -> int:
             rates.append(gbps(args.io_size, seconds))
             print(f"Loop {loop}: {op} {rates[-1]:.3g} GB/s ({seconds:.3f} s)", flush=True)
             if args.validate:
-                where = check_pattern(buffer) if args.read else _check_file(path)
+                where = check_pattern(buffer) if args.read else check_file(path)
                 if where >= 0:
                     print(f"Validation FAILED: first wrong byte at offset {where} of {path}")
                     return FAILURE
@@ -270,92 +273,38 @@ def run_raw(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_file(path: str) -> int:
-    """Offset of the first byte of the file that differs from the fill pattern, or -1."""
-    import torch
-
-    from fastckpt.cli._rawio import PATTERN_BLOCK, pattern_block
-
-    block = pattern_block()
-    offset = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            chunk = f.read(PATTERN_BLOCK)
-            if not chunk:
-                return -1
-            got = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-            diff = torch.nonzero(got != block[: got.numel()])
-            if diff.numel():
-                return offset + int(diff[0])
-            offset += len(chunk)
-
-
 # ------------------------------------------------------------------------ checkpoints
-
-#: (row name, file suffix, saver, loader) of the libraries compared: names in
-#: :data:`fastckpt.cli.peers.SAVERS` and :data:`~fastckpt.cli.peers.LOADERS`.
-LIBRARIES: list[tuple[str, str, str, str]] = [
-    ("fastckpt", ".safetensors", "fastckpt", "fastckpt"),
-    ("torch.save/load", ".pt", "torch", "torch"),
-    ("safetensors", ".st.safetensors", "safetensors", "safetensors"),
-]
-
-#: Rows added by ``--regime memory``: loaders of the safetensors row's file (no save).
-MEMORY_PEERS: list[tuple[str, str]] = [
-    ("runai-streamer", "runai"),
-    ("fastsafetensors", "fastsafetensors"),
-    ("preadv-ceiling", "preadv"),
-]
-
-
-def _rows(regime: str, device: str) -> list[tuple[str, str | None, str, str]]:
-    """(row, saver or None, loader, file key) of each row whose library is installed."""
-    from fastckpt.cli.peers import LOADERS, Skip
-
-    rows: list[tuple[str, str | None, str, str]] = []
-    for name, _, saver, loader in LIBRARIES:
-        if saver == "safetensors":
-            try:
-                import safetensors.torch  # noqa: F401
-            except ImportError:
-                warn("safetensors is not installed: its row is left out (pip install safetensors)")
-                continue
-        rows.append((name, saver, loader, name))
-    if regime == "memory" and any(r[0] == "safetensors" for r in rows):
-        for name, loader in MEMORY_PEERS:
-            try:
-                LOADERS[loader].setup(os.devnull, device)
-            except Skip as why:
-                warn(f"{name}: left out: {why}")
-                continue
-            except Exception:  # noqa: BLE001 - os.devnull is no checkpoint; setup got this far
-                pass
-            rows.append((name, None, loader, "safetensors"))
-    return rows
 
 
 def run_checkpoint(args: argparse.Namespace) -> int:
     """``--checkpoint SIZE``: the comparison table of fastckpt, torch and safetensors (and,
-    with ``--regime memory``, the Run:ai streamer, fastsafetensors and the preadv ceiling)."""
-    from fastckpt.cli.measure import MEMORY_FILESYSTEMS, filesystem_of, touch, warm_page_cache
-    from fastckpt.cli.peers import LOADERS, SAVERS
-    from fastckpt.cli.synthetic import MIN_NBYTES, llm_like_state_dict, state_dict_nbytes
+    with ``--regime memory``, the Run:ai streamer, fastsafetensors and the preadv ceiling);
+    see :mod:`fastckpt.bench.comparison`."""
+    from fastckpt.bench.caches import PageCache
+    from fastckpt.bench.comparison import (
+        available_rows,
+        compare,
+        comparison_table,
+        validate_loaded,
+    )
+    from fastckpt.bench.filesystems import filesystem_of
+    from fastckpt.bench.synthetic import MIN_NBYTES, llm_like_state_dict, state_dict_nbytes
     from fastckpt.config import set_defaults
+    from fastckpt.io.page_cache import MEMORY_FILESYSTEMS
+    from fastckpt.progress import progress_bar
 
     if args.checkpoint < MIN_NBYTES:
         raise CliError(f"--checkpoint must be at least {MIN_NBYTES} bytes", USAGE)
     memory = args.regime == "memory"
     device = "cuda" if args.gpu else "cpu"
-    rows = _rows(args.regime, device)
+    rows = available_rows(memory, device, warn)
     folder = _check_folder(args.folder, 2 * args.checkpoint + (64 << 20))
     explicit = _explicit_io(args)
-    set_defaults(**explicit)  # fastckpt.save/load take the I/O settings given here
 
     state = llm_like_state_dict(args.checkpoint)
     nbytes = state_dict_nbytes(state)
     if args.gpu:
         state = {name: tensor.to(device) for name, tensor in state.items()}
-    cache = PageCache()
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state.values()})
     fs_type = filesystem_of(folder)[0]
     print(
@@ -367,104 +316,34 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         where = "a memory file system" if fs_type in MEMORY_FILESYSTEMS else "the page cache"
         reads = f"memory regime: every load reads its file from {where}"
     else:
-        reads = f"cold reads: {cache.describe()}"
+        reads = f"cold reads: {PageCache().describe()}"
     print(
         f"Saves timed until fsync returns; loads until every tensor is touched; {reads}", flush=True
     )
     if explicit:
         print(f"fastckpt I/O settings: {json.dumps(explicit)}", flush=True)
 
-    tag = f".fastckpt-bench-{os.getpid()}"
-    paths = {name: os.path.join(folder, tag + suffix) for name, suffix, _, _ in LIBRARIES}
-    timings: dict[str, dict[str, list[float]]] = {
-        row: {"save": [], "load": [], "save_cpu": [], "load_cpu": []} for row, *_ in rows
-    }
-    from fastckpt.progress import progress_bar
+    def check(row: Any, loaded: Any, path: str) -> None:
+        wrong = validate_loaded(row.name, state, loaded, path)
+        if wrong is not None:
+            raise CliError(f"validation failed: {wrong}")
 
+    set_defaults(**explicit)  # fastckpt's save and load take the I/O settings given here
     try:
         with progress_bar(args.loops * len(rows), "benchmarking", unit="run") as bar:
-            # Libraries take turns within each loop, so a drifting device treats all alike.
-            for _loop in range(args.loops):
-                for row, saver, loader, file_key in rows:
-                    path = paths[file_key]
-                    if saver is not None:
-                        save = SAVERS[saver].setup(state, path)
-                        wall, cpu = time.perf_counter(), time.process_time()
-                        save()  # returns once the file is durable
-                        timings[row]["save"].append(time.perf_counter() - wall)
-                        timings[row]["save_cpu"].append(time.process_time() - cpu)
-                    load = LOADERS[loader].setup(path, device)
-                    if memory:
-                        warm_page_cache([path])
-                    else:
-                        cache.drop([path])
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    loaded = load()
-                    touch(loaded)
-                    timings[row]["load"].append(time.perf_counter() - wall)
-                    timings[row]["load_cpu"].append(time.process_time() - cpu)
-                    if args.validate:
-                        _validate_loaded(row, state, loaded, path)
-                    del loaded
-                    bar.update(1)
+            timings = compare(
+                rows,
+                state,
+                folder,
+                loops=args.loops,
+                memory=memory,
+                device=device,
+                check=check if args.validate else None,
+                advance=lambda: bar.update(1),
+            )
     finally:
         set_defaults(**{key: None for key in explicit})
-        for path in paths.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-    _print_table(timings, nbytes)
+    print(comparison_table(timings, nbytes))
     if args.validate:
         print("Validation passed: every library loaded back exactly what was saved")
     return 0
-
-
-def _validate_loaded(name: str, state: dict[str, Any], loaded: Any, path: str) -> None:
-    import torch
-
-    if set(loaded) == {"file"}:  # the preadv ceiling: the whole file's bytes
-        with open(path, "rb") as f:
-            if loaded["file"].numpy().tobytes() != f.read():
-                raise CliError(f"validation failed: {name} read other bytes than the file holds")
-        return
-    if not isinstance(loaded, dict) or set(loaded) != set(state):
-        raise CliError(f"validation failed: {name} loaded other keys than were saved")
-    for key, tensor in state.items():
-        got = loaded[key]
-        if got.dtype != tensor.dtype or got.shape != tensor.shape or not torch.equal(got, tensor):
-            raise CliError(f"validation failed: {name} loaded tensor {key!r} differently")
-
-
-def _print_table(timings: dict[str, dict[str, list[float]]], nbytes: int) -> None:
-    def rate(seconds: list[float]) -> float:
-        return gbps(nbytes, median(seconds)) if seconds else math.nan
-
-    def num(value: float, spec: str) -> str:
-        # A row without a save (a loader only) shows a dash, aligned like a number.
-        return format("—", spec.split(".")[0]) if math.isnan(value) else format(value, spec)
-
-    def ratio(base: float, value: float) -> str:
-        return "—" if math.isnan(value) or math.isnan(base) else f"{base / value:.2f}x"
-
-    rows = [
-        (name, rate(t["save"]), rate(t["load"]), median(t["save_cpu"]), median(t["load_cpu"]))
-        for name, t in timings.items()
-    ]
-    base_save, base_load = rows[0][1], rows[0][2]
-    header = (
-        f"{'library':<16}  {'save GB/s':>9}  {'load GB/s':>9}  {'save CPU s':>10}  "
-        f"{'load CPU s':>10}  fastckpt speedup (save / load)"
-    )
-    print()
-    print(header)
-    print("-" * len(header))
-    for name, save, load, save_cpu, load_cpu in rows:
-        print(
-            f"{name:<16}  {num(save, '>9.3g')}  {num(load, '>9.3g')}  {num(save_cpu, '>10.2f')}  "
-            f"{num(load_cpu, '>10.2f')}  {ratio(base_save, save)} / {ratio(base_load, load)}"
-        )
-    print(
-        "\nGB/s: 10^9 bytes of tensor data per second, median of the loops. CPU s: CPU time of "
-        "this process (all threads). Speedup: fastckpt's GB/s over the library's."
-    )

@@ -133,7 +133,7 @@ def test_bench_creates_a_missing_folder(tmp_path, capsys):
 def test_synthetic_state_dict_is_llm_like():
     import torch
 
-    from fastckpt.cli.synthetic import (
+    from fastckpt.bench.synthetic import (
         MIN_NBYTES,
         llm_like_state_dict,
         plan_shapes,
@@ -198,7 +198,7 @@ def test_bench_regime_needs_checkpoint(capsys):
 
 
 def test_preadv_file_reads_every_byte(tmp_path):
-    from fastckpt.cli.measure import preadv_file
+    from fastckpt.bench.ceilings import preadv_file
 
     data = os.urandom(3 * 65536 + 123)
     path = tmp_path / "data.bin"
@@ -215,7 +215,7 @@ def test_thread_sampler_sees_a_busy_thread():
     import threading
     import time
 
-    from fastckpt.cli.measure import ThreadSampler
+    from fastckpt.bench.measure import ThreadSampler
 
     stop = threading.Event()
 
@@ -236,8 +236,7 @@ def test_thread_sampler_sees_a_busy_thread():
 def test_tensor_checks_tell_wrong_bytes():
     import torch
 
-    from fastckpt.cli.measure import tensor_crc32s
-    from fastckpt.cli.peers import crc_digest
+    from fastckpt.bench.checks import crc_digest, tensor_crc32s
 
     state = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
     good = tensor_crc32s(state)

@@ -226,3 +226,96 @@ def test_tune_gpu_without_cuda(tmp_path, capsys):
     for flag in ("--gpu", "--gds"):
         assert main(["tune", "--nvme_dir", str(tmp_path), flag]) == 2
         assert "CUDA" in capsys.readouterr().err
+
+
+def test_sweep_measures_then_confirms_and_stops_at_its_deadline(tmp_path):
+    """The sweep, without the command: every configuration once, then the best again; past
+    the deadline only the first configuration is measured (one is always needed)."""
+    import time
+
+    from fastckpt.bench.caches import PageCache
+    from fastckpt.cli.tune.sweep import SweepFiles, configurations, default_sweep, run_sweep
+
+    sweep = default_sweep(["threads"])
+    sweep.update(block_size=[1 << 16], queue_depth=[4, 8], overlap_events=[True])
+    sweep.update(intra_op_parallelism=[1])
+    configs = configurations(sweep)
+    seen: list[tuple[str, int]] = []
+
+    class Observer:
+        def measured(self, result, phase):
+            seen.append((phase, result.config["queue_depth"]))
+
+        def budget_spent(self, measured, total):
+            seen.append(("budget", measured))
+
+    files = SweepFiles([str(tmp_path)], 1 << 18, gpu=False, gds=False, cache=PageCache())
+    try:
+        files.prepare_reads()
+        results = run_sweep(files, configs, runs=1, read=True, write=True, observer=Observer())
+        assert [p for p, _ in seen] == ["sweep", "sweep", "confirm", "confirm"]
+        assert all(len(r.read) == 3 and len(r.write) == 3 for r in results)  # 1 + 2 again
+        seen.clear()
+        late = run_sweep(
+            files,
+            configs,
+            runs=1,
+            read=False,
+            write=True,
+            deadline=time.perf_counter() - 1,
+            observer=Observer(),
+        )
+        assert len(late) == 1 and seen == [("sweep", 4), ("budget", 1)]
+        assert late[0].read == [] and len(late[0].write) == 1
+    finally:
+        files.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tuned_file_keeps_the_format_config_reads(tmp_path):
+    from fastckpt.cli.tune.sweep import Result
+    from fastckpt.cli.tune.tuned_file import save_gds_winner, save_winner
+    from fastckpt.config import load_tuned, resolve_io
+
+    config = {
+        "block_size": 1 << 16,
+        "queue_depth": 12,
+        "single_submit": False,
+        "overlap_events": True,
+        "intra_op_parallelism": 3,
+        "engine": "threads",
+    }
+    winner = Result(config, read=[2.0, 3.0], write=[1.5])
+    saved = save_winner(
+        winner,
+        [str(tmp_path), str(tmp_path / "missing")],
+        io_size=1 << 20,
+        loops=1,
+        gpu=True,
+        cache_dropped=False,
+        read=True,
+        write=True,
+    )
+    (key,) = saved
+    assert key == filesystem_key(tmp_path) and str(saved[key]) == os.environ["FASTCKPT_CONFIG"]
+    entry = load_tuned()[key]
+    assert entry["config"] == config and set(entry) == {"config", "measured", "time"}
+    assert entry["measured"] == {
+        "io_size": 1 << 20,
+        "loops": 1,
+        "gpu": True,
+        "dirs": [str(tmp_path), str(tmp_path / "missing")],
+        "cold_reads": "o_direct",
+        "read_gbps": 2.5,
+        "write_gbps": 1.5,
+    }
+    assert resolve_io(tmp_path, {}).queue_depth == 12
+    save_gds_winner(
+        Result({"intra_op_parallelism": 4}, read=[9.0]), [str(tmp_path)], read=True, write=False
+    )
+    entry = load_tuned()[key]
+    assert entry["config"] == config
+    assert {k: v for k, v in entry["gds"].items() if k != "time"} == {
+        "intra_op_parallelism": 4,
+        "read_gbps": 9.0,
+    }

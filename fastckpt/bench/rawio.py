@@ -1,12 +1,12 @@
 """Timed raw reads and writes through an ``aio_handle``, shared by ``tune`` and ``bench``.
 
 Writes go to fresh files (as a checkpoint save does) and are timed until ``fsync`` returns;
-reads are timed from a cold cache (see :class:`fastckpt.cli._common.PageCache`).
+reads are timed from a cold cache (see :class:`fastckpt.bench.caches.PageCache`).
 
 Example:
     >>> import os, tempfile
-    >>> from fastckpt.aio import aio_handle
-    >>> from fastckpt.cli._common import PageCache
+    >>> from fastckpt.deepnvme import aio_handle
+    >>> from fastckpt.bench.caches import PageCache
     >>> d = tempfile.mkdtemp()
     >>> buf = make_buffer(1 << 20)
     >>> h = aio_handle(1 << 20, 8, False, True, 1, engine="threads")
@@ -25,10 +25,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fastckpt.cli._common import PageCache, fsync_path
+from fastckpt.bench.caches import PageCache, fsync_path
 
 __all__ = [
     "PATTERN_BLOCK",
+    "check_file",
     "check_pattern",
     "make_buffer",
     "make_handle",
@@ -107,6 +108,32 @@ def check_pattern(buffer: Any, seed: int = 0) -> int:
     return -1
 
 
+def check_file(path: str | os.PathLike[str], seed: int = 0) -> int:
+    """Offset of the first byte of the file at ``path`` that differs from the pattern, or -1.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(make_buffer(5000).numpy().tobytes()); f.flush()
+        ...     check_file(f.name)
+        -1
+    """
+    import torch
+
+    block = pattern_block(seed)
+    offset = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(PATTERN_BLOCK)
+            if not chunk:
+                return -1
+            got = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+            diff = torch.nonzero(got != block[: got.numel()])
+            if diff.numel():
+                return offset + int(diff[0])
+            offset += len(chunk)
+
+
 def make_handle(config: Any, *, gds: bool = False) -> Any:
     """An ``aio_handle`` (or ``gds_handle`` with ``gds``) built from an :class:`IOConfig`-like
     object with the constructor's six fields.
@@ -124,10 +151,10 @@ def make_handle(config: Any, *, gds: bool = False) -> Any:
         config.intra_op_parallelism,
     )
     if gds:
-        from fastckpt.gds import gds_handle
+        from fastckpt.deepnvme import gds_handle
 
         return gds_handle(*args)
-    from fastckpt.aio import aio_handle
+    from fastckpt.deepnvme import aio_handle
 
     return aio_handle(*args, engine=config.engine)
 
@@ -144,7 +171,7 @@ def timed_write(handle: Any, buffer: Any, paths: Sequence[str]) -> float:
 
     Example:
         >>> import tempfile, os
-        >>> from fastckpt.aio import aio_handle
+        >>> from fastckpt.deepnvme import aio_handle
         >>> p = os.path.join(tempfile.mkdtemp(), "w.bin")
         >>> timed_write(aio_handle(), make_buffer(4096), [p]) > 0
         True

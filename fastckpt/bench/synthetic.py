@@ -6,7 +6,7 @@ requested size: layer matrices in bfloat16, embeddings, output head and norms in
 so a checkpoint mixes large 2-D tensors with small 1-D ones as real ones do.
 
 Example:
-    >>> from fastckpt.cli.synthetic import llm_like_state_dict, state_dict_nbytes
+    >>> from fastckpt.bench.synthetic import llm_like_state_dict, state_dict_nbytes
     >>> sd = llm_like_state_dict(1 << 20)
     >>> abs(state_dict_nbytes(sd) - (1 << 20)) < 4096
     True

@@ -13,7 +13,7 @@ raises :class:`Skip` from its setup, with the reason.
 
 Example:
     >>> import os, tempfile, torch
-    >>> from fastckpt.cli.peers import LOADERS, SAVERS
+    >>> from fastckpt.bench.peers import LOADERS, SAVERS
     >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
     >>> SAVERS["fastckpt"].setup({"w": torch.ones(3)}, path)()
     >>> LOADERS["safetensors"].setup(path, "cpu")()["w"].tolist()
@@ -22,36 +22,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fastckpt.cli.measure import (
-    Measure,
-    ThreadSampler,
-    drop_page_cache,
-    file_crc32,
-    make_durable,
-    preadv_file,
-    pwrite_file,
-    tensor_crc32s,
-    touch,
-)
+from fastckpt.bench.caches import make_durable
+from fastckpt.bench.ceilings import preadv_file, pwrite_file
 
-__all__ = [
-    "LOADERS",
-    "SAVERS",
-    "Loader",
-    "Saver",
-    "Skip",
-    "child_load",
-    "child_save",
-    "crc_digest",
-    "install_hint",
-]
+__all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "install_hint"]
 
 #: What installs the peers without pulling a CUDA build of torch.
 PEERS_INSTALL = 'pip install -c benchmarks/constraints.txt -e ".[bench]"'
@@ -97,7 +76,7 @@ class Loader:
 
 
 def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
-    from fastckpt import save  # resolved (its modules imported) outside the timed section
+    from fastckpt.checkpoint.save import save  # imported outside the timed section
 
     return lambda: save(state, path, progress=False)  # fsyncs and commits itself
 
@@ -156,25 +135,24 @@ SAVERS: dict[str, Saver] = {
 
 
 def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt import load  # resolved (its modules imported) outside the timed section
+    from fastckpt.checkpoint.load import load  # imported outside the timed section
 
     return lambda: load(path, map_location=device, progress=False)
 
 
 def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt import load
+    from fastckpt.checkpoint.load import load
 
     return lambda: load(path, map_location=device, verify=False, progress=False)
 
 
 def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
-    import fastckpt
+    from fastckpt.checkpoint.load import load
 
-    if "mmap" not in inspect.signature(fastckpt.load).parameters:
+    if "mmap" not in inspect.signature(load).parameters:
         raise Skip("fastckpt.load takes no mmap argument in this version")
     if device != "cpu":
         raise Skip("mmap loads are for CPU tensors")
-    load = fastckpt.load
     return lambda: load(path, mmap=True, progress=False)
 
 
@@ -298,104 +276,3 @@ LOADERS: dict[str, Loader] = {
         "parallel preadv ceiling, prefaulted buffer", "safetensors", _preadv(prefault=True)
     ),
 }
-
-
-# ----------------------------------------------------------------- child-process runs
-
-
-def crc_digest(crcs: dict[str, int]) -> int:
-    """One number for a ``name -> CRC-32`` dict: equal digests, equal bytes under every name.
-
-    Example:
-        >>> crc_digest({"a": 1, "b": 2}) == crc_digest({"b": 2, "a": 1})
-        True
-    """
-    import zlib
-
-    return zlib.crc32(json.dumps(sorted(crcs.items())).encode())
-
-
-def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def child_save(spec: dict[str, Any], savers: dict[str, Saver] = SAVERS) -> dict[str, Any]:
-    """A benchmark child's save: builds the seeded LLM-like state dict of ``spec["size"]`` on
-    ``spec["device"]`` (default cpu), then times ``savers[spec["method"]]`` writing it to
-    ``spec["file"]`` until durable. Reports the measurement and the state's CRC digest.
-    """
-    from fastckpt.cli.synthetic import llm_like_state_dict
-
-    device = spec.get("device", "cpu")
-    state = llm_like_state_dict(spec["size"], seed=spec["seed"])
-    digest = crc_digest(tensor_crc32s(state))
-    if device != "cpu":
-        state = {k: v.to(device) for k, v in state.items()}
-        _synchronize(device)
-    try:
-        run = savers[spec["method"]].setup(state, spec["file"])
-    except Skip as why:
-        return {"skipped": str(why)}
-    os.sync()  # start from clean writeback state
-    with Measure() as m:
-        run()
-    return {
-        **m.as_dict(),
-        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-        "file_bytes": os.path.getsize(spec["file"]),
-        "tensors": len(state),
-        "digest": digest,
-    }
-
-
-def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> dict[str, Any]:
-    """A benchmark child's load: times ``loaders[spec["method"]]`` reading ``spec["file"]``
-    to ``spec["device"]`` (default cpu) and touching every page of every tensor.
-
-    ``spec["cold"]`` drops the page cache first; ``spec["sample"]`` counts busy threads
-    (:class:`ThreadSampler`). Afterwards (untimed) the bytes are checked: with
-    ``spec["crc_file"]`` (JSON ``{"tensors": {name: crc}, "file": crc}``) the names whose
-    CRC differs are reported as ``wrong``; the digest of the loaded tensors is reported.
-    """
-    import torch
-
-    method, path, device = spec["method"], spec["file"], spec.get("device", "cpu")
-    if device.startswith("cuda"):
-        torch.ones(1024, device=device).sum().item()  # CUDA initialized outside the timing
-    try:
-        run = loaders[method].setup(path, device)
-    except Skip as why:
-        return {"skipped": str(why)}
-    touch({"warm": torch.ones(1024)})  # first-op setup outside the timed section
-    cache = drop_page_cache([path]) if spec.get("cold") else "hot"
-    sampler = ThreadSampler() if spec.get("sample") else contextlib.nullcontext()
-    with sampler, Measure() as m:
-        loaded = run()
-        touch(loaded)
-        _synchronize(device)
-    result: dict[str, Any] = {**m.as_dict(), "cache": cache}
-    if isinstance(sampler, ThreadSampler):
-        result.update(streams=sampler.streams, streams_max=sampler.busy_max)
-    whole_file = method.startswith("preadv")
-    if whole_file:
-        result["payload_bytes"] = spec.get("payload_bytes") or os.path.getsize(path)
-        result["file_crc"] = file_crc32(path)
-    else:
-        result["payload_bytes"] = sum(t.numel() * t.element_size() for t in loaded.values())
-        result["tensors"] = len(loaded)
-        crcs = tensor_crc32s(loaded)
-        result["digest"] = crc_digest(crcs)
-    if spec.get("crc_file"):
-        with open(spec["crc_file"], encoding="utf-8") as f:
-            expected = json.load(f)
-        if whole_file:
-            result["wrong"] = [] if result["file_crc"] == expected["file"] else ["(file bytes)"]
-        else:
-            want = expected["tensors"]
-            result["wrong"] = sorted(
-                n for n in set(crcs) | set(want) if crcs.get(n) != want.get(n)
-            )[:3]
-    return result

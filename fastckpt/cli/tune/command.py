@@ -1,0 +1,407 @@
+"""``fastckpt tune``: find the fastest I/O configuration for a file system, and remember it.
+
+The options are those of DeepSpeed's ``ds_nvme_tune`` (same names), plus ``--engine`` and
+``--plot``. Every configuration of the sweep writes ``--io_size`` bytes to a fresh file in
+each ``--nvme_dir`` (timed until fsync returns) and reads a prepared file back from a cold
+cache. The winner is saved with :func:`fastckpt.config.save_tuned`, keyed by the file
+system of each directory; from then on ``aio_handle()`` with no arguments and
+``save``/``load`` on that file system use it (explicit arguments still win).
+
+Example (shell)::
+
+    $ fastckpt tune --nvme_dir /local_nvme --io_size 1G
+    Running fastckpt I/O tuning on ['/local_nvme'] ...
+    Best performance (GB/sec): read = 3.69, write = 3.18
+    ...
+
+Example (Python):
+    >>> from fastckpt.cli import main
+    >>> main(["tune", "--help"])  # doctest: +ELLIPSIS
+    usage: fastckpt tune ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastckpt.bench.caches import PageCache
+from fastckpt.bench.units import format_bytes
+from fastckpt.cli._common import (
+    ENGINE_CHOICES,
+    USAGE,
+    CliError,
+    check_engines,
+    engine_list_arg,
+    positive_int_arg,
+    require_cuda,
+    require_gds,
+    size_arg,
+)
+from fastckpt.cli.tune.plot import plot_results, require_matplotlib
+from fastckpt.cli.tune.sweep import (
+    QUICK_BUDGET,
+    QUICK_DESCRIPTION,
+    Result,
+    SweepFiles,
+    configurations,
+    confirmations,
+    default_sweep,
+    gds_sweep,
+    load_sweep_config,
+    quick_sweep,
+    run_sweep,
+)
+from fastckpt.cli.tune.sweep_log import SweepLog
+from fastckpt.cli.tune.tuned_file import save_gds_winner, save_winner
+from fastckpt.progress import progress_bar
+
+__all__ = ["add_parser", "run", "why_winner"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers ``tune`` on the ``fastckpt`` parser."""
+    parser = subparsers.add_parser(
+        "tune",
+        help="find the fastest I/O configuration for a file system and remember it",
+        description=(
+            "Sweeps engine x block_size x queue_depth x intra_op_parallelism x single_submit x "
+            "overlap_events, writing and reading --io_size bytes in each --nvme_dir; prints the "
+            "best read and write GB/s and the winning aio_handle configuration as JSON, and "
+            "saves it for the file system of each directory (see fastckpt.config: "
+            "$FASTCKPT_CONFIG, else $XDG_CONFIG_HOME/fastckpt/tuned.json). Options follow "
+            "DeepSpeed's ds_nvme_tune."
+        ),
+    )
+    parser.add_argument(
+        "--nvme_dir",
+        nargs="+",
+        required=True,
+        metavar="NVME_DIR",
+        help="directory (one or more) in which to perform the I/O tests; a writable "
+        "directory on the device to tune (created when missing)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop starting new configurations after this many seconds and pick the best "
+        "measured so far (default: no limit; the full sweep can take minutes)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short sweep ({QUICK_DESCRIPTION}) within --budget, "
+        f"{QUICK_BUDGET:.0f} s unless given",
+    )
+    parser.add_argument(
+        "--sweep_config",
+        metavar="FILE",
+        help='JSON object of value lists per parameter, e.g. {"block_size": ["256K", '
+        '"1M"], "queue_depth": [32], "overlap_events": [true]}; keys left out keep '
+        "the default lists",
+    )
+    parser.add_argument("--no_read", action="store_true", help="do not measure reads")
+    parser.add_argument("--no_write", action="store_true", help="do not measure writes")
+    parser.add_argument(
+        "--io_size",
+        type=size_arg,
+        default=size_arg("400M"),
+        help="bytes read and written per directory and run, e.g. 400M, 1G (default 400M)",
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="move data between GPU memory and the files (needs CUDA)"
+    )
+    parser.add_argument(
+        "--gds", action="store_true", help="sweep NVIDIA GPUDirect Storage (needs CUDA and cuFile)"
+    )
+    parser.add_argument(
+        "--flush_page_cache",
+        action="store_true",
+        help="insist on dropping the page cache before every read (needs root); "
+        "without it the cache is dropped when permitted, else reads rely on O_DIRECT",
+    )
+    parser.add_argument(
+        "--log_dir",
+        metavar="DIR",
+        help="write one JSON line per measured configuration to a file in DIR",
+    )
+    parser.add_argument(
+        "--loops",
+        type=positive_int_arg,
+        default=1,
+        help="runs of each configuration (default 1; the best few are run again)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="print every measurement")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        type=engine_list_arg,
+        metavar="NAME[,NAME]",
+        help=f"sweep only these engines ({', '.join(ENGINE_CHOICES)}); repeatable "
+        "or a comma list; default: every engine available here",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw GB/s against each swept parameter, per engine (needs matplotlib)",
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
+    if args.gds:
+        return ["gds"]
+    if args.engine:
+        return check_engines(name for group in args.engine for name in group)
+    from fastckpt.io.engines import ENGINE_NAMES, engines
+
+    info = engines()
+    return [name for name in ENGINE_NAMES if info[name].available]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``fastckpt tune`` with parsed arguments; returns the exit status."""
+    if args.no_read and args.no_write:
+        raise CliError("--no_read and --no_write leave nothing to measure", USAGE)
+    if args.gds:
+        require_gds()
+    elif args.gpu:
+        require_cuda("--gpu")
+    if args.plot:
+        require_matplotlib()
+        plot_dir = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(plot_dir) or not os.access(plot_dir, os.W_OK):
+            raise CliError(f"--plot {args.plot}: cannot write in {plot_dir}", USAGE)
+    sweep = _sweep(args)
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET if args.quick else None)
+    if budget is not None and not budget > 0:
+        raise CliError(f"--budget {args.budget}: must be a positive number of seconds", USAGE)
+    dirs = _check_dirs(args.nvme_dir, args.io_size)
+    cache = PageCache()
+    if args.flush_page_cache and not cache.can_drop:
+        raise CliError(f"--flush_page_cache: cannot drop the page cache: {cache.describe()}", USAGE)
+
+    configs = configurations(sweep)
+    read, write = not args.no_read, not args.no_write
+    print(
+        f"Running fastckpt I/O tuning on {dirs}: {len(configs)} configurations, "
+        f"{format_bytes(args.io_size)} per directory, {args.loops} run(s) each, "
+        f"engines: {', '.join(sweep['engine'])}",
+        flush=True,
+    )
+    _print_conditions(dirs, cache, read)
+
+    log = SweepLog.open(args.log_dir, dirs=dirs, io_size=args.io_size) if args.log_dir else None
+    started = time.perf_counter()
+    files = None
+    try:
+        files = SweepFiles(dirs, args.io_size, gpu=args.gpu, gds=args.gds, cache=cache)
+        if read:
+            files.prepare_reads()
+        total = len(configs) + confirmations(len(configs))
+        with progress_bar(total, "tuning", unit="config") as bar:
+            results = run_sweep(
+                files,
+                configs,
+                runs=args.loops,
+                read=read,
+                write=write,
+                deadline=None if budget is None else started + budget,
+                observer=_Shown(bar, log, budget, verbose=args.verbose),
+            )
+    finally:
+        if files is not None:
+            files.close()
+        if log is not None:
+            log.close()
+    elapsed = time.perf_counter() - started
+
+    good = [r for r in results if not r.error]
+    if not good:
+        raise CliError(f"every configuration failed; the first: {results[0].summary()}")
+    winner = max(good, key=Result.score)
+    _report(good, winner, read, write, elapsed)
+    if log is not None:
+        print(f"Measurements logged to {log.path}")
+    if args.gds:
+        for key, path in save_gds_winner(winner, dirs, read=read, write=write).items():
+            print(f"Saved GPUDirect Storage figures for file system {key} in {path}")
+    else:
+        saved = save_winner(
+            winner,
+            dirs,
+            io_size=args.io_size,
+            loops=args.loops,
+            gpu=args.gpu,
+            cache_dropped=cache.can_drop,
+            read=read,
+            write=write,
+        )
+        for key, path in saved.items():
+            print(f"Saved for file system {key} in {path}")
+    if args.plot:
+        plot_results(results, sweep, args.plot, read=read, write=write)
+        print(f"Plot written to {args.plot}")
+    return 0
+
+
+def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
+    if args.engine:
+        return check_engines(name for group in args.engine for name in group)
+    from fastckpt.io.engines import ENGINE_NAMES, engines
+
+    info = engines()
+    return [name for name in ENGINE_NAMES if info[name].available]
+
+
+def _sweep(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The values to sweep, from --gds, --engine, --sweep_config and --quick."""
+    if args.gds:
+        sweep = gds_sweep()
+        if args.sweep_config:
+            sweep = load_sweep_config(args.sweep_config, sweep)
+        sweep["engine"] = ["gds"]
+        return sweep
+    engines = _engines_to_sweep(args)
+    if args.sweep_config:
+        sweep = load_sweep_config(args.sweep_config, default_sweep(engines))
+        # --engine overrides the file's engine list.
+        sweep["engine"] = engines if args.engine else check_engines(sweep["engine"])
+    else:
+        sweep = default_sweep(engines)
+    return quick_sweep(sweep) if args.quick else sweep
+
+
+def _print_conditions(dirs: Sequence[str], cache: PageCache, read: bool) -> None:
+    """What the figures will mean: memory file systems, cold reads, O_DIRECT refused."""
+    from fastckpt.bench.filesystems import direct_io_supported, on_memory_filesystem
+
+    for d in dirs:
+        if on_memory_filesystem(d):
+            print(f"  {d}: this file system keeps files in memory; its speeds are not a device's")
+    if read:
+        print(f"Cold reads: {cache.describe()}", flush=True)
+        for d in dirs:
+            if not direct_io_supported(d):
+                note = "" if cache.can_drop else "; reads may come from memory"
+                print(f"  {d}: the file system refuses O_DIRECT, buffered I/O{note}", flush=True)
+
+
+class _Shown:
+    """The sweep's progress: the bar, --verbose lines and the --log_dir file."""
+
+    def __init__(self, bar: Any, log: Any, budget: float | None, *, verbose: bool) -> None:
+        self.bar, self.log, self.budget, self.verbose = bar, log, budget, verbose
+        self.best = -1.0
+
+    def measured(self, result: Result, phase: str) -> None:
+        if self.log is not None:
+            self.log.write(result, phase)
+        if self.verbose:
+            _emit(self.bar, result.summary() if phase == "sweep" else "again: " + result.summary())
+        if phase == "sweep":
+            self.best = max(self.best, result.score())
+            self.bar.set_postfix_str(f"best {self.best:.2f} GB/s")
+        self.bar.update(1)
+
+    def budget_spent(self, measured: int, total: int) -> None:
+        _emit(
+            self.bar,
+            f"Time budget of {self.budget:.0f} s spent after {measured} of "
+            f"{total} configurations; choosing among those measured",
+        )
+
+
+def _check_dirs(dirs: Sequence[str], io_size: int) -> list[str]:
+    checked: list[str] = []
+    for d in dirs:
+        if not os.path.exists(d):
+            try:
+                os.makedirs(d)
+            except OSError as exc:
+                raise CliError(f"--nvme_dir {d}: cannot create it: {exc.strerror}", USAGE) from None
+            print(f"Created --nvme_dir {d}", flush=True)
+        if not os.path.isdir(d):
+            raise CliError(f"--nvme_dir {d}: not a directory", USAGE)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise CliError(f"--nvme_dir {d}: not writable", USAGE)
+        free = shutil.disk_usage(d).free
+        if free < 2 * io_size + (64 << 20):
+            raise CliError(
+                f"--nvme_dir {d}: {format_bytes(free)} free, the sweep needs "
+                f"{format_bytes(2 * io_size)} (a read file and a write file of --io_size)",
+                USAGE,
+            )
+        real = os.path.realpath(d)
+        if real not in checked:
+            checked.append(real)
+    return checked
+
+
+def _emit(bar: Any, line: str) -> None:
+    writer = getattr(bar, "write", None)
+    if writer is not None:
+        writer(line, file=sys.stdout)
+    else:
+        print(line, flush=True)
+
+
+def _report(good: list[Result], winner: Result, read: bool, write: bool, elapsed: float) -> None:
+    best_read = max(good, key=lambda r: r.read_gbps) if read else None
+    best_write = max(good, key=lambda r: r.write_gbps) if write else None
+    parts = []
+    if best_read is not None:
+        parts.append(f"read = {best_read.read_gbps:5.2f}")
+    if best_write is not None:
+        parts.append(f"write = {best_write.write_gbps:5.2f}")
+    print(f"Tuning took {elapsed:.1f} s")
+    print(f"Best performance (GB/sec): {', '.join(parts)}")
+    if best_read is not None:
+        print(f"  best read:  {best_read.summary()}")
+    if best_write is not None:
+        print(f"  best write: {best_write.summary()}")
+    print(f"Winning configuration: {winner.summary()}")
+    print(f"  Why: {why_winner(winner, best_read, best_write)}")
+    print(json.dumps(winner.config, indent=2))
+
+
+def why_winner(winner: Result, best_read: Result | None, best_write: Result | None) -> str:
+    """One sentence on why ``winner`` won, naming what the best-read and best-write
+    configurations scored when they are other configurations.
+
+    Example:
+        >>> a = Result({"queue_depth": 8}, read=[3.0], write=[1.0])
+        >>> b = Result({"queue_depth": 32}, read=[2.0], write=[2.0])
+        >>> print(why_winner(b, a, b))  # doctest: +NORMALIZE_WHITESPACE
+        highest combined score 2.00 GB/s (the harmonic mean of read 2.00 and write 2.00: the
+        speed of writing a checkpoint and reading it back); the best read alone (3.00 GB/s)
+        scores 1.50 because its write is 1.00 GB/s
+    """
+    if best_read is None or best_write is None:
+        only = "read" if best_write is None else "write"
+        return f"highest median {only} speed ({winner.score():.2f} GB/s); the other direction was not measured"
+    text = (
+        f"highest combined score {winner.score():.2f} GB/s (the harmonic mean of read "
+        f"{winner.read_gbps:.2f} and write {winner.write_gbps:.2f}: the speed of writing a "
+        "checkpoint and reading it back)"
+    )
+    if best_read is not winner:
+        text += (
+            f"; the best read alone ({best_read.read_gbps:.2f} GB/s) scores "
+            f"{best_read.score():.2f} because its write is {best_read.write_gbps:.2f} GB/s"
+        )
+    if best_write is not winner:
+        text += (
+            f"; the best write alone ({best_write.write_gbps:.2f} GB/s) scores "
+            f"{best_write.score():.2f} because its read is {best_write.read_gbps:.2f} GB/s"
+        )
+    return text
