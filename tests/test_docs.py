@@ -66,7 +66,8 @@ def blocks(path: Path) -> list[Block]:
         body: list[str] = []
         j = i + 1
         while j < len(lines) and not lines[j].strip().startswith(ticks):
-            body.append(lines[j][indent:] if lines[j][:indent].isspace() else lines[j].lstrip())
+            line = lines[j]
+            body.append(line[indent:] if line[:indent].strip() == "" else line.lstrip())
             j += 1
         found.append(
             Block(
@@ -140,6 +141,7 @@ def test_not_run_markers_give_a_reason_and_precede_python(path):
 @pytest.mark.filterwarnings("ignore:.*number of training batches.*")
 @pytest.mark.filterwarnings("ignore:.*is smaller than the logging interval.*")
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+@pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty.*")
 @pytest.mark.parametrize("path", MARKDOWN, ids=_id)
 def test_python_blocks_run(path, tmp_path, monkeypatch):
     runnable = [b for b in blocks(path) if b.language == "python" and b.not_run is None]
