@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 import textwrap
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,7 +150,10 @@ def test_python_blocks_run(path, tmp_path, monkeypatch):
     if not runnable:
         pytest.skip(f"{_id(path)} has no runnable Python block")
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__main__"}
+    # The blocks run as a script would, as __main__, so that classes they define pickle.
+    script = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    namespace = script.__dict__
     for block in runnable:
         code = compile(block.code, f"{path}:{block.line}", "exec")
         try:
