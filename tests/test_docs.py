@@ -55,7 +55,12 @@ def blocks(path: Path) -> list[Block]:
         >>> [(b.language, b.line, b.code, b.not_run) for b in blocks(p)]
         [('python', 2, 'x = 1\\n', 'needs a GPU')]
     """
-    lines = path.read_text(encoding="utf-8").splitlines()
+    return blocks_in(path.read_text(encoding="utf-8"))
+
+
+def blocks_in(text: str) -> list[Block]:
+    """Every fenced block of Markdown text (see :func:`blocks`)."""
+    lines = text.splitlines()
     found: list[Block] = []
     i = 0
     while i < len(lines):
@@ -132,7 +137,9 @@ def test_not_run_markers_give_a_reason_and_precede_python(path):
     for block in blocks(path):
         if block.not_run is not None:
             assert block.not_run, f"{_id(path)}:{block.line}: not-run marker without a reason"
-            assert block.language == "python", f"{_id(path)}:{block.line}: marker on a non-Python block"
+            assert block.language == "python", (
+                f"{_id(path)}:{block.line}: marker on a non-Python block"
+            )
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if "not-run" in line:
             assert NOT_RUN.match(line), f"{_id(path)}:{number}: malformed marker {line!r}"
@@ -273,3 +280,26 @@ def test_schema_refuses_what_the_reader_refuses(header):
         from fastckpt.format import split_metadata
 
         split_metadata(parsed.metadata)
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    after = readme.split("Install and run the tests", 1)[1]
+    command = next(b for b in blocks_in(after) if b.language == "bash").code.strip()
+    assert "pytest" in command
+    assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+
+
+def test_install_lines_install_from_the_clone():
+    """The PyPI name ``fastckpt`` is another project: every install line uses the clone."""
+    for path in MARKDOWN:
+        for block in blocks(path):
+            code = "\n".join(line.split("#")[0] for line in block.code.splitlines())
+            for command in re.split(r"&&|;|\n", code):
+                if "pip install" not in command:
+                    continue
+                for word in command.split()[2:]:
+                    assert not re.match(r"""^['"]?fastckpt(\[|['"]|$)""", word), (
+                        f"{_id(path)}:{block.line}: {command.strip()!r} installs the PyPI "
+                        "package 'fastckpt', an unrelated project"
+                    )
