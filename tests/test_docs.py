@@ -207,6 +207,13 @@ def _schema() -> dict:
     return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
 
 
+def test_the_schema_in_the_format_page_is_the_schema_file():
+    page = (DOCS / "format.md").read_text(encoding="utf-8")
+    section = page.split("## JSON Schema of the header", 1)[1]
+    embedded = next(b for b in blocks_in(section) if b.language == "json")
+    assert json.loads(embedded.code) == _schema()
+
+
 def test_schema_names_the_codes_dtypes_and_keys():
     doc = _schema()
     tensor = doc["$defs"]["tensor"]
