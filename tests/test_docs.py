@@ -310,3 +310,18 @@ def test_install_lines_install_from_the_clone():
                         f"{_id(path)}:{block.line}: {command.strip()!r} installs the PyPI "
                         "package 'fastckpt', an unrelated project"
                     )
+
+
+def test_the_distribution_name_is_free_and_said_in_the_readme():
+    """PyPI's ``fastckpt`` is an unrelated project, so the distribution has its own name; the
+    README says it, and the benchmarks look up the installed version under it."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    name = project["name"]
+    assert name != "fastckpt"
+    assert f"**`{name}`**" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert project["scripts"]["fastckpt"] == "fastckpt.cli:main"  # the command keeps its name
+
+    from fastckpt.cli import measure
+
+    assert name in measure.machine()["versions"]
