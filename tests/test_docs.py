@@ -37,7 +37,8 @@ HEADING = re.compile(r"^(#{1,6})\s+(?P<title>.+?)\s*#*\s*$")
 
 @dataclass
 class Block:
-    """One fenced code block: its info string, first code line (1-based) and text."""
+    """One fenced code block: its info string, the line of its opening fence (1-based), its
+    text (dedented), and its not-run reason."""
 
     language: str
     line: int
@@ -46,20 +47,18 @@ class Block:
 
 
 def blocks(path: Path) -> list[Block]:
-    """Every fenced block of a Markdown file, with the not-run marker that precedes it.
-
-    Example:
-        >>> import tempfile
-        >>> p = Path(tempfile.mkdtemp()) / "x.md"
-        >>> _ = p.write_text("<!-- not-run: needs a GPU -->\\n```python\\nx = 1\\n```\\n")
-        >>> [(b.language, b.line, b.code, b.not_run) for b in blocks(p)]
-        [('python', 2, 'x = 1\\n', 'needs a GPU')]
-    """
+    """Every fenced block of a Markdown file (see :func:`blocks_in`)."""
     return blocks_in(path.read_text(encoding="utf-8"))
 
 
 def blocks_in(text: str) -> list[Block]:
-    """Every fenced block of Markdown text (see :func:`blocks`)."""
+    """Every fenced block of Markdown text, with the not-run marker that precedes it.
+
+    Example:
+        >>> text = "<!-- not-run: needs a GPU -->\\n```python\\nx = 1\\n```\\n"
+        >>> [(b.language, b.line, b.code, b.not_run) for b in blocks_in(text)]
+        [('python', 2, 'x = 1\\n', 'needs a GPU')]
+    """
     lines = text.splitlines()
     found: list[Block] = []
     i = 0
@@ -173,8 +172,8 @@ def test_python_blocks_run(path, tmp_path, monkeypatch):
     fastckpt.wait_all()
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=_id)
-def test_relative_links_resolve(path):
+def broken_links(path: Path) -> list[str]:
+    """The relative links of a Markdown file whose file, or heading anchor, does not exist."""
     text = prose(path)
     targets = [m["target"] for m in LINK.finditer(text)] + [
         m["target"] for m in IMAGE.finditer(text)
@@ -189,7 +188,29 @@ def test_relative_links_resolve(path):
             broken.append(f"{target}: no such file")
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no heading with anchor #{anchor}")
+    return broken
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=_id)
+def test_relative_links_resolve(path):
+    broken = broken_links(path)
     assert not broken, f"{_id(path)}: " + "; ".join(broken)
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Top\n\n## Part two\n\n[ok](#part-two) [gone](missing.md) [bad](#part-three)\n"
+        "[web](https://example.com) `[code](nowhere.md)`\n\n"
+        "<!-- not-run: -->\n```python\nraise SystemExit\n```\n",
+        encoding="utf-8",
+    )
+    assert broken_links(page) == [
+        "missing.md: no such file",
+        "#part-three: no heading with anchor #part-three",
+    ]
+    (marked,) = blocks(page)
+    assert marked.not_run == ""  # a marker without a reason, which the marker test refuses
 
 
 def test_every_docs_page_is_linked_from_the_index():
