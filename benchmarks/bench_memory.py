@@ -503,7 +503,7 @@ def parent_main(args: argparse.Namespace) -> int:
     )
     versions = ", ".join(
         f"{d} {version_of(d)}"
-        for d in ("fastckpt", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
+        for d in ("fastckpt-io", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
     )
     print(f"- {versions}")
     print(

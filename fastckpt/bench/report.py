@@ -82,6 +82,12 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": {
             d: version_of(d)
-            for d in ("fastckpt", "torch", "safetensors", "runai-model-streamer", "fastsafetensors")
+            for d in (
+                "fastckpt-io",
+                "torch",
+                "safetensors",
+                "runai-model-streamer",
+                "fastsafetensors",
+            )
         },
     }
