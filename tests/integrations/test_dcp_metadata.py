@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -161,3 +162,23 @@ def test_damaged_metadata_is_a_header_error(tmp_path):
     with pytest.raises(fastckpt.HeaderError):
         read_dcp_metadata(path)
     assert issubclass(UnsafePickleError, FastCkptError)
+
+
+def test_a_fifo_for_metadata_is_refused_at_once(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    os.mkfifo(path / ".metadata")
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            read_dcp_metadata(path)
+        except BaseException as exc:
+            raised.append(exc)
+
+    # A blocking read would wait for a writer forever: run it where a hang is seen.
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive(), "reading a FIFO .metadata hung"
+    assert isinstance(raised[0], OSError) and "not a regular file" in str(raised[0])

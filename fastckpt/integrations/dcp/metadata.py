@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from fastckpt.errors import HeaderError, UnsafePickleError
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._paths import METADATA_FILE, location
+from fastckpt.io.files import require_regular_file
 
 __all__ = [
     "METADATA_FILE",
@@ -135,6 +136,8 @@ def read_dcp_metadata(
         torch.Size([2])
     """
     meta_path = remote.join(location(path), METADATA_FILE)
+    if not remote.is_url(meta_path):
+        require_regular_file(meta_path)  # a FIFO would block the read until a writer came
     data = remote.read_bytes(meta_path, storage_options)
     try:
         metadata = _unpickle(data, meta_path, allow_pickle)
