@@ -357,3 +357,10 @@ def save_then_fail(rank, world, path):
     dcp.load(state, storage_reader=FastCkptReader(path))
     check_loaded(state, version=0)
     writer.close()
+
+
+def commit_cases(rank, world, base):
+    """The commit-safety cases in one set of processes: a failed save, then saves at once."""
+    save_then_fail(rank, world, base + "/failed")
+    dist.barrier()
+    concurrent_saves(rank, world, base + "/concurrent")

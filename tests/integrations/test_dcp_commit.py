@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_ranks import concurrent_saves, run_ranks, save_then_fail
+from dcp_ranks import commit_cases, run_ranks
 
 from fastckpt.integrations.dcp import FastCkptWriter, load_full, read_dcp_metadata
 from fastckpt.integrations.dcp._stale_files import LiveSave
@@ -22,11 +22,20 @@ def _published_files(path: str) -> set[str]:
     return {".metadata", *(f for f, _ in read_dcp_metadata(path).storage_data.values())}
 
 
-def test_concurrent_savers_into_one_directory_leave_one_loadable_checkpoint(tmp_path):
-    path = str(tmp_path / "ckpt")
-    os.makedirs(path)
-    run_ranks(2, concurrent_saves, path)  # every save succeeds; the ranks load what is there
-    # One more save after both: everything the others left behind goes, markers included.
+@pytest.fixture(scope="module")
+def commit_run(tmp_path_factory):
+    """One run of 2 ranks for both cases (see dcp_ranks.commit_cases); the ranks assert."""
+    base = str(tmp_path_factory.mktemp("commit"))
+    os.makedirs(base + "/concurrent")
+    run_ranks(2, commit_cases, base)
+    return base
+
+
+def test_concurrent_savers_into_one_directory_leave_one_loadable_checkpoint(commit_run):
+    # Each rank saved into one directory at once (every save succeeded) and then loaded
+    # whichever checkpoint was published last, whole. One more save after both: everything
+    # the others left behind goes, the markers of running saves included.
+    path = commit_run + "/concurrent"
     writer = FastCkptWriter(path)
     dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
     writer.close()
@@ -34,8 +43,11 @@ def test_concurrent_savers_into_one_directory_leave_one_loadable_checkpoint(tmp_
     assert torch.equal(load_full(path)["w"], torch.ones(2))
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_unchanged(tmp_path):
-    run_ranks(2, save_then_fail, str(tmp_path / "ckpt"))
+def test_a_failed_save_leaves_the_previous_checkpoint_unchanged(commit_run):
+    # The ranks checked .metadata's bytes, the old files and a 2-rank load after the failure.
+    assert torch.equal(
+        load_full(commit_run + "/failed")["plain"], torch.arange(7, dtype=torch.int32)
+    )
 
 
 def test_files_of_a_running_save_are_not_removed_by_another_commit(tmp_path):
