@@ -34,7 +34,7 @@ import os
 import stat
 from typing import Any
 
-from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
+from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes, warn
 from fastckpt.format import DEFAULT_ALIGNMENT
 
 __all__ = ["add_parser", "describe_file", "offset_alignment", "printable", "read_header", "run"]
@@ -303,7 +303,6 @@ def run(args: argparse.Namespace) -> int:
 def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
     """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
     the other paths."""
-    from fastckpt.cli._common import warn
     from fastckpt.integrations.dcp import describe_dcp, format_dcp, is_dcp_checkpoint
 
     allow_pickle = getattr(args, "allow_pickle", False)
