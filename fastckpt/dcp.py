@@ -4,6 +4,10 @@ DCP plans multi-rank saves and loads (and reshards between world sizes); these m
 bytes, one aligned, checksummed fastckpt file per rank, committed atomically, in a local
 directory or at an fsspec URL (``s3://...``, ``memory://...``; ``storage_options=``).
 
+``.metadata`` is a pickle, as DCP writes it; it is read with an unpickler that admits only
+DCP's metadata classes, torch dtypes and plain containers (``UnsafePickleError`` for
+anything else), unless ``FastCkptReader(..., allow_pickle=True)``.
+
 Example:
     >>> import os, tempfile, torch
     >>> import torch.distributed.checkpoint as dcp
@@ -19,6 +23,7 @@ Example:
 from fastckpt.integrations.dcp import (
     FastCkptReader,
     FastCkptWriter,
+    UnsafePickleError,
     consolidate,
     is_dcp_checkpoint,
     load_full,
@@ -32,4 +37,5 @@ __all__ = [
     "to_dcp",
     "load_full",
     "is_dcp_checkpoint",
+    "UnsafePickleError",
 ]

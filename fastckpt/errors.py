@@ -23,6 +23,7 @@ __all__ = [
     "ChecksumError",
     "EngineUnavailableError",
     "WeightsOnlyError",
+    "UnsafePickleError",
 ]
 
 
@@ -58,3 +59,26 @@ class WeightsOnlyError(FastCkptError, pickle.UnpicklingError):
     It is a ``pickle.UnpicklingError``, as ``torch.load(weights_only=True)`` raises, so code
     written for torch keeps catching it.
     """
+
+
+class UnsafePickleError(WeightsOnlyError):
+    """A pickle from a checkpoint names a global outside what the reader admits (a
+    torch.distributed.checkpoint ``.metadata`` file may reference only DCP's metadata classes,
+    torch dtypes and plain containers); nothing from the pickle ran.
+
+    Attributes:
+        global_name: the refused global, ``"module.name"``.
+        filename: the file it came from (None when unknown).
+
+    Example:
+        >>> err = UnsafePickleError("refused os.system", global_name="os.system")
+        >>> isinstance(err, pickle.UnpicklingError), err.global_name
+        (True, 'os.system')
+    """
+
+    def __init__(
+        self, message: str, *, global_name: str | None = None, filename: str | None = None
+    ):
+        super().__init__(message)
+        self.global_name = global_name
+        self.filename = filename

@@ -10,6 +10,8 @@
 
 - SRC a torch.distributed.checkpoint directory (written by ``fastckpt.dcp.FastCkptWriter``
   or DCP's ``FileSystemWriter``) is consolidated into the single file DST (full tensors);
+  its ``.metadata`` admits only DCP's metadata classes and its non-tensor values are loaded
+  with ``weights_only=True``, unless ``--allow-pickle``;
   ``--to-dcp`` goes the other way: DST becomes a DCP checkpoint directory of fastckpt files.
 
 DST is written atomically (a temporary file renamed over it) and never overwritten
@@ -68,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="allow_pickle",
         action="store_true",
         help="load torch files with weights_only=False and keep arbitrary Python "
-        "objects (pickled into the fastckpt metadata). Unpickling runs code from "
+        "objects (pickled into the fastckpt metadata); for a DCP checkpoint, unpickle its "
+        ".metadata and non-tensor values without limits. Unpickling runs code from "
         "the file: only for files you trust",
     )
     parser.set_defaults(run=run)
@@ -333,6 +336,11 @@ def _convert_dcp(args: argparse.Namespace) -> bool:
     else:
         if not is_url(dst) and os.path.isdir(dst):
             raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
+        if args.allow_pickle:
+            warn(
+                f"--allow-pickle: {src}/.metadata and the checkpoint's non-tensor values are "
+                "unpickled without limits, which runs any code they hold"
+            )
         dcp.consolidate(src, dst, allow_pickle=args.allow_pickle)
         written = "one file" if is_url(dst) else f"one file, {format_bytes(os.path.getsize(dst))}"
     seconds = time.perf_counter() - started

@@ -28,11 +28,13 @@ Example (Python):
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import stat
 from typing import Any
 
-from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
+from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes, warn
 from fastckpt.format import DEFAULT_ALIGNMENT
 
 __all__ = ["add_parser", "describe_file", "offset_alignment", "printable", "read_header", "run"]
@@ -57,8 +59,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="print a JSON list, one object per file"
     )
+    add_allow_pickle(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+def add_allow_pickle(parser: argparse.ArgumentParser) -> None:
+    """``--allow-pickle`` of the commands that read a DCP checkpoint's ``.metadata``."""
+    parser.add_argument(
+        "--allow-pickle",
+        dest="allow_pickle",
+        action="store_true",
+        help="unpickle a DCP checkpoint's .metadata without limits (by default only DCP's "
+        "metadata classes are admitted). Unpickling runs code from the file: only for "
+        "checkpoints you trust",
+    )
 
 
 def offset_alignment(offset: int) -> int:
@@ -81,7 +96,8 @@ def read_header(path: str | os.PathLike[str]) -> Any:
 
     Raises:
         fastckpt.HeaderError: not a valid safetensors file (the message says why).
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, or is not a regular file (a FIFO, a device: refused
+            at once, where opening would wait for a writer).
 
     Example:
         >>> read_header("/no/such.safetensors")
@@ -94,10 +110,33 @@ def read_header(path: str | os.PathLike[str]) -> Any:
 
     if is_url(path):
         return RemoteReader(path).header  # reads the header's bytes only
-    with open(path, "rb") as f:
+    # Non-blocking, so a FIFO does not wait for a writer; then only a regular file is read.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        _require_regular(fd, os.fspath(path))
+        os.set_blocking(fd, True)
         size = os.fstat(f.fileno()).st_size
         length = parse_header_length(f.read(8), size)
         return parse_header(f.read(length), size)
+
+
+def _require_regular(fd: int, path: str) -> None:
+    """OSError(EINVAL) naming ``path`` unless ``fd`` is a regular file."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    kind = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a file"
+    )
+    raise OSError(errno.EINVAL, f"not a regular file ({kind}); checkpoints are files", path)
 
 
 def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -264,15 +303,18 @@ def run(args: argparse.Namespace) -> int:
 def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
     """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
     the other paths."""
-    from fastckpt.integrations import dcp
+    from fastckpt.integrations.dcp import describe_dcp, format_dcp, is_dcp_checkpoint
 
+    allow_pickle = getattr(args, "allow_pickle", False)
     others = []
     for target in args.paths:
-        if not dcp.is_dcp_checkpoint(target):
+        if not is_dcp_checkpoint(target):
             others.append(target)
             continue
-        info = dcp.describe_dcp(target)
+        if allow_pickle:
+            warn(f"--allow-pickle: {target}/.metadata is unpickled without limits")
+        info = describe_dcp(target, allow_pickle=allow_pickle)
         described.append(info)
         if not args.json:
-            print(dcp.format_dcp(info), flush=True)
+            print(format_dcp(info), flush=True)
     return others

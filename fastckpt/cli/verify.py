@@ -31,6 +31,7 @@ import os
 from typing import Any
 
 from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
+from fastckpt.cli.inspect import add_allow_pickle
 
 __all__ = ["Verdict", "add_parser", "run", "verify_file"]
 
@@ -71,6 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("paths", nargs="+", metavar="FILE|DIR", help="files or directories")
+    add_allow_pickle(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -79,10 +81,14 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -> Verdict:
+def verify_file(
+    path: str | os.PathLike[str], *, progress: bool | None = None, allow_pickle: bool = False
+) -> Verdict:
     """Checks one file: its header, then every tensor against its saved CRC32C.
 
-    ``progress`` shows a bar over the file's bytes (default: on a terminal).
+    ``progress`` shows a bar over the file's bytes (default: on a terminal). A DCP
+    checkpoint directory is checked as one checkpoint; its ``.metadata`` is unpickled
+    without limits only with ``allow_pickle=True`` (trusted checkpoints only).
 
     Example:
         >>> verify_file("/no/such.safetensors").status
@@ -98,7 +104,7 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
     if os.path.isdir(name) or (is_url(name) and is_dcp_checkpoint(name)):  # a DCP checkpoint
         from fastckpt.integrations.dcp import verify_dcp
 
-        return Verdict(*verify_dcp(name))
+        return Verdict(*verify_dcp(name, allow_pickle=allow_pickle))
     try:
         info = describe_file(path)  # validates the header without reading any data
     except HeaderError as exc:
@@ -171,9 +177,13 @@ def _check_structure(path: str | os.PathLike[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
+    from fastckpt.cli._common import warn
     from fastckpt.integrations.dcp import is_dcp_checkpoint
     from fastckpt.progress import progress_bar
 
+    allow_pickle = getattr(args, "allow_pickle", False)
+    if allow_pickle:
+        warn("--allow-pickle: DCP .metadata files are unpickled without limits")
     files = [
         f
         for target in args.paths
@@ -184,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
         len(files), "verifying", unit="file", enabled=None if len(files) > 1 else False
     ) as bar:
         for path in files:
-            verdict = verify_file(path, progress=None if len(files) == 1 else False)
+            verdict = verify_file(
+                path, progress=None if len(files) == 1 else False, allow_pickle=allow_pickle
+            )
             counts[verdict.status] = counts.get(verdict.status, 0) + 1
             writer = getattr(bar, "write", None)
             (writer or print)(str(verdict))

@@ -92,3 +92,14 @@ def test_tune_creates_its_directory_keeps_a_budget_and_says_why(tmp_path):
     assert "Time budget of 0 s spent after 1 of 4 configurations" in out.stdout
     assert "Why: " in out.stdout and "harmonic mean" in out.stdout
     assert "(created when missing)" in run_cli("tune", "--help").stdout
+
+
+def test_inspect_and_verify_refuse_a_fifo_at_once(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    for command in ("inspect", "verify"):
+        # Opening a FIFO for reading waits for a writer: a hang ends in TimeoutExpired here.
+        out = run_cli(command, fifo, timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "not a regular file" in out.stdout + out.stderr
+        assert str(fifo) in out.stdout + out.stderr

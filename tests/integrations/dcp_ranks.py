@@ -301,3 +301,66 @@ def s3_four_rank_loads(rank, world, base, options):
         assert f"{base}/damaged/__0_" in message, message
     else:
         raise AssertionError("a damaged piece was not detected")
+
+
+# -- commit safety: saves running at once, saves that fail -------------------------------------
+
+CONCURRENT_SAVES = 12
+
+
+def _saver_values(rank: int, step: int) -> dict:
+    return {"w": torch.full((4096,), float(rank * 1000 + step)), "who": [rank, step]}
+
+
+def concurrent_saves(rank, world, path):
+    """Every rank saves into the same directory at once, each as a one-process save of its
+    own: every save must succeed, and the directory must end holding one whole checkpoint."""
+    dist.barrier()  # start together, so the saves overlap
+    for step in range(CONCURRENT_SAVES):
+        writer = FastCkptWriter(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(_saver_values(rank, step), storage_writer=writer, no_dist=True)
+        writer.close()
+    dist.barrier()
+    from fastckpt.integrations.dcp import load_full
+
+    loaded = load_full(path)  # whichever save published last, whole
+    saver, step = loaded["who"]
+    assert torch.equal(loaded["w"], _saver_values(saver, step)["w"]), (saver, step)
+    dist.barrier()  # every rank has loaded before anything is replaced again
+
+
+def save_then_fail(rank, world, path):
+    """A 2-rank save over a committed checkpoint fails on rank 1: the old checkpoint stays
+    loadable and its files and ``.metadata`` unchanged."""
+    mesh = make_mesh(world)
+    dcp.save(make_state(mesh, 0), storage_writer=FastCkptWriter(path))
+    dist.barrier()
+    before = {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)}
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = f.read()
+    dist.barrier()
+    writer = FastCkptWriter(path)
+    try:
+        dcp.save(make_state(mesh, 1), storage_writer=writer, planner=RaiseMidSave())
+    except CheckpointException as exc:
+        assert set(exc.failures) == {1}, str(exc)
+    else:
+        raise AssertionError("the save with a failing rank did not fail")
+    dist.barrier()
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        assert f.read() == metadata
+    after = {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)}
+    assert all(after.get(n) == t for n, t in before.items()), (before, after)
+    state = empty_like_full(mesh, ROWS)
+    dcp.load(state, storage_reader=FastCkptReader(path))
+    check_loaded(state, version=0)
+    writer.close()
+
+
+def commit_cases(rank, world, base):
+    """The commit-safety cases in one set of processes: a failed save, then saves at once."""
+    save_then_fail(rank, world, base + "/failed")
+    dist.barrier()
+    concurrent_saves(rank, world, base + "/concurrent")
