@@ -11,6 +11,11 @@ system: saves timed until the data is durable (fsync), loads from a cold cache a
 every tensor has been touched. It prints a table of GB/s, CPU seconds and how many times
 faster fastckpt is.
 
+Cold reads drop the machine's page cache before each read when running as root;
+``--no-drop-caches`` leaves it alone (the output then says the figures may not be cold).
+``--folder`` creates its last component only, never missing parents. Every multi-word option
+has both spellings (``--io_size``, ``--io-size``).
+
 Example (shell)::
 
     $ fastckpt bench --folder /local_nvme --io_size 1G --read --loops 5

@@ -5,7 +5,11 @@ The options are those of DeepSpeed's ``ds_nvme_tune`` (same names), plus ``--eng
 each ``--nvme_dir`` (timed until fsync returns) and reads a prepared file back from a cold
 cache. The winner is saved with :func:`fastckpt.config.save_tuned`, keyed by the file
 system of each directory; from then on ``aio_handle()`` with no arguments and
-``save``/``load`` on that file system use it (explicit arguments still win).
+``save``/``load`` on that file system use it (explicit arguments still win). The entry
+records how much of the sweep was measured: a run that measured less (a ``--budget`` that
+ended the sweep early, a smaller ``--io_size``) does not replace it without ``--force``, and
+``--reset`` forgets it. Every multi-word option has both spellings (``--io_size``,
+``--io-size``).
 
 Example (shell)::
 
@@ -13,6 +17,7 @@ Example (shell)::
     Running fastckpt I/O tuning on ['/local_nvme'] ...
     Best performance (GB/sec): read = 3.69, write = 3.18
     ...
+    To undo: fastckpt tune --reset --nvme_dir /local_nvme ...
 
 Example (Python):
     >>> from fastckpt.cli import main
@@ -79,8 +84,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "overlap_events, writing and reading --io_size bytes in each --nvme_dir; prints the "
             "best read and write GB/s and the winning aio_handle configuration as JSON, and "
             "saves it for the file system of each directory (see fastckpt.config: "
-            "$FASTCKPT_CONFIG, else $XDG_CONFIG_HOME/fastckpt/tuned.json). Options follow "
-            "DeepSpeed's ds_nvme_tune."
+            "$FASTCKPT_CONFIG, else $XDG_CONFIG_HOME/fastckpt/tuned.json), with how much was "
+            "measured. A run that measured less than the entry saved there (a --budget that "
+            "ended the sweep, a smaller --io_size) does not replace it without --force; "
+            "--reset forgets it. Options follow DeepSpeed's ds_nvme_tune (either spelling: "
+            "--io_size or --io-size)."
         ),
     )
     parser.add_argument(
