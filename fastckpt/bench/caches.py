@@ -26,22 +26,26 @@ __all__ = ["PageCache", "drop_page_cache", "fsync_path", "make_durable", "warm_p
 class PageCache:
     """Drops the kernel's page cache before timed reads, where this process may.
 
-    Dropping needs root (writing ``/proc/sys/vm/drop_caches``). Where that is refused, the
-    clean pages of the files about to be read are still evicted with
+    Dropping needs root (writing ``/proc/sys/vm/drop_caches``). Where that is refused, or
+    ``allow_drop`` is False (``--no-drop-caches``: the whole machine's cache is not this
+    process's to empty), the clean pages of the files about to be read are still evicted with
     ``posix_fadvise(DONTNEED)`` (allowed to anyone), and fastckpt's engines read with
     O_DIRECT, which bypasses the cache on file systems that allow it.
 
+    Constructing one with ``allow_drop`` tries a first drop, to learn whether it may.
+
     Example:
-        >>> cache = PageCache()
-        >>> cache.can_drop in (True, False)
-        True
+        >>> cache = PageCache(allow_drop=False)
+        >>> cache.can_drop, cache.describe().startswith("page cache not dropped (--no-drop-caches)")
+        (False, True)
     """
 
     PATH = "/proc/sys/vm/drop_caches"
 
-    def __init__(self) -> None:
+    def __init__(self, *, allow_drop: bool = True) -> None:
         self.reason = ""
-        self.can_drop = self._try_drop()
+        self.opted_out = not allow_drop
+        self.can_drop = self._try_drop() if allow_drop else False
 
     def _try_drop(self) -> bool:
         try:
@@ -72,7 +76,13 @@ class PageCache:
     def describe(self) -> str:
         """One line for the output: how reads are kept cold."""
         if self.can_drop:
-            return "page cache dropped before every read (running as root)"
+            return f"page cache dropped before every read (running as root; {self.PATH})"
+        if self.opted_out:
+            return (
+                "page cache not dropped (--no-drop-caches): read figures are not cold where "
+                "data stays in memory; only O_DIRECT and posix_fadvise of the files read "
+                "keep them from the cache"
+            )
         return (
             f"page cache not dropped ({self.PATH}: {self.reason or 'not permitted'}; needs root): "
             "reads rely on O_DIRECT and posix_fadvise"

@@ -115,15 +115,18 @@ def compare(
     device: str = "cpu",
     check: Callable[[Row, Any, str], None] | None = None,
     advance: Callable[[], None] = lambda: None,
+    cache: PageCache | None = None,
 ) -> dict[str, Timings]:
     """Saves and loads ``state`` in ``folder`` with every row, ``loops`` times; the files are
     removed at the end.
 
     The rows take turns within each loop, so a drifting device treats all alike. ``check``
     (untimed) is given each row, what it loaded and its file; ``advance`` is called after
-    each row's turn (a progress bar).
+    each row's turn (a progress bar). ``cache`` keeps the disk regime's loads cold (default: a
+    :class:`PageCache` that drops the machine's cache where permitted).
     """
-    cache = PageCache()
+    if not memory and cache is None:
+        cache = PageCache()
     tag = f".fastckpt-bench-{os.getpid()}"
     paths = {name: os.path.join(folder, tag + suffix) for name, suffix, _, _ in LIBRARIES}
     timings = {row.name: Timings() for row in rows}
@@ -140,7 +143,7 @@ def compare(
                 load = LOADERS[row.loader].setup(path, device)
                 if memory:
                     warm_page_cache([path])
-                else:
+                elif cache is not None:
                     cache.drop([path])
                 wall, cpu = time.perf_counter(), time.process_time()
                 loaded = load()

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,10 +33,12 @@ __all__ = [
     "checkpoint_files",
     "engine_list_arg",
     "format_bytes",
+    "make_directory",
     "positive_int_arg",
     "require_cuda",
     "require_gds",
     "size_arg",
+    "spellings",
     "warn",
 ]
 
@@ -66,6 +69,26 @@ def warn(message: str) -> None:
 
 
 # ------------------------------------------------------------------------ argument types
+
+
+def spellings(*names: str) -> list[str]:
+    """Each option name with underscores and with hyphens, for ``add_argument``: tune and bench
+    keep DeepSpeed's ``--io_size`` while convert spells ``--to-dcp``, so both are accepted.
+
+    Example:
+        >>> spellings("--io_size", "--io_parallel")
+        ['--io_size', '--io-size', '--io_parallel', '--io-parallel']
+        >>> spellings("--no-drop-caches")
+        ['--no-drop-caches', '--no_drop_caches']
+    """
+    result: list[str] = []
+    for name in names:
+        body = name.lstrip("-")
+        dashes = name[: len(name) - len(body)]
+        for spelled in (name, dashes + body.replace("_", "-"), dashes + body.replace("-", "_")):
+            if spelled not in result:
+                result.append(spelled)
+    return result
 
 
 def size_arg(text: str) -> int:
@@ -176,6 +199,43 @@ def require_gds() -> None:
 
 
 # ------------------------------------------------------------------------ paths
+
+
+def make_directory(option: str, path: str) -> bool:
+    """Makes sure ``path`` is a directory, creating its last component only (as ``mkdir``
+    without ``-p``): a typo in a parent should fail, not grow a tree. Returns True when the
+    directory was created.
+
+    Raises:
+        CliError: (status 2) naming the missing parent, or ``path`` is not a directory, or
+            it cannot be created (with the system's reason).
+
+    Example:
+        >>> try:
+        ...     make_directory("--folder", "/no/such/parent/bench")
+        ... except CliError as err:
+        ...     print(err.status, err)  # doctest: +ELLIPSIS
+        2 --folder /no/such/parent/bench: the parent directory /no/such/parent does not exist; ...
+    """
+    if os.path.isdir(path):
+        return False
+    if os.path.lexists(path):
+        raise CliError(f"{option} {path}: not a directory", USAGE)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise CliError(
+            f"{option} {path}: the parent directory {parent} {what}; only the last component "
+            f"is created (create the parent first, e.g. mkdir -p {parent})",
+            USAGE,
+        )
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # made by someone else meanwhile; checked again by the caller
+        return False
+    except OSError as exc:
+        raise CliError(f"{option} {path}: cannot create it: {exc.strerror}", USAGE) from None
+    return True
 
 
 def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path | str]:

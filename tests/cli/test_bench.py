@@ -121,13 +121,74 @@ def test_bench_usage_errors(tmp_path, capsys):
     assert list(work.iterdir()) == []
 
 
-def test_bench_creates_a_missing_folder(tmp_path, capsys):
+def test_bench_creates_only_the_last_component_of_folder(tmp_path, capsys):
     from fastckpt.cli import main
 
-    folder = tmp_path / "new" / "demo"
+    folder = tmp_path / "demo"
     assert main(["bench", "--folder", str(folder), "--io_size", "1M", "--loops", "1"]) == 0
     assert folder.is_dir() and list(folder.iterdir()) == []
-    assert "GB/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"Created --folder {folder}" in out and "GB/s" in out
+
+    # A typo in a parent fails, naming it, instead of growing a tree.
+    typo = tmp_path / "tpyo"
+    for extra in ([], ["--checkpoint", "512K"]):
+        args = ["bench", "--folder", str(typo / "demo"), "--io_size", "1M", *extra]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"--folder {typo / 'demo'}: the parent directory {typo} does not exist" in err
+    assert not typo.exists()
+
+
+def test_bench_drops_the_page_cache_only_for_cold_reads_and_when_allowed(
+    tmp_path, capsys, monkeypatch
+):
+    from fastckpt.bench.caches import PageCache
+    from fastckpt.cli import main
+
+    # A stand-in for /proc/sys/vm/drop_caches: a real file, so the test empties no cache.
+    knob = tmp_path / "drop_caches"
+    knob.write_text("")
+    monkeypatch.setattr(PageCache, "PATH", str(knob))
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = ["bench", "--folder", str(work), "--io_size", "256K", "--loops", "1"]
+
+    assert main([*raw, "--read", "--no-drop-caches"]) == 0
+    out = capsys.readouterr().out
+    assert knob.read_text() == ""
+    assert "Cold reads: page cache not dropped (--no-drop-caches): read figures are not cold" in out
+    assert main([*raw, "--checkpoint", "512K", "--no_drop_caches"]) == 0
+    assert knob.read_text() == "" and "page cache not dropped (--no-drop-caches)" in (
+        capsys.readouterr().out
+    )
+    assert main(raw) == 0  # writes need no cold cache
+    assert knob.read_text() == ""
+    assert main([*raw, "--read"]) == 0
+    assert knob.read_text() == "3\n"
+    assert "Cold reads: page cache dropped before every read" in capsys.readouterr().out
+    assert list(work.iterdir()) == []
+
+
+def test_bench_accepts_hyphenated_options(tmp_path, capsys):
+    from fastckpt.cli import build_parser, main
+
+    parser = build_parser().commands["bench"]
+    names = {name for action in parser._actions for name in action.option_strings}
+    multi_word = {name for name in names if "_" in name or "-" in name[2:]}
+    assert "--io_parallel" in multi_word and "--no-drop-caches" in multi_word
+    for name in multi_word:
+        body = name[2:]
+        assert {"--" + body.replace("-", "_"), "--" + body.replace("_", "-")} <= names, name
+
+    args = ["--folder", tmp_path, "--io-size", "256K", "--loops", "1", "--block-size", "64K"]
+    args += ["--queue-depth", "4", "--io-parallel", "2", "--single-submit", "--overlap-events"]
+    args += ["false", "--engine", "threads"]
+    assert main(["bench", *map(str, args)]) == 0
+    assert (
+        '"block_size": 65536, "queue_depth": 4, "single_submit": true, "overlap_events": false, '
+        '"intra_op_parallelism": 2, "engine": "threads"'
+    ) in capsys.readouterr().out
 
 
 def test_synthetic_state_dict_is_llm_like():

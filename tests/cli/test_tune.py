@@ -274,7 +274,7 @@ def test_sweep_measures_then_confirms_and_stops_at_its_deadline(tmp_path):
 
 def test_tuned_file_keeps_the_format_config_reads(tmp_path):
     from fastckpt.cli.tune.sweep import Result
-    from fastckpt.cli.tune.tuned_file import save_gds_winner, save_winner
+    from fastckpt.cli.tune.tuned_file import Coverage, save_gds_winner, save_winner
     from fastckpt.config import load_tuned, resolve_io
 
     config = {
@@ -286,36 +286,214 @@ def test_tuned_file_keeps_the_format_config_reads(tmp_path):
         "engine": "threads",
     }
     winner = Result(config, read=[2.0, 3.0], write=[1.5])
-    saved = save_winner(
+    (outcome,) = save_winner(
         winner,
         [str(tmp_path), str(tmp_path / "missing")],
-        io_size=1 << 20,
+        Coverage(2, 3, 1 << 20),
         loops=1,
         gpu=True,
         cache_dropped=False,
         read=True,
         write=True,
     )
-    (key,) = saved
-    assert key == filesystem_key(tmp_path) and str(saved[key]) == os.environ["FASTCKPT_CONFIG"]
+    key = outcome.key
+    assert key == filesystem_key(tmp_path) and str(outcome.path) == os.environ["FASTCKPT_CONFIG"]
+    assert outcome.saved and not outcome.existed
     entry = load_tuned()[key]
     assert entry["config"] == config and set(entry) == {"config", "measured", "time"}
+    # How much was measured rides inside "measured", which config's readers pass over.
     assert entry["measured"] == {
         "io_size": 1 << 20,
         "loops": 1,
         "gpu": True,
         "dirs": [str(tmp_path), str(tmp_path / "missing")],
         "cold_reads": "o_direct",
+        "configurations_measured": 2,
+        "configurations_total": 3,
         "read_gbps": 2.5,
         "write_gbps": 1.5,
     }
     assert resolve_io(tmp_path, {}).queue_depth == 12
     save_gds_winner(
-        Result({"intra_op_parallelism": 4}, read=[9.0]), [str(tmp_path)], read=True, write=False
+        Result({"intra_op_parallelism": 4}, read=[9.0]),
+        [str(tmp_path)],
+        Coverage(1, 4, 1 << 20),
+        read=True,
+        write=False,
     )
     entry = load_tuned()[key]
     assert entry["config"] == config
     assert {k: v for k, v in entry["gds"].items() if k != "time"} == {
         "intra_op_parallelism": 4,
+        "configurations_measured": 1,
+        "configurations_total": 4,
+        "io_size": 1 << 20,
         "read_gbps": 9.0,
     }
+
+
+def test_an_entry_that_does_not_say_how_much_it_measured_gives_way_only_to_a_full_sweep(
+    tmp_path,
+):
+    """Entries written before the counts were recorded hold a full sweep as far as anyone
+    knows: a partial run keeps them, a complete one replaces them."""
+    from fastckpt.cli.tune.sweep import Result
+    from fastckpt.cli.tune.tuned_file import Coverage, save_winner
+    from fastckpt.config import load_tuned, save_tuned
+
+    key = filesystem_key(tmp_path)
+    save_tuned(key, {"queue_depth": 64}, {"io_size": 1 << 30, "read_gbps": 3.0})
+    winner = Result({"queue_depth": 8}, read=[1.0], write=[1.0])
+
+    def save(coverage):
+        kwargs = dict(loops=1, gpu=False, cache_dropped=False, read=True, write=True)
+        (outcome,) = save_winner(winner, [str(tmp_path)], coverage, **kwargs)
+        return outcome
+
+    kept = save(Coverage(2, 108, 1 << 20))
+    assert not kept.saved and kept.existed and kept.previous is None
+    assert load_tuned()[key]["config"] == {"queue_depth": 64}
+    assert save(Coverage(4, 4, 1 << 20)).saved
+    assert load_tuned()[key]["config"] == {"queue_depth": 8}
+
+
+# ---------------------------------------------------------------- what a first hour runs into
+
+
+def saved_entries() -> dict:
+    return json.loads(Path(os.environ["FASTCKPT_CONFIG"]).read_text())["filesystems"]
+
+
+def test_a_partial_tune_keeps_a_more_complete_entry_unless_forced(tmp_path, capsys, sweep_file):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    key, path = filesystem_key(nvme), os.environ["FASTCKPT_CONFIG"]
+    common = ["tune", "--nvme_dir", nvme, "--io_size", "256K", "--no-drop-caches"]
+    status, out, err = run_main(capsys, *common, "--sweep_config", sweep_file)
+    assert status == 0, err
+    assert f"saved for file system {key} in {path}: 2 of 2 configurations measured" in out
+    assert f"To undo: fastckpt tune --reset --nvme_dir {nvme}" in out
+    complete = saved_entries()[key]
+
+    # A budget that ends the sweep after its first configuration: 1 of 4 measured.
+    wider = tmp_path / "wider.json"
+    wider.write_text(json.dumps(dict(TINY_SWEEP, intra_op_parallelism=[1, 3])))
+    partial = [*common, "--sweep_config", wider, "--budget", "0.001"]
+    status, out, err = run_main(capsys, *partial)
+    assert status == 0, err
+    assert f"NOT saved for file system {key}" in out
+    assert "2 of 2 configurations measured" in out and "1 of 4 configurations measured" in out
+    assert "--force" in out and "To undo" not in out
+    assert saved_entries()[key] == complete
+
+    status, out, err = run_main(capsys, *partial, "--force")
+    assert status == 0, err
+    assert "replacing the previous entry" in out and "the sweep ended early" in out
+    measured = saved_entries()[key]["measured"]
+    assert (measured["configurations_measured"], measured["configurations_total"]) == (1, 4)
+
+    # The undo the output names.
+    status, out, err = run_main(capsys, "tune", "--reset", "--nvme_dir", nvme)
+    assert status == 0, err
+    assert f"Forgot the tuned entry of file system {key} in {path}" in out
+    assert key not in saved_entries()
+    status, out, _ = run_main(capsys, "tune", "--reset", "--nvme_dir", nvme)
+    assert status == 0 and "nothing to forget" in out
+
+
+def test_tune_creates_only_the_last_component_of_its_directories(tmp_path, capsys, sweep_file):
+    typo = tmp_path / "typo"
+    base = ["tune", "--io_size", "256K", "--sweep_config", sweep_file, "--no_read"]
+    status, _, err = run_main(capsys, *base, "--nvme_dir", typo / "nvme")
+    assert status == 2
+    assert f"the parent directory {typo} does not exist" in err
+    status, _, err = run_main(capsys, *base, "--nvme_dir", tmp_path, "--log_dir", typo / "logs")
+    assert status == 2 and f"--log_dir {typo / 'logs'}: the parent directory {typo}" in err
+    assert not typo.exists()
+
+    status, out, err = run_main(capsys, *base, "--nvme_dir", tmp_path / "nvme")
+    assert status == 0, err
+    assert f"Created --nvme_dir {tmp_path / 'nvme'}" in out and (tmp_path / "nvme").is_dir()
+
+
+def test_tune_drops_the_page_cache_only_for_reads_and_when_allowed(
+    tmp_path, capsys, monkeypatch, sweep_file
+):
+    from fastckpt.bench.caches import PageCache
+
+    # A stand-in for /proc/sys/vm/drop_caches: a real file, so the test empties no cache.
+    knob = tmp_path / "drop_caches"
+    knob.write_text("")
+    monkeypatch.setattr(PageCache, "PATH", str(knob))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["tune", "--nvme_dir", nvme, "--io_size", "256K", "--sweep_config", sweep_file]
+
+    status, out, err = run_main(capsys, *args, "--no_write", "--no-drop-caches")
+    assert status == 0, err
+    assert knob.read_text() == ""
+    assert "page cache not dropped (--no-drop-caches): read figures are not cold" in out
+    status, out, err = run_main(capsys, *args, "--no_read")  # writes need no cold cache
+    assert status == 0, err
+    assert knob.read_text() == ""
+    status, out, err = run_main(capsys, *args, "--no_write")
+    assert status == 0, err
+    assert knob.read_text() == "3\n" and "Cold reads: page cache dropped before every read" in out
+
+    status, _, err = run_main(capsys, *args, "--no-drop-caches", "--flush_page_cache")
+    assert status == 2 and "--no-drop-caches" in err
+
+
+def test_tune_runs_a_deepspeed_sweep_file_with_hyphenated_options(tmp_path, capsys):
+    # The keys of a ds_nvme_tune sweep file, with DeepSpeed's own names and values.
+    deepspeed_sweep = {
+        "block_size": ["64K"],
+        "queue_depth": [4],
+        "sequential_requests": [True],
+        "single_submit": [False],
+        "io_parallel": [2],
+        "handle": [True],
+    }
+    sweep = tmp_path / "ds_sweep.json"
+    sweep.write_text(json.dumps(deepspeed_sweep))
+    status, out, err = run_main(
+        capsys,
+        "tune",
+        "--nvme-dir",
+        tmp_path,
+        "--io-size",
+        "256K",
+        "--sweep-config",
+        sweep,
+        "--no-read",
+        "--engine",
+        "threads",
+        "--no-drop-caches",
+    )
+    assert status == 0, err
+    assert "Note: --sweep_config key 'handle' is not swept" in out
+    config = printed_config(out)
+    assert config["overlap_events"] is False  # sequential requests: no overlap
+    assert config["intra_op_parallelism"] == 2 and config["block_size"] == 65536
+
+    # Unknown keys are still refused, by name; so is one knob under two names.
+    for document, named in [
+        ({"num_threads": [1]}, "'num_threads'"),
+        ({"sequential_requests": [True], "overlap_events": [True]}, "'sequential_requests'"),
+        ({"io_parallel": [1], "intra_op_parallelism": [2]}, "'io_parallel'"),
+    ]:
+        sweep.write_text(json.dumps(document))
+        status, _, err = run_main(capsys, "tune", "--nvme_dir", tmp_path, "--sweep_config", sweep)
+        assert status == 2 and named in err
+
+
+def test_every_multi_word_tune_option_has_both_spellings():
+    from fastckpt.cli import build_parser
+
+    parser = build_parser().commands["tune"]
+    names = {name for action in parser._actions for name in action.option_strings}
+    multi_word = {name for name in names if "_" in name or "-" in name[2:]}
+    assert "--io_size" in multi_word and "--no-drop-caches" in multi_word
+    for name in multi_word:
+        body = name[2:]
+        assert {"--" + body.replace("-", "_"), "--" + body.replace("_", "-")} <= names, name

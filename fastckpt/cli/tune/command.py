@@ -5,7 +5,11 @@ The options are those of DeepSpeed's ``ds_nvme_tune`` (same names), plus ``--eng
 each ``--nvme_dir`` (timed until fsync returns) and reads a prepared file back from a cold
 cache. The winner is saved with :func:`fastckpt.config.save_tuned`, keyed by the file
 system of each directory; from then on ``aio_handle()`` with no arguments and
-``save``/``load`` on that file system use it (explicit arguments still win).
+``save``/``load`` on that file system use it (explicit arguments still win). The entry
+records how much of the sweep was measured: a run that measured less (a ``--budget`` that
+ended the sweep early, a smaller ``--io_size``) does not replace it without ``--force``, and
+``--reset`` forgets it. Every multi-word option has both spellings (``--io_size``,
+``--io-size``).
 
 Example (shell)::
 
@@ -13,6 +17,7 @@ Example (shell)::
     Running fastckpt I/O tuning on ['/local_nvme'] ...
     Best performance (GB/sec): read = 3.69, write = 3.18
     ...
+    To undo: fastckpt tune --reset --nvme_dir /local_nvme ...
 
 Example (Python):
     >>> from fastckpt.cli import main
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -40,10 +46,12 @@ from fastckpt.cli._common import (
     CliError,
     check_engines,
     engine_list_arg,
+    make_directory,
     positive_int_arg,
     require_cuda,
     require_gds,
     size_arg,
+    spellings,
 )
 from fastckpt.cli.tune.plot import plot_results, require_matplotlib
 from fastckpt.cli.tune.sweep import (
@@ -60,7 +68,7 @@ from fastckpt.cli.tune.sweep import (
     run_sweep,
 )
 from fastckpt.cli.tune.sweep_log import SweepLog
-from fastckpt.cli.tune.tuned_file import save_gds_winner, save_winner
+from fastckpt.cli.tune.tuned_file import Coverage, Outcome, forget, save_gds_winner, save_winner
 from fastckpt.progress import progress_bar
 
 __all__ = ["add_parser", "run", "why_winner"]
@@ -76,17 +84,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "overlap_events, writing and reading --io_size bytes in each --nvme_dir; prints the "
             "best read and write GB/s and the winning aio_handle configuration as JSON, and "
             "saves it for the file system of each directory (see fastckpt.config: "
-            "$FASTCKPT_CONFIG, else $XDG_CONFIG_HOME/fastckpt/tuned.json). Options follow "
-            "DeepSpeed's ds_nvme_tune."
+            "$FASTCKPT_CONFIG, else $XDG_CONFIG_HOME/fastckpt/tuned.json), with how much was "
+            "measured. A run that measured less than the entry saved there (a --budget that "
+            "ended the sweep, a smaller --io_size) does not replace it without --force; "
+            "--reset forgets it. Options follow DeepSpeed's ds_nvme_tune (either spelling: "
+            "--io_size or --io-size)."
         ),
     )
     parser.add_argument(
-        "--nvme_dir",
+        *spellings("--nvme_dir"),
+        dest="nvme_dir",
         nargs="+",
         required=True,
         metavar="NVME_DIR",
         help="directory (one or more) in which to perform the I/O tests; a writable "
-        "directory on the device to tune (created when missing)",
+        "directory on the device to tune (its last component is created when missing)",
     )
     parser.add_argument(
         "--budget",
@@ -102,16 +114,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"{QUICK_BUDGET:.0f} s unless given",
     )
     parser.add_argument(
-        "--sweep_config",
+        *spellings("--sweep_config"),
+        dest="sweep_config",
         metavar="FILE",
         help='JSON object of value lists per parameter, e.g. {"block_size": ["256K", '
         '"1M"], "queue_depth": [32], "overlap_events": [true]}; keys left out keep '
-        "the default lists",
+        "the default lists; DeepSpeed's ds_nvme_tune sweep files are accepted "
+        "(sequential_requests, io_parallel, ...)",
     )
-    parser.add_argument("--no_read", action="store_true", help="do not measure reads")
-    parser.add_argument("--no_write", action="store_true", help="do not measure writes")
     parser.add_argument(
-        "--io_size",
+        *spellings("--no_read"), dest="no_read", action="store_true", help="do not measure reads"
+    )
+    parser.add_argument(
+        *spellings("--no_write"),
+        dest="no_write",
+        action="store_true",
+        help="do not measure writes",
+    )
+    parser.add_argument(
+        *spellings("--io_size"),
+        dest="io_size",
         type=size_arg,
         default=size_arg("400M"),
         help="bytes read and written per directory and run, e.g. 400M, 1G (default 400M)",
@@ -123,13 +145,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--gds", action="store_true", help="sweep NVIDIA GPUDirect Storage (needs CUDA and cuFile)"
     )
     parser.add_argument(
-        "--flush_page_cache",
+        *spellings("--flush_page_cache"),
+        dest="flush_page_cache",
         action="store_true",
         help="insist on dropping the page cache before every read (needs root); "
         "without it the cache is dropped when permitted, else reads rely on O_DIRECT",
     )
     parser.add_argument(
-        "--log_dir",
+        *spellings("--no-drop-caches"),
+        dest="drop_caches",
+        action="store_false",
+        help="never drop the machine's page cache (by default it is dropped before every "
+        "read when running as root); reads then rely on O_DIRECT and posix_fadvise of the "
+        "files read, and the output says the figures may not be cold",
+    )
+    parser.add_argument(
+        "--force",
+        "--replace",
+        dest="replace",
+        action="store_true",
+        help="save the result even where the file system's tuned entry measured more "
+        "(more configurations, or as many with more bytes); without it such an entry is kept",
+    )
+    parser.add_argument(
+        "--reset",
+        action="store_true",
+        help="measure nothing: forget the tuned entries of the file systems of --nvme_dir, "
+        "so saves and loads there go back to the built-in defaults",
+    )
+    parser.add_argument(
+        *spellings("--log_dir"),
+        dest="log_dir",
         metavar="DIR",
         help="write one JSON line per measured configuration to a file in DIR",
     )
@@ -157,19 +203,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
-    if args.gds:
-        return ["gds"]
-    if args.engine:
-        return check_engines(name for group in args.engine for name in group)
-    from fastckpt.io.engines import ENGINE_NAMES, engines
-
-    info = engines()
-    return [name for name in ENGINE_NAMES if info[name].available]
-
-
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt tune`` with parsed arguments; returns the exit status."""
+    if args.reset:
+        return _reset(args.nvme_dir)
     if args.no_read and args.no_write:
         raise CliError("--no_read and --no_write leave nothing to measure", USAGE)
     if args.gds:
@@ -186,12 +223,15 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and not budget > 0:
         raise CliError(f"--budget {args.budget}: must be a positive number of seconds", USAGE)
     dirs = _check_dirs(args.nvme_dir, args.io_size)
-    cache = PageCache()
+    read, write = not args.no_read, not args.no_write
+    if args.flush_page_cache and not args.drop_caches:
+        raise CliError("--flush_page_cache and --no-drop-caches ask for opposite things", USAGE)
+    # Writes need no cold cache: the machine's cache is dropped only when reads are measured.
+    cache = PageCache(allow_drop=args.drop_caches and read)
     if args.flush_page_cache and not cache.can_drop:
         raise CliError(f"--flush_page_cache: cannot drop the page cache: {cache.describe()}", USAGE)
 
     configs = configurations(sweep)
-    read, write = not args.no_read, not args.no_write
     print(
         f"Running fastckpt I/O tuning on {dirs}: {len(configs)} configurations, "
         f"{format_bytes(args.io_size)} per directory, {args.loops} run(s) each, "
@@ -232,22 +272,24 @@ def run(args: argparse.Namespace) -> int:
     _report(good, winner, read, write, elapsed)
     if log is not None:
         print(f"Measurements logged to {log.path}")
+    coverage = Coverage(len(results), len(configs), args.io_size)
     if args.gds:
-        for key, path in save_gds_winner(winner, dirs, read=read, write=write).items():
-            print(f"Saved GPUDirect Storage figures for file system {key} in {path}")
+        outcomes = save_gds_winner(
+            winner, dirs, coverage, read=read, write=write, replace=args.replace
+        )
     else:
-        saved = save_winner(
+        outcomes = save_winner(
             winner,
             dirs,
-            io_size=args.io_size,
+            coverage,
             loops=args.loops,
             gpu=args.gpu,
             cache_dropped=cache.can_drop,
             read=read,
             write=write,
+            replace=args.replace,
         )
-        for key, path in saved.items():
-            print(f"Saved for file system {key} in {path}")
+    _print_outcomes(outcomes, coverage, dirs, gds=args.gds)
     if args.plot:
         plot_results(results, sweep, args.plot, read=read, write=write)
         print(f"Plot written to {args.plot}")
@@ -324,11 +366,7 @@ class _Shown:
 def _check_dirs(dirs: Sequence[str], io_size: int) -> list[str]:
     checked: list[str] = []
     for d in dirs:
-        if not os.path.exists(d):
-            try:
-                os.makedirs(d)
-            except OSError as exc:
-                raise CliError(f"--nvme_dir {d}: cannot create it: {exc.strerror}", USAGE) from None
+        if make_directory("--nvme_dir", d):
             print(f"Created --nvme_dir {d}", flush=True)
         if not os.path.isdir(d):
             raise CliError(f"--nvme_dir {d}: not a directory", USAGE)
@@ -405,3 +443,57 @@ def why_winner(winner: Result, best_read: Result | None, best_write: Result | No
             f"{best_write.score():.2f} because its read is {best_write.read_gbps:.2f} GB/s"
         )
     return text
+
+
+def _undo_command(dirs: Sequence[str]) -> str:
+    return "fastckpt tune --reset --nvme_dir " + " ".join(shlex.quote(d) for d in dirs)
+
+
+def _print_outcomes(
+    outcomes: Sequence[Outcome], coverage: Coverage, dirs: Sequence[str], *, gds: bool
+) -> None:
+    """Where each result went, or why it was not saved, and how to undo it."""
+    what = "GPUDirect Storage figures" if gds else "Tuned configuration"
+    for outcome in outcomes:
+        if outcome.saved:
+            replaced = " (replacing the previous entry)" if outcome.existed else ""
+            print(
+                f"{what} saved for file system {outcome.key} in {outcome.path}{replaced}: "
+                f"{coverage.describe()}; from now on the default of saves and loads there"
+            )
+        else:
+            before = outcome.previous.describe() if outcome.previous else "a complete sweep"
+            when = f", {outcome.previous_time}" if outcome.previous_time else ""
+            print(
+                f"NOT saved for file system {outcome.key}: its entry in {outcome.path} measured "
+                f"more ({before}{when}) than this run ({coverage.describe()}); it stays the "
+                "default there. Pass --force to replace it."
+            )
+    if not coverage.complete and any(o.saved for o in outcomes):
+        print(
+            f"Note: the sweep ended early ({coverage.describe()}): the configuration saved is "
+            "the best of those measured, not of the whole sweep"
+        )
+    if any(o.saved for o in outcomes):
+        keys = ", ".join(repr(o.key) for o in outcomes if o.saved)
+        print(
+            f'To undo: {_undo_command(dirs)} (or delete {keys} under "filesystems" in '
+            f"{outcomes[0].path})"
+        )
+
+
+def _reset(dirs: Sequence[str]) -> int:
+    """``--reset``: forgets the tuned entries of the file systems of ``dirs``."""
+    from fastckpt.config import filesystem_key
+
+    keys = list(dict.fromkeys(filesystem_key(d) for d in dirs))
+    try:
+        path, removed = forget(keys)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--reset: cannot rewrite the tuned configuration: {exc}") from None
+    for key in keys:
+        if key in removed:
+            print(f"Forgot the tuned entry of file system {key} in {path}")
+        else:
+            print(f"No tuned entry for file system {key} in {path}; nothing to forget")
+    return 0

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,8 +64,32 @@ PARAMETERS = (
     "overlap_events",
     "intra_op_parallelism",
 )
-_ALIASES = {"io_parallel": "intra_op_parallelism"}
 _BOOLEAN = ("single_submit", "overlap_events")
+
+# DeepSpeed's ds_nvme_tune sweep files name ds_io's options; each is read as fastckpt means it.
+_ALIASES = {"io_parallel": "intra_op_parallelism"}
+# sequential_requests: submit a batch only once the previous one completed, the opposite of
+# overlap_events (which keeps the queue full as requests complete).
+_INVERTED = {"sequential_requests": "overlap_events"}
+# ds_io options that a sweep file may carry and that tune sets otherwise, or has no use for:
+# accepted with a note, so that a DeepSpeed sweep file runs unchanged.
+_NOT_SWEPT = {
+    "handle": "tune always measures through an aio_handle",
+    "use_gds": "--gds sweeps GPUDirect Storage",
+    "gpu": "--gpu moves the data to and from GPU memory",
+    "io_size": "--io_size sets the bytes per run",
+    "loops": "--loops sets the runs per configuration",
+    "read": "reads and writes are both measured (--no_read, --no_write)",
+    "folder": "the directories are --nvme_dir",
+    "folder_to_device_mapping": "the directories are --nvme_dir",
+    "multi_process": "each directory is measured by one process's handle",
+    "validate": "tune does not check the bytes (fastckpt bench --validate does)",
+    "verbose": "--verbose prints every measurement",
+    "use_accelerator_pin_memory": "the buffers are always page-locked",
+    "slow_bounce_buffer": "GPU data always moves through page-locked buffers",
+    "torch_legacy_save": "tune measures raw I/O, not torch.save",
+    "fast_io_size": "tune measures raw I/O, not torch.save",
+}
 
 # The default sweep: 3 engines x 2 x 3 x 3 x 2 = 108 configurations, trimmed so that
 # `--io_size 1G` finishes in a few minutes (measured on a 2-core VM with a 2-3 GB/s disk:
@@ -213,24 +237,32 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def load_sweep_config(
-    path: str | os.PathLike[str], base: dict[str, list[Any]]
+    path: str | os.PathLike[str],
+    base: dict[str, list[Any]],
+    note: Callable[[str], None] = print,
 ) -> dict[str, list[Any]]:
     """Reads a ``--sweep_config`` file: a JSON object of value lists per parameter.
 
-    Keys are ``aio_handle``'s argument names (DeepSpeed's ``io_parallel`` is accepted for
-    ``intra_op_parallelism``); sizes may be strings such as ``"1M"``; a single value may
-    stand for a one-element list; keys left out keep their lists from ``base``.
+    Keys are ``aio_handle``'s argument names; sizes may be strings such as ``"1M"``; a
+    single value may stand for a one-element list; keys left out keep their lists from
+    ``base``. DeepSpeed's ``ds_nvme_tune`` sweep files are read too: ``io_parallel`` is
+    ``intra_op_parallelism``, ``sequential_requests`` is ``overlap_events`` negated, and the
+    ``ds_io`` options that tune sets otherwise (``handle``, ``loops``, ``use_gds``, ...) are
+    passed over, each with one line given to ``note``.
 
     Raises:
-        CliError: (status 2) unreadable file, unknown key, or bad value.
+        CliError: (status 2) unreadable file, unknown key (named), a knob given twice under
+            two names, or bad value.
 
     Example:
         >>> import json, tempfile
         >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        >>> json.dump({"block_size": ["64K", "1M"], "io_parallel": 2}, f); f.close()
-        >>> sweep = load_sweep_config(f.name, default_sweep(["threads"]))
-        >>> sweep["block_size"], sweep["intra_op_parallelism"]
-        ([65536, 1048576], [2])
+        >>> json.dump({"block_size": ["64K", "1M"], "io_parallel": 2,
+        ...            "sequential_requests": [True, False], "handle": [True]}, f); f.close()
+        >>> sweep = load_sweep_config(f.name, default_sweep(["threads"]))  # doctest: +ELLIPSIS
+        Note: --sweep_config key 'handle' is not swept: tune always measures through an aio_handle
+        >>> sweep["block_size"], sweep["intra_op_parallelism"], sweep["overlap_events"]
+        ([65536, 1048576], [2], [False, True])
     """
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -239,13 +271,26 @@ def load_sweep_config(
     if not isinstance(document, dict):
         raise CliError(f"--sweep_config {path}: expected a JSON object of value lists", USAGE)
     sweep = {key: list(values) for key, values in base.items()}
+    given: dict[str, str] = {}  # fastckpt's name -> the name the file used
     for raw_key, values in document.items():
-        key = _ALIASES.get(raw_key, raw_key)
+        if raw_key in _NOT_SWEPT:
+            note(f"Note: --sweep_config key {raw_key!r} is not swept: {_NOT_SWEPT[raw_key]}")
+            continue
+        key = _ALIASES.get(raw_key) or _INVERTED.get(raw_key) or raw_key
         if key not in sweep:
-            known = ", ".join(("engine",) + PARAMETERS)
+            known = ", ".join(("engine",) + PARAMETERS + tuple(_ALIASES) + tuple(_INVERTED))
             raise CliError(
-                f"--sweep_config {path}: unknown key {raw_key!r} (known: {known})", USAGE
+                f"--sweep_config {path}: unknown key {raw_key!r} (known: {known}; and "
+                f"DeepSpeed's ds_io options {', '.join(_NOT_SWEPT)}, which are not swept)",
+                USAGE,
             )
+        if key in given:
+            raise CliError(
+                f"--sweep_config {path}: {given[key]!r} and {raw_key!r} set the same knob "
+                f"({key}); give one",
+                USAGE,
+            )
+        given[key] = raw_key
         if not isinstance(values, list):
             values = [values]
         if not values:
@@ -253,7 +298,10 @@ def load_sweep_config(
         try:
             coerced = [_coerce(key, value) for value in values]
         except ValueError as exc:
-            raise CliError(f"--sweep_config {path}: {exc}", USAGE) from None
+            named = "" if raw_key == key else f"{raw_key}: "
+            raise CliError(f"--sweep_config {path}: {named}{exc}", USAGE) from None
+        if raw_key in _INVERTED:
+            coerced = [not value for value in coerced]
         sweep[key] = list(dict.fromkeys(coerced))  # drop repeats, keep order
     return sweep
 

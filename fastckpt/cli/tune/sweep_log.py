@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from fastckpt.cli._common import USAGE, CliError
+from fastckpt.cli._common import USAGE, CliError, make_directory
 from fastckpt.cli.tune.sweep import Result
 
 __all__ = ["SweepLog"]
@@ -34,13 +34,14 @@ class SweepLog:
 
     @classmethod
     def open(cls, log_dir: str, *, dirs: Sequence[str], io_size: int) -> SweepLog:
-        """A new file in ``log_dir`` (created when missing), named by the time and process.
+        """A new file in ``log_dir`` (its last component created when missing), named by the
+        time and process.
 
         Raises:
             CliError: (status 2) the directory or file cannot be created.
         """
+        make_directory("--log_dir", log_dir)
         try:
-            os.makedirs(log_dir, exist_ok=True)
             name = time.strftime("tune-%Y%m%d-%H%M%S") + f"-{os.getpid()}.jsonl"
             return cls(open(os.path.join(log_dir, name), "w", encoding="utf-8"), dirs, io_size)
         except OSError as exc:
