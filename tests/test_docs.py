@@ -261,6 +261,15 @@ def test_schema_names_the_codes_dtypes_and_keys():
     assert extra["format_version"] == schema.FORMAT_VERSION
 
 
+def test_the_test_extra_installs_jsonschema():
+    """The schema tests skip without jsonschema, so CI's ``.[test]`` install must bring it."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    test_extra = pyproject["project"]["optional-dependencies"]["test"]
+    names = {re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0] for requirement in test_extra}
+    assert "jsonschema" in names
+
+
 def _header_of(path: Path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -343,6 +352,6 @@ def test_the_distribution_name_is_free_and_said_in_the_readme():
     assert f"**`{name}`**" in (ROOT / "README.md").read_text(encoding="utf-8")
     assert project["scripts"]["fastckpt"] == "fastckpt.cli:main"  # the command keeps its name
 
-    from fastckpt.cli import measure
+    from fastckpt.bench import report
 
-    assert name in measure.machine()["versions"]
+    assert name in report.machine()["versions"]
