@@ -1,9 +1,12 @@
 """The ``fastckpt`` command line: ``tune``, ``bench``, ``inspect``, ``convert``, ``verify``.
 
 Run as the ``fastckpt`` console script or ``python -m fastckpt``; ``--help`` on any command
-lists its options. Exit statuses: 0 success, 1 failure (or damage found), 2 usage errors
-(including what this machine cannot do, such as ``--gpu`` without CUDA). Progress bars go
-to stderr, only on a terminal and only without ``FASTCKPT_NO_PROGRESS``.
+lists its options. Exit statuses: 0 success, 1 failure (damage found, a file refused or
+unreadable), 2 usage and input errors (a missing path, an existing output without
+``--force``, a file of the wrong kind such as a torch.save file given to ``verify``, and what
+this machine cannot do, such as ``--gpu`` without CUDA). Progress bars go to stderr, only on
+a terminal and only without ``FASTCKPT_NO_PROGRESS``. Options with two words are spelled
+with ``-`` or ``_`` alike (``--allow-pickle`` or ``--allow_pickle``).
 
 Example:
     >>> from fastckpt.cli import main

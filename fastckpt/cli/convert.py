@@ -2,7 +2,8 @@
 
 - SRC a torch file (``.pt``/``.pth``/``.bin``, zip or legacy format) is loaded with
   ``torch.load(weights_only=True)``, which refuses arbitrary pickled objects;
-  ``--allow-pickle`` lifts that (with a warning: unpickling runs code from the file).
+  ``--allow-pickle`` lifts that (with a warning: unpickling runs code from the file) and,
+  as ``python -m`` does, lets the classes it names be imported from the working directory.
 - SRC a safetensors or fastckpt file is read with ``fastckpt.load`` (nested objects come
   back as saved); its metadata is kept.
 - DST ending in ``.pt``, ``.pth`` or ``.bin`` is written with ``torch.save``; any other name
@@ -17,6 +18,11 @@
 DST is written atomically (a temporary file renamed over it) and never overwritten
 unless ``--force`` is given.
 
+Exit status: 0 converted; 1 SRC is damaged, holds objects refused without
+``--allow-pickle``, or DST could not be written; 2 on usage and input errors (no such SRC,
+SRC not a checkpoint, DST exists without ``--force``, a module the pickle names cannot be
+imported). Options with two words take ``-`` or ``_`` (``--allow-pickle``, ``--allow_pickle``).
+
 Example (shell)::
 
     $ fastckpt convert pytorch_model.bin model.safetensors
@@ -30,11 +36,13 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
 
-from fastckpt.cli._common import FAILURE, USAGE, CliError, format_bytes, warn
+from fastckpt.cli._common import USAGE, CliError, format_bytes, warn
+from fastckpt.cli.unpickling import trusted_unpickling
 
 __all__ = ["TORCH_SUFFIXES", "add_parser", "run", "source_kind"]
 
@@ -53,12 +61,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "layout (safetensors-compatible, aligned for direct I/O, with CRC32C checksums). "
             "Metadata is kept. Torch files are loaded with weights_only=True."
         ),
+        epilog="exit status: 0 converted; 1 SRC is damaged, holds objects refused without "
+        "--allow-pickle, or DST could not be written; 2 usage and input errors: no such SRC, "
+        "SRC not a torch.save/safetensors file or DCP directory, DST exists without --force, "
+        "a module the pickle names cannot be imported. Options with two words take - or _ "
+        "(--to-dcp, --to_dcp, --allow-pickle, --allow_pickle).",
     )
     parser.add_argument("src", metavar="SRC", help="the file to convert")
     parser.add_argument("dst", metavar="DST", help="the file to write")
     parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     parser.add_argument(
         "--to-dcp",
+        "--to_dcp",
         dest="to_dcp",
         action="store_true",
         help="write DST as a torch.distributed.checkpoint directory (fastckpt files, loadable "
@@ -67,12 +81,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--allow-pickle",
+        "--allow_pickle",
         dest="allow_pickle",
         action="store_true",
         help="load torch files with weights_only=False and keep arbitrary Python "
         "objects (pickled into the fastckpt metadata); for a DCP checkpoint, unpickle its "
         ".metadata and non-tensor values without limits. Unpickling runs code from "
-        "the file: only for files you trust",
+        "the file: only for files you trust. The classes it names are imported from the "
+        "working directory too, as with `python -m fastckpt`",
     )
     parser.set_defaults(run=run)
     return parser
@@ -112,7 +128,8 @@ def _check_torch_magic(src: str) -> None:
         return
     raise CliError(
         f"{src}: not a torch.save or safetensors file (it starts with {head!r}); "
-        "convert reads torch.save (.pt/.bin) and safetensors files"
+        "convert reads torch.save (.pt/.bin) and safetensors files",
+        USAGE,
     )
 
 
@@ -130,16 +147,33 @@ def _load_torch(src: str, allow_pickle: bool) -> Any:
     try:
         return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CliError(
-            f"{src}: refused to unpickle objects other than tensors and plain containers "
-            f"({first}); if you trust the file, pass --allow-pickle"
-        ) from None
+        raise CliError(_refusal_message(src, str(exc))) from None
     except (RuntimeError, KeyError, ValueError, EOFError, IndexError) as exc:
         # torch.load's own messages for damaged files; some are as bare as "KeyError: 101"
         raise CliError(
             f"{src}: not a readable torch or safetensors file ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def _refusal_message(src: str, torch_message: str) -> str:
+    """fastckpt's one line for torch's weights_only refusal (a page of advice with terminal
+    escape codes), naming the refused class when torch's message does.
+
+    Example:
+        >>> print(_refusal_message("a.pt", "Weights only load failed...\x1b[1mdo\x1b[0m "
+        ...     "Unsupported global: GLOBAL mymod.Box was not an allowed global by default."))
+        a.pt: holds mymod.Box, an object other than tensors and plain containers, which is not unpickled by default (unpickling runs code from the file); if you trust the file, pass --allow-pickle
+    """
+    found = re.search(r"GLOBAL ([\w.]+)", torch_message)
+    what = (
+        f"holds {found.group(1)}, an object other than tensors and plain containers,"
+        if found
+        else "holds objects other than tensors and plain containers,"
+    )
+    return (
+        f"{src}: {what} which is not unpickled by default (unpickling runs code from the "
+        "file); if you trust the file, pass --allow-pickle"
+    )
 
 
 def _user_metadata(src: str) -> dict[str, str]:
@@ -230,7 +264,7 @@ def _check_destination(src: str, dst: str, force: bool) -> None:
             raise CliError("SRC and DST are the same file", USAGE)
         fs, path = url_to_fs(dst)
         if not force and fs.exists(path):
-            raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+            raise CliError(f"{dst} exists; pass --force to overwrite it", USAGE)
         return
     if os.path.isdir(dst):
         raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
@@ -238,7 +272,7 @@ def _check_destination(src: str, dst: str, force: bool) -> None:
         if not is_url(src) and os.path.samefile(src, dst):
             raise CliError("SRC and DST are the same file", USAGE)
         if not force:
-            raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+            raise CliError(f"{dst} exists; pass --force to overwrite it", USAGE)
     if not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
         raise CliError(f"the directory of {dst} does not exist", USAGE)
 
@@ -251,12 +285,18 @@ def _url_kind(src: str) -> str:
     try:
         read_header(src)
     except HeaderError as exc:
-        raise CliError(f"{src}: only safetensors files are read from URLs ({exc})") from None
+        raise CliError(f"{src}: only safetensors files are read from URLs ({exc})", USAGE) from None
     return "safetensors"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt convert``; 1 when DST exists without ``--force`` or the source is refused."""
+    """Runs ``fastckpt convert``; 1 when the source is damaged or refused, 2 on usage and
+    input errors (DST exists without ``--force``, no such SRC)."""
+    with trusted_unpickling(args.allow_pickle, args.src):
+        return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     import fastckpt
     from fastckpt.integrations.remote import is_url
 
@@ -326,7 +366,7 @@ def _convert_dcp(args: argparse.Namespace) -> bool:
     else:
         exists = os.path.exists(dst)
     if exists and not args.force:
-        raise CliError(f"{dst} exists; pass --force to overwrite it", FAILURE)
+        raise CliError(f"{dst} exists; pass --force to overwrite it", USAGE)
     started = time.perf_counter()
     if to_dcp:
         if not is_url(src) and not os.path.isfile(src):

@@ -3,10 +3,16 @@
 For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
 the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
 CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file).
-A directory means every ``*.safetensors`` file directly inside it, except a
+A directory means every safetensors/fastckpt file directly inside it, whatever its suffix
+(Lightning's ``.ckpt`` files written by ``fastckpt.lightning`` included; the kind is read from
+the first bytes, and the other files are listed on stderr as skipped), except a
 torch.distributed.checkpoint directory (one holding ``.metadata``), which is described as one
 checkpoint: its keys, dtypes, global shapes, chunk counts and files. ``--json`` prints a
 JSON list with one object per file instead. Only headers are read, never tensor data.
+
+Exit status: 0 every file was described; 1 a file is damaged or unreadable; 2 on usage and
+input errors (no such path, a directory without fastckpt/safetensors files, a torch.save
+file named on the command line) when no file is damaged.
 
 Example (shell)::
 
@@ -34,12 +40,29 @@ import os
 import stat
 from typing import Any
 
-from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes, warn
+from fastckpt.cli._common import FAILURE, USAGE, format_bytes, warn
 from fastckpt.format import DEFAULT_ALIGNMENT
 
-__all__ = ["add_parser", "describe_file", "offset_alignment", "printable", "read_header", "run"]
+__all__ = [
+    "EXIT_STATUS_HELP",
+    "add_allow_pickle",
+    "add_parser",
+    "describe_file",
+    "offset_alignment",
+    "printable",
+    "read_header",
+    "run",
+]
 
 _MAX_ALIGNMENT = DEFAULT_ALIGNMENT
+
+#: The end of the exit-status epilog that ``inspect`` and ``verify`` share.
+EXIT_STATUS_HELP = (
+    "2 usage and input errors when nothing is damaged: no such path, a directory without "
+    "fastckpt/safetensors files, a torch.save file named on the command line (convert it "
+    "with `fastckpt convert`). Options with two words take - or _ (--allow-pickle, "
+    "--allow_pickle)."
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,10 +73,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Prints a table of the tensors of a safetensors/fastckpt file (name, dtype, shape, "
             "bytes, file offset, alignment of the offset), the totals, the user metadata and "
-            "whether checksums are present. A directory means every *.safetensors file in it; a "
-            "torch.distributed.checkpoint directory is described as one checkpoint. "
-            "Exit status 1 when a file is not a valid safetensors file."
+            "whether checksums are present. A directory means every safetensors/fastckpt file "
+            "directly in it, whatever its suffix (such as Lightning .ckpt files written by "
+            "fastckpt.lightning); the other files there are listed as skipped. A "
+            "torch.distributed.checkpoint directory is described as one checkpoint."
         ),
+        epilog="exit status: 0 every file was described; 1 a file is damaged or unreadable; "
+        + EXIT_STATUS_HELP,
     )
     parser.add_argument("paths", nargs="+", metavar="FILE|DIR", help="files or directories")
     parser.add_argument(
@@ -68,11 +94,13 @@ def add_allow_pickle(parser: argparse.ArgumentParser) -> None:
     """``--allow-pickle`` of the commands that read a DCP checkpoint's ``.metadata``."""
     parser.add_argument(
         "--allow-pickle",
+        "--allow_pickle",
         dest="allow_pickle",
         action="store_true",
         help="unpickle a DCP checkpoint's .metadata without limits (by default only DCP's "
         "metadata classes are admitted). Unpickling runs code from the file: only for "
-        "checkpoints you trust",
+        "checkpoints you trust. Modules in the working directory can be imported, as with "
+        "`python -m`",
     )
 
 
@@ -269,14 +297,35 @@ def _print_file(info: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt inspect``; exit status 1 when any file could not be read."""
+    """Runs ``fastckpt inspect``; exit status 1 when any file could not be read, else 2 when
+    a file named was a torch.save file."""
+    from fastckpt.cli.unpickling import trusted_unpickling
+
+    with trusted_unpickling(getattr(args, "allow_pickle", False)):
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fastckpt.cli.file_kinds import checkpoint_targets, skipped_summary
     from fastckpt.errors import HeaderError
 
     status = 0
     described: list[dict[str, Any]] = []
     targets = _inspect_dcp_dirs(args, described)
-    files = [f for target in targets for f in checkpoint_files(target)]
+    files: list[Any] = []
+    for target in targets:
+        found, listing = checkpoint_targets(target)
+        files.extend(found)
+        if listing is not None and listing.skipped:
+            warn(skipped_summary(listing))
     for n, path in enumerate(files):
+        torch_file = _torch_file_message(path)
+        if torch_file is not None:
+            status = status or USAGE
+            described.append({"path": os.fspath(path), "error": torch_file})
+            if not args.json:
+                print(f"{printable(os.fspath(path))}: {printable(torch_file)}", flush=True)
+            continue
         try:
             info = describe_file(path)
         except (HeaderError, OSError) as exc:
@@ -298,6 +347,25 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(described, indent=2))
     return status
+
+
+def _torch_file_message(path: Any) -> str | None:
+    """What to say of a local torch.save file, or None for any other file."""
+    from fastckpt.cli.file_kinds import sniff
+    from fastckpt.integrations.remote import is_url
+
+    if is_url(path) or not os.path.isfile(path):
+        return None
+    try:
+        kind = sniff(path)
+    except OSError:
+        return None  # describe_file reports it
+    if kind.kind != "torch":
+        return None
+    return (
+        f"{kind.description}, not a fastckpt/safetensors file; "
+        f"`fastckpt convert {os.fspath(path)} OUT.safetensors` writes a fastckpt copy"
+    )
 
 
 def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:

@@ -7,14 +7,22 @@ Each file is reported as one of:
   and every tensor matches the checksum saved with it;
 - ``DAMAGED``: the header is malformed, or the named tensors do not match their checksums;
 - ``UNVERIFIABLE``: the file has no checksums (written with ``checksum=False`` or by another
-  library) — which is not the same as intact; ``fastckpt convert`` can add them.
+  library) — which is not the same as intact; ``fastckpt convert`` can add them;
+- ``NOT CHECKED``: a file named on the command line is a torch.save file, not a
+  fastckpt/safetensors file (``fastckpt convert`` writes a fastckpt copy that can be checked).
+
+A directory means every fastckpt/safetensors file directly inside it, whatever its suffix
+(Lightning's ``.ckpt`` files written by ``fastckpt.lightning`` included): the kind is read from
+each file's first bytes. The other files there (torch.save files, notes) are listed on stderr
+as skipped and do not change the exit status.
 
 A torch.distributed.checkpoint directory (one holding ``.metadata``) is checked as one
 checkpoint: its metadata, that every file and tensor it names exists, and every CRC32C (DCP's
 own ``FileSystemWriter`` format has no checksums: ``UNVERIFIABLE``).
 
 Exit status: 0 when every file is OK, 1 when any is damaged, unverifiable or unreadable,
-2 on usage errors (no such path, no ``*.safetensors`` files in a directory).
+2 on usage and input errors (no such path, a directory without fastckpt/safetensors files,
+a torch.save file named on the command line) when nothing is damaged.
 
 Example (shell)::
 
@@ -30,17 +38,21 @@ import argparse
 import os
 from typing import Any
 
-from fastckpt.cli._common import FAILURE, checkpoint_files, format_bytes
-from fastckpt.cli.inspect import add_allow_pickle
+from fastckpt.cli._common import FAILURE, USAGE, format_bytes
+from fastckpt.cli.file_kinds import checkpoint_targets, skipped_summary, sniff
+from fastckpt.cli.inspect import EXIT_STATUS_HELP, add_allow_pickle
+from fastckpt.cli.unpickling import trusted_unpickling
 
 __all__ = ["Verdict", "add_parser", "run", "verify_file"]
 
 OK, DAMAGED, UNVERIFIABLE, UNREADABLE = "OK", "DAMAGED", "UNVERIFIABLE", "ERROR"
+#: A file of another kind (a torch.save file): nothing to verify, and not damage either.
+NOT_CHECKED = "NOT CHECKED"
 
 
 class Verdict:
     """What :func:`verify_file` found: a ``status`` (``OK``, ``DAMAGED``, ``UNVERIFIABLE``,
-    ``ERROR``), a one-line ``detail`` and the ``damaged`` tensor names.
+    ``ERROR``, ``NOT CHECKED``), a one-line ``detail`` and the ``damaged`` tensor names.
 
     Example:
         >>> v = Verdict("OK", "3 tensors")
@@ -65,11 +77,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "verify",
         help="check the headers and CRC32C checksums of checkpoint files",
         description=(
-            "Checks the header and every tensor's CRC32C of safetensors/fastckpt files (a "
-            "directory means every *.safetensors file in it). Exit status 0 when all are intact, "
-            "1 when any is damaged (the damaged tensors are named) or cannot be verified (files "
-            "without checksums are reported as UNVERIFIABLE, not as intact), 2 on usage errors."
+            "Checks the header and every tensor's CRC32C of safetensors/fastckpt files. A "
+            "directory means every safetensors/fastckpt file directly in it, whatever its suffix "
+            "(such as Lightning .ckpt files written by fastckpt.lightning); the other files there "
+            "are listed as skipped. Files without checksums are reported as UNVERIFIABLE, not as "
+            "intact; a torch.save file as NOT CHECKED (`fastckpt convert` writes a fastckpt copy)."
         ),
+        epilog="exit status: 0 every file is intact; 1 a file is damaged (the damaged tensors "
+        "are named), unverifiable or unreadable; " + EXIT_STATUS_HELP,
     )
     parser.add_argument("paths", nargs="+", metavar="FILE|DIR", help="files or directories")
     add_allow_pickle(parser)
@@ -105,6 +120,18 @@ def verify_file(
         from fastckpt.integrations.dcp import verify_dcp
 
         return Verdict(*verify_dcp(name, allow_pickle=allow_pickle))
+    if not is_url(name) and os.path.isfile(name):
+        try:
+            kind = sniff(name)
+        except OSError as exc:
+            return Verdict(UNREADABLE, f"{name}: {exc.strerror or exc}")
+        if kind.kind == "torch":
+            return Verdict(
+                NOT_CHECKED,
+                f"{name}: {kind.description}, not a fastckpt/safetensors file, so it has no "
+                f"checksums to verify; `fastckpt convert {name} OUT.safetensors` writes a "
+                "fastckpt copy that can be verified",
+            )
     try:
         info = describe_file(path)  # validates the header without reading any data
     except HeaderError as exc:
@@ -176,19 +203,41 @@ def _check_structure(path: str | os.PathLike[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt verify``; returns 0 only when every file is intact."""
+    """Runs ``fastckpt verify``; returns 0 only when every file is intact, 1 when any is not,
+    else 2 when a file named was not a fastckpt/safetensors file."""
     from fastckpt.cli._common import warn
     from fastckpt.integrations.dcp import is_dcp_checkpoint
-    from fastckpt.progress import progress_bar
 
     allow_pickle = getattr(args, "allow_pickle", False)
     if allow_pickle:
         warn("--allow-pickle: DCP .metadata files are unpickled without limits")
-    files = [
-        f
-        for target in args.paths
-        for f in ([target] if is_dcp_checkpoint(target) else checkpoint_files(target))
-    ]
+    files: list[Any] = []
+    for target in args.paths:
+        if is_dcp_checkpoint(target):
+            files.append(target)
+            continue
+        found, listing = checkpoint_targets(target)
+        files.extend(found)
+        if listing is not None and listing.skipped:
+            warn(skipped_summary(listing))
+    with trusted_unpickling(allow_pickle):
+        counts = _verify_all(files, allow_pickle)
+    if len(files) > 1:
+        parts = [
+            f"{counts[s]} {s.lower() if s != OK else s}"
+            for s in (OK, DAMAGED, UNVERIFIABLE, UNREADABLE, NOT_CHECKED)
+            if counts.get(s)
+        ]
+        print(f"{len(files)} files: {', '.join(parts)}")
+    if counts.get(OK, 0) + counts.get(NOT_CHECKED, 0) < len(files):
+        return FAILURE
+    return USAGE if counts.get(NOT_CHECKED) else 0
+
+
+def _verify_all(files: list[Any], allow_pickle: bool) -> dict[str, int]:
+    """Verifies and reports each file; returns how many got each status."""
+    from fastckpt.progress import progress_bar
+
     counts: dict[str, int] = {}
     with progress_bar(
         len(files), "verifying", unit="file", enabled=None if len(files) > 1 else False
@@ -201,11 +250,4 @@ def run(args: argparse.Namespace) -> int:
             writer = getattr(bar, "write", None)
             (writer or print)(str(verdict))
             bar.update(1)
-    if len(files) > 1:
-        parts = [
-            f"{counts[s]} {s.lower() if s != OK else s}"
-            for s in (OK, DAMAGED, UNVERIFIABLE, UNREADABLE)
-            if counts.get(s)
-        ]
-        print(f"{len(files)} files: {', '.join(parts)}")
-    return 0 if counts.get(OK, 0) == len(files) else FAILURE
+    return counts

@@ -232,7 +232,7 @@ def test_convert_refuses_to_overwrite(tmp_path, capsys, ckpt):
     dst = tmp_path / "out.pt"
     dst.write_bytes(b"precious")
     status, _, err = run_main(capsys, "convert", ckpt, dst)
-    assert status == 1
+    assert status == 2
     assert "--force" in err
     assert dst.read_bytes() == b"precious"
     status, _, err = run_main(capsys, "convert", ckpt, dst, "--force")
