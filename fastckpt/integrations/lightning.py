@@ -69,6 +69,7 @@ import torch
 from fastckpt.checkpoint import config_objects, tree
 from fastckpt.checkpoint.asynchronous import SaveFuture, async_save
 from fastckpt.checkpoint.load import load as load_fastckpt
+from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.save import save as save_fastckpt
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
@@ -98,6 +99,14 @@ __all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_che
 
 #: Where a checkpoint's tensors are named by their own keys rather than by their paths.
 _WEIGHTS = ("state_dict",)
+#: Metadata of the layout before checkpoints went through the tree alone (a type table,
+#: and the JSON of a weights-only checkpoint): refused rather than misread.
+_EARLIER_LAYOUT_KEYS = (
+    "lightning.types",
+    "lightning.checkpoint",
+    "lightning.state_dict_keys",
+    "lightning.state_dict_metadata",
+)
 
 
 def _flatten(checkpoint: dict[str, Any], path: str, allow_pickle: bool) -> tree.Flat:
@@ -205,6 +214,14 @@ def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, 
         # Onto the CPU unless told otherwise, as TorchCheckpointIO's own default does.
         cpu = map_location if map_location is not None else (lambda storage, loc: storage)
         return TorchCheckpointIO().load_checkpoint(path, cpu, weights_only=weights_only)
+    with open_checkpoint(path) as reader:
+        earlier = sorted(set(reader.metadata()) & set(_EARLIER_LAYOUT_KEYS))
+    if earlier:
+        raise HeaderError(
+            f"{path} holds Lightning metadata of an earlier fastckpt layout ({', '.join(earlier)}), "
+            "which this version does not read: load it with the version that wrote it and "
+            "save it again"
+        )
     checkpoint = load_fastckpt(path, map_location, weights_only=weights_only is not False)
     if not isinstance(checkpoint, dict):
         raise HeaderError(
