@@ -423,6 +423,18 @@ class AsyncFastCkptIO(FastCkptIO):
         self._latest.clear()
         self._raise_failures()
 
+    def in_flight(self, path: Any) -> bool:
+        """Whether a save to ``path`` is still being written: the file is not there yet,
+        but a checkpoint is on its way to that name.
+
+        Example:
+            >>> from fastckpt.lightning import AsyncFastCkptIO
+            >>> AsyncFastCkptIO().in_flight("/tmp/none.ckpt")
+            False
+        """
+        future = self._latest.get(os.fspath(path))
+        return future is not None and not future.done()
+
     def wait(self) -> None:
         """Waits for every save and pending deletion, like :meth:`teardown`.
 
@@ -521,6 +533,19 @@ class FastCkptCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self.asynchronous = asynchronous
         self.allow_pickle = allow_pickle
+
+    def file_exists(self, filepath: Any, trainer: pl.Trainer) -> bool:
+        """Whether ``filepath`` is taken: on disk, or the name of a save still in flight.
+
+        ``ModelCheckpoint`` picks a new name (``-v1``, ``-v2``...) only for a name taken; a
+        background save has not renamed its file into place yet, and would otherwise be
+        overwritten by the next checkpoint given the same name.
+        """
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncFastCkptIO) and io.in_flight(filepath):
+            # Only the rank that saves knows; the reduction is the one every rank makes.
+            return trainer.strategy.reduce_boolean_decision(True, all=False)
+        return super().file_exists(filepath, trainer)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -722,3 +722,28 @@ def test_hostile_structure_raises_header_error_in_the_trainer(tmp_path, tree_jso
         trainer = _trainer(tmp_path, 1, plugins=[FastCkptIO()])
         with pytest.raises(fastckpt.HeaderError):
             trainer.validate(_model(), _loader(8), ckpt_path=path, verbose=False)
+
+
+# -- names of saves in flight -----------------------------------------------------------------
+
+
+class _Ballast(TinyModel):
+    """TinyModel with 16 MiB of buffer: each background save is still writing when the
+    next epoch (one batch) ends and ModelCheckpoint names the next file."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(4 * 2**20))
+
+
+def test_a_save_in_flight_keeps_its_name_from_the_version_counter(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath, filename="ckpt", save_top_k=-1, monitor="step_score", mode="max"
+    )
+    torch.manual_seed(0)
+    _trainer(tmp_path, 4, [callback]).fit(_Ballast(), _loader(n=4))
+    names = ["ckpt.ckpt", "ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt"]
+    assert _checkpoints(dirpath) == set(names)
+    epochs = [fastckpt.load(str(dirpath / name))["epoch"] for name in names]
+    assert epochs == [0, 1, 2, 3]
