@@ -107,7 +107,8 @@ class Flat:
         tensors: stored name -> tensor, each distinct tensor once, in the
             order met (the original objects: maybe non-contiguous, maybe CUDA).
         aliases: alias name -> stored name of a tensor met again.
-        tree: the JSON-able description, or None for a flat ``str -> Tensor`` dict.
+        tree: the JSON-able description; for a flat ``str -> Tensor`` dict only its key
+            order (a ``"flat"`` node), or None when it has at most one key.
     """
 
     tensors: dict[str, torch.Tensor]
