@@ -10,8 +10,10 @@ safetensors file holds only named tensors and string metadata, so
 * ``aliases``: alias name -> stored name, for a tensor that appears twice
   (tied weights);
 * ``tree``: a JSON-able description of everything else, which the file keeps
-  in its metadata; None for a flat ``str -> Tensor`` dict, which is stored
-  under its own keys so that ``safetensors.torch.load_file`` reads it back.
+  in its metadata. A flat ``str -> Tensor`` dict is stored under its own keys,
+  so that ``safetensors.torch.load_file`` reads it back; its tree only lists
+  the keys in their order (the file's order is the layout's, chosen for
+  alignment), and is None for a dict of at most one key.
 
 :func:`unflatten` rebuilds the object from the three, Python types included.
 
@@ -35,10 +37,21 @@ Tree encoding. A node is one of::
     {"t": "size", "v": [int, ...]}           torch.Size
     {"t": "device", "v": "cuda:0"}           torch.device
     {"t": "bytes", "v": "<base64>"}          bytes
+    {"t": "object", "c": "argparse.Namespace", "v": node}
+                                             a configuration object stored as the dict or
+                                             list it wraps: argparse.Namespace, Lightning's
+                                             AttributeDict, OmegaConf DictConfig/ListConfig
+                                             (unresolved; see config_objects)
+    {"t": "class", "v": "omegaconf.DictConfig"}
+                                             one of those classes (Lightning's hparams_type)
+    {"t": "flat", "v": ["name", ...]}        a flat str -> Tensor dict: its keys in insertion
+                                             order, each a stored tensor's name or an alias
     {"t": "pickle", "v": "<base64>", "type": "module.Class"}
                                              anything else, only with allow_pickle=True
 
-Every JSON object is a tagged node, so plain dicts never clash with tags.
+Every JSON object is a tagged node, so plain dicts never clash with tags. The classes of
+"object" and "class" nodes come from a fixed table (:data:`config_objects.CLASSES`); nothing
+is imported by a name read from the file.
 JSON floats keep their exact value, -0.0 included, and stay floats (``1.0``
 is not ``1``). Nesting is limited to :data:`MAX_DEPTH` levels, well inside what
 Python's JSON module and the interpreter's recursion limit allow.
@@ -68,7 +81,7 @@ from typing import Any, Callable
 
 import torch
 
-from fastckpt.checkpoint import dtypes
+from fastckpt.checkpoint import config_objects, dtypes
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format import METADATA_KEY
 
@@ -82,7 +95,7 @@ MAX_DEPTH = 200
 PICKLE_PROTOCOL = 4
 _SMALL_INT = 2**63  # ints in [-2**63, 2**63) are plain JSON numbers
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_NON_FINITE = ("nan", "inf", "-inf")  # float() reads each
 _TOP_LEVEL_NAME = "tensor"  # the name of a tensor saved on its own
 
 
@@ -94,7 +107,8 @@ class Flat:
         tensors: stored name -> tensor, each distinct tensor once, in the
             order met (the original objects: maybe non-contiguous, maybe CUDA).
         aliases: alias name -> stored name of a tensor met again.
-        tree: the JSON-able description, or None for a flat ``str -> Tensor`` dict.
+        tree: the JSON-able description; for a flat ``str -> Tensor`` dict only its key
+            order (a ``"flat"`` node), or None when it has at most one key.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -162,13 +176,20 @@ def _segment(step: Any) -> str:
 
 
 class _Names:
-    """Hands out unique tensor names derived from paths: ``a/b/0``, then ``a/b/0~1``..."""
+    """Hands out unique tensor names derived from paths: ``a/b/0``, then ``a/b/0~1``...
 
-    def __init__(self) -> None:
+    Paths under ``root`` are named relative to it.
+    """
+
+    def __init__(self, root: Path = ()) -> None:
+        self._root = tuple(root)
         self._used: set[str] = set()
         self._suffix: dict[str, int] = {}
 
     def claim(self, path: Path) -> str:
+        depth = len(self._root)
+        if depth and len(path) > depth and _same_steps(path[:depth], self._root):
+            path = path[depth:]
         base = "/".join(_segment(step) for step in path) or _TOP_LEVEL_NAME
         if not _valid_text(base):
             base = base.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -179,6 +200,11 @@ class _Names:
             name = f"{base}~{self._suffix[base]}"
         self._used.add(name)
         return name
+
+
+def _same_steps(path: Path, root: Path) -> bool:
+    # By type and value: the key 1 is not the key True, nor 1.0.
+    return all(type(a) is type(b) and a == b for a, b in zip(path, root))
 
 
 # --------------------------------------------------------------------------- flatten
@@ -248,11 +274,11 @@ def _int_node(value: int) -> Any:
 class _Flattener:
     """One walk over an object: collects tensors and aliases, returns tree nodes."""
 
-    def __init__(self, allow_pickle: bool):
+    def __init__(self, allow_pickle: bool, name_root: Path = ()):
         self.allow_pickle = allow_pickle
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
-        self._names = _Names()
+        self._names = _Names(name_root)
         self._by_id: dict[int, str] = {}  # id(tensor) -> stored name
         self._by_view: dict[tuple, str] = {}  # _view_key -> stored name
         self._open: set[int] = set()  # containers on the current path, to catch cycles
@@ -286,7 +312,25 @@ class _Flattener:
             return {"t": "device", "v": str(value)}
         if kind is bytes:
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
+        if not in_key:
+            plain = config_objects.to_plain(value)
+            if plain is not None:
+                return self.config_object(value, plain, path, depth)
+            if isinstance(value, type):
+                name = config_objects.class_name(value)
+                if name is not None:
+                    return {"t": "class", "v": name}
         return self.pickled(value, path, in_key)
+
+    def config_object(self, value: Any, plain: tuple[str, Any], path: Path, depth: int) -> dict:
+        if id(value) in self._open:
+            raise ValueError(f"the object at {_format_path(path)} contains itself")
+        self._open.add(id(value))
+        try:
+            name, data = plain
+            return {"t": "object", "c": name, "v": self.node(data, path, depth + 1)}
+        finally:
+            self._open.discard(id(value))
 
     def container(self, value: Any, path: Path, depth: int, in_key: bool) -> Any:
         if id(value) in self._open:
@@ -372,19 +416,27 @@ def _is_flat_dict(obj: Any) -> bool:
     return True
 
 
-def flatten(obj: Any, *, allow_pickle: bool = False) -> Flat:
+def flatten(obj: Any, *, allow_pickle: bool = False, name_root: Path = ()) -> Flat:
     """Split ``obj`` into named tensors, aliases and a JSON-able description.
 
     Supported: dict and OrderedDict (keys: str, int, float, bool, None, tuples
     of those...), list, tuple, None, bool, int, float (nan, inf, -0.0
     included), str, bytes, torch.Tensor and nn.Parameter (dense, not meta),
-    torch.dtype, torch.Size, torch.device. Two tensors that are the same view
-    of one storage are stored once. Anything else raises ``TypeError``, or is
-    pickled when ``allow_pickle=True``.
+    torch.dtype, torch.Size, torch.device, and the configuration objects of
+    :mod:`~fastckpt.checkpoint.config_objects` (``argparse.Namespace``, Lightning's
+    ``AttributeDict``, OmegaConf containers) and their classes. Two tensors that are
+    the same view of one storage are stored once. Anything else raises
+    ``TypeError``, or is pickled when ``allow_pickle=True``.
+
+    A :class:`Flat` is returned as it is, so a caller that names tensors its own way
+    (``name_root``) hands the result to ``save`` like any object.
 
     Args:
         obj: what to save.
         allow_pickle: pickle (protocol 4) unsupported objects instead of refusing them.
+        name_root: the path of a container whose tensors are named relative to it: with
+            ``("state_dict",)`` a checkpoint's weights keep their own keys as names, so
+            ``safetensors.torch.load_file`` returns the ``state_dict``'s keys.
 
     Raises:
         TypeError: an unsupported object or tensor; the message gives its path.
@@ -398,15 +450,22 @@ def flatten(obj: Any, *, allow_pickle: bool = False) -> Flat:
         ['state/0/step']
         >>> flatten({"w": torch.zeros(1)}).tree is None
         True
+        >>> flatten({"w": torch.zeros(1), "b": torch.zeros(1)}).tree
+        {'t': 'flat', 'v': ['w', 'b']}
+        >>> list(flatten({"state_dict": {"w": torch.zeros(1)}}, name_root=("state_dict",)).tensors)
+        ['w']
     """
-    walker = _Flattener(allow_pickle)
+    if type(obj) is Flat:
+        return obj
+    walker = _Flattener(allow_pickle, name_root)
     try:
         tree = walker.node(obj, ())
     except RecursionError:
         raise ValueError("object nested too deeply to describe") from None
     if _is_flat_dict(obj):
-        # Names equal the keys here, so the file reads back as the same dict.
-        tree = None
+        # Names equal the keys here, so the file reads back as the same dict; only the
+        # order is kept apart, since the layout orders the file for alignment.
+        tree = {"t": "flat", "v": list(obj)} if len(obj) > 1 else None
     return Flat(tensors=walker.tensors, aliases=walker.aliases, tree=tree)
 
 
@@ -454,6 +513,9 @@ class _Unflattener:
             "device": self.device,
             "bytes": self.bytes_,
             "pickle": self.pickled,
+            "object": self.config_object,
+            "class": self.config_class,
+            "flat": self.flat,
         }
 
     def node(self, node: Any, path: Path, depth: int = 0) -> Any:
@@ -550,7 +612,9 @@ class _Unflattener:
         text = _typed(node, "v", str, path)
         if text not in _NON_FINITE:
             raise HeaderError(f"malformed float {_safe_repr(text)} at {_format_path(path)}")
-        return _NON_FINITE[text]
+        # A new object each time: two NaN keys of one dict are two objects (nan != nan),
+        # and one shared NaN would make them one key.
+        return float(text)
 
     def int_(self, node: dict, path: Path, depth: int) -> int:
         _fields(node, ("v",), (), path)
@@ -589,6 +653,41 @@ class _Unflattener:
     def bytes_(self, node: dict, path: Path, depth: int) -> bytes:
         _fields(node, ("v",), (), path)
         return _base64(_typed(node, "v", str, path), path)
+
+    def config_object(self, node: dict, path: Path, depth: int) -> Any:
+        _fields(node, ("c", "v"), (), path)
+        name = _typed(node, "c", str, path)
+        if name not in config_objects.CLASSES:
+            raise HeaderError(f"unknown class {_safe_repr(name)} at {_format_path(path)}")
+        data = self.node(node["v"], path, depth + 1)
+        if not self.unpickle:  # validate only: no import, no rebuild
+            return None
+        return config_objects.rebuild(
+            name, data, weights_only=self.weights_only, where=_format_path(path)
+        )
+
+    def config_class(self, node: dict, path: Path, depth: int) -> Any:
+        _fields(node, ("v",), (), path)
+        name = _typed(node, "v", str, path)
+        if name not in config_objects.CLASSES:
+            raise HeaderError(f"unknown class {_safe_repr(name)} at {_format_path(path)}")
+        if not self.unpickle:
+            return None
+        return config_objects.load_class(name, _format_path(path))
+
+    def flat(self, node: dict, path: Path, depth: int) -> dict:
+        _fields(node, ("v",), (), path)
+        result: dict[str, torch.Tensor] = {}
+        for name in _typed(node, "v", list, path):
+            if type(name) is not str:
+                raise HeaderError(
+                    f"malformed 'flat' node at {_format_path(path)}: "
+                    f"key {_safe_repr(name)} is not a str"
+                )
+            if name in result:
+                raise HeaderError(f"duplicate key {name!r} in dict at {_format_path(path)}")
+            result[name] = self.tensors[self.stored_name(name, (*path, name))]
+        return result
 
     def pickled(self, node: dict, path: Path, depth: int) -> Any:
         _fields(node, ("v", "type"), (), path)

@@ -106,10 +106,11 @@ def source_kind(path: str | os.PathLike[str]) -> str:
     """
     from fastckpt.cli.inspect import read_header
     from fastckpt.errors import HeaderError
+    from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"PK\x03\x04":  # torch's zip format
+        head = f.read(SNIFF_BYTES)
+    if torch_save_format(head) is not None:
         return "torch"
     try:
         read_header(path)
@@ -119,15 +120,17 @@ def source_kind(path: str | os.PathLike[str]) -> str:
 
 
 def _check_torch_magic(src: str) -> None:
-    """CliError naming ``src`` unless it starts as torch.save writes: a zip archive or a
-    pickle (protocol 2 to 5); torch.load would fail on anything else with a bare
-    ``KeyError`` or ``UnpicklingError``."""
+    """CliError naming ``src`` unless it starts as torch.save writes: a zip archive, a
+    pickle (protocol 2 to 5) or a legacy tar archive; torch.load would fail on anything
+    else with a bare ``KeyError`` or ``UnpicklingError``."""
+    from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
+
     with open(src, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        head = f.read(SNIFF_BYTES)
+    if torch_save_format(head) is not None:
         return
     raise CliError(
-        f"{src}: not a torch.save or safetensors file (it starts with {head!r}); "
+        f"{src}: not a torch.save or safetensors file (it starts with {head[:4]!r}); "
         "convert reads torch.save (.pt/.bin) and safetensors files",
         USAGE,
     )

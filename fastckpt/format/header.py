@@ -38,26 +38,22 @@ from fastckpt.format.schema import (
     nbytes_u64,
     short,
 )
+from fastckpt.format.torch_save import torch_save_format
 
 _DTYPE_NAMES = {name: name for name in ITEMSIZE}
 
-#: What a file written by ``torch.save`` starts with: a zip archive (the default since
-#: torch 1.6) or a pickle (the legacy format; protocols 2 to 5).
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_PROTOCOLS = range(2, 6)
+_TORCH_SAVE_KINDS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a tar archive"}
 
 
 def _torch_save_hint(first8: bytes) -> str | None:
     """The message for a torch.save file, or None when ``first8`` does not look like one."""
-    if first8.startswith(_ZIP_MAGIC):
-        kind = "a zip archive"
-    elif len(first8) >= 2 and first8[0] == 0x80 and first8[1] in _PICKLE_PROTOCOLS:
-        kind = "a pickle"
-    else:
+    kind = torch_save_format(first8)
+    if kind is None:
         return None
     return (
-        f"this is a torch.save file ({kind}), not a safetensors/fastckpt file: "
-        "convert it with `fastckpt convert FILE OUT.safetensors`, or load it with torch.load"
+        f"this is a torch.save file ({_TORCH_SAVE_KINDS[kind]}), not a safetensors/fastckpt "
+        "file: convert it with `fastckpt convert FILE OUT.safetensors`, or load it with "
+        "torch.load"
     )
 
 

@@ -12,33 +12,39 @@ Three ways in, from the most explicit to the shortest:
 
 What is stored, and how (no pickle by default):
 
-- Everything fastckpt's tree expresses is stored exactly: tensors, dicts (also with int
-  keys), OrderedDicts with their ``_metadata``, lists, tuples, None, bool, int, float, str,
-  bytes, ``torch.dtype``/``Size``/``device``. That covers the model's state_dict, optimizer
-  and lr-scheduler states, loops, callbacks' states, precision plugin state and the
-  hyper-parameters of ``save_hyperparameters()`` with plain values, so a default
-  ``LightningModule`` saves and resumes with ``trainer.fit(ckpt_path=...)`` out of the box.
-- A few Lightning-specific containers are stored as plain data and rebuilt on load from a
-  table in the file's metadata (``lightning.types``): ``AttributeDict``,
-  ``argparse.Namespace``, OmegaConf ``DictConfig``/``ListConfig`` (unresolved, so
-  interpolations survive) and the type objects Lightning stores beside OmegaConf
+- The checkpoint goes through fastckpt's tree (:mod:`fastckpt.checkpoint.tree`), one
+  encoding for every object: tensors, dicts (also with int keys), OrderedDicts with their
+  ``_metadata``, lists, tuples, None, bool, int, float, str, bytes,
+  ``torch.dtype``/``Size``/``device``, and the configuration objects hyper-parameters come
+  in: ``AttributeDict``, ``argparse.Namespace``, OmegaConf ``DictConfig``/``ListConfig``
+  (unresolved, so interpolations survive) and the class Lightning stores beside OmegaConf
   hyper-parameters (``hparams_type``). Rebuilding never imports anything by a name read
-  from the file: the kinds are a fixed list.
+  from the file: those classes are a fixed table. A default ``LightningModule`` saves and
+  resumes with ``trainer.fit(ckpt_path=...)`` out of the box.
+- The model's weights are stored under their own ``state_dict`` keys, so
+  ``safetensors.torch.load_file(path)`` returns the ``state_dict`` (tied weights once,
+  under their first name) and, with ``save_weights_only=True``, nothing else; the rest
+  (epoch, global step, hyper-parameters...) is in the tree, in the file's metadata.
 - Anything else (a user class in the hyper-parameters, a function...) is refused with a
   ``TypeError`` that names where it sits in the checkpoint. ``allow_pickle=True`` stores
   such objects pickled instead, each marked as such in the file; loading them then needs
   ``weights_only=False`` (``trainer.fit(..., weights_only=False)``), since unpickling can
   run code.
-- A checkpoint whose only tensors are the model's weights (``save_weights_only=True``) is
-  stored as the flat ``state_dict`` under its own keys, so
-  ``safetensors.torch.load_file(path)`` returns the model's ``state_dict``; the rest (epoch,
-  global step, hyper-parameters...) sits in the metadata as JSON (``lightning.checkpoint``).
+- OmegaConf values resolve ``${...}`` interpolations when read, and a resolver can read
+  the environment (``oc.env``) or run any code the program registered. Loading with the
+  default ``weights_only`` therefore refuses an OmegaConf value that would call a resolver
+  (:class:`~fastckpt.errors.WeightsOnlyError`, as ``torch.load(weights_only=True)`` refuses
+  what it cannot load safely), and so does :func:`load_from_checkpoint` for plain
+  hyper-parameters that Lightning would turn into a ``DictConfig``; node interpolations
+  (``${model.width}``) are kept. ``weights_only=False`` loads them as saved.
 
 Loading reads fastckpt files and, for a smooth switch, also files written by
-``torch.save`` (Lightning's default format), which it hands to ``TorchCheckpointIO``.
+``torch.save`` (Lightning's default format, any pickle protocol), which it hands to
+``TorchCheckpointIO``.
 
-Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning,
-``fastckpt verify`` checks them, every safetensors reader opens them. Paths are local.
+Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning (the
+same objects, types included), ``fastckpt verify`` checks them, every safetensors reader
+opens them. Paths are local.
 Strategies that write sharded checkpoints themselves (FSDP, DeepSpeed) bypass
 ``CheckpointIO``; these classes serve single-file strategies (single device, DDP, rank 0
 writes). The classes derive from ``lightning``'s; the plugins are also registered with the
@@ -52,27 +58,27 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import errno
 import importlib
-import json
 import os
-import sys
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
-import fastckpt
+from fastckpt.checkpoint import config_objects, tree
+from fastckpt.checkpoint.asynchronous import SaveFuture, async_save
+from fastckpt.checkpoint.load import load as load_fastckpt
+from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.checkpoint.save import save as save_fastckpt
+from fastckpt.errors import HeaderError, WeightsOnlyError
+from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.fabric.utilities.data import AttributeDict as _FabricAttributeDict
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.utilities.parsing import AttributeDict
 
     _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
 except ImportError:
@@ -80,9 +86,7 @@ except ImportError:
         import pytorch_lightning as pl
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
         from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-        from lightning_fabric.utilities.data import AttributeDict as _FabricAttributeDict
         from pytorch_lightning.callbacks import ModelCheckpoint
-        from pytorch_lightning.utilities.parsing import AttributeDict
 
         _OTHER_CHECKPOINT_IO = None
     except ImportError as exc:
@@ -93,203 +97,24 @@ except ImportError:
 
 __all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
 
-#: Metadata key: JSON list of ``[path, kind]`` for objects stored as plain data.
-TYPES_KEY = "lightning.types"
-#: Metadata key of the weights-only layout: the checkpoint without its state_dict, as JSON.
-CHECKPOINT_KEY = "lightning.checkpoint"
-#: Metadata key of the weights-only layout: the state_dict's ``_metadata`` (module versions).
-STATE_DICT_METADATA_KEY = "lightning.state_dict_metadata"
-#: Metadata key of the weights-only layout: the state_dict's keys in their order.
-STATE_DICT_KEYS_KEY = "lightning.state_dict_keys"
-
-_Path = list  # a list of dict keys (str or int) and list indices from the checkpoint's root
-
-
-# -- Lightning-specific objects as plain data -------------------------------------------------
+#: Where a checkpoint's tensors are named by their own keys rather than by their paths.
+_WEIGHTS = ("state_dict",)
+#: Metadata of the layout before checkpoints went through the tree alone (a type table,
+#: and the JSON of a weights-only checkpoint): refused rather than misread.
+_EARLIER_LAYOUT_KEYS = (
+    "lightning.types",
+    "lightning.checkpoint",
+    "lightning.state_dict_keys",
+    "lightning.state_dict_metadata",
+)
 
 
-def _omegaconf(*, load: bool = False) -> Any:
-    """The omegaconf module if imported (OmegaConf objects exist only then), else None.
-
-    Saving only looks in ``sys.modules``: a failed import is not cached, and saving asks once
-    per object in the checkpoint. Loading (``load=True``) imports it.
-    """
-    if not load:
-        return sys.modules.get("omegaconf")
+def _flatten(checkpoint: dict[str, Any], path: str, allow_pickle: bool) -> tree.Flat:
+    """``checkpoint`` split for saving, its weights named by their ``state_dict`` keys."""
     try:
-        return importlib.import_module("omegaconf")
-    except ImportError:
-        return None
-
-
-def _type_names(*, load: bool = False) -> dict[type, str]:
-    """The type objects stored by name; rebuilt from this table only, never imported by name."""
-    names: dict[type, str] = {
-        dict: "dict",
-        AttributeDict: "AttributeDict",
-        argparse.Namespace: "argparse.Namespace",
-    }
-    oc = _omegaconf(load=load)
-    if oc is not None:
-        names[oc.DictConfig] = "omegaconf.DictConfig"
-        names[oc.ListConfig] = "omegaconf.ListConfig"
-    return names
-
-
-def _as_plain(value: Any) -> tuple[str, Any] | None:
-    """``(kind, plain data)`` for an object rebuilt on load from plain data, else None."""
-    if isinstance(value, _FabricAttributeDict):
-        return "AttributeDict", dict(value)
-    if type(value) is argparse.Namespace:
-        return "argparse.Namespace", dict(vars(value))
-    oc = _omegaconf()
-    if oc is not None and isinstance(value, (oc.DictConfig, oc.ListConfig)):
-        kind = (
-            "omegaconf.DictConfig" if isinstance(value, oc.DictConfig) else "omegaconf.ListConfig"
-        )
-        return kind, oc.OmegaConf.to_container(value, resolve=False)
-    if isinstance(value, type):
-        name = _type_names().get(value)
-        if name is not None:
-            return "type", name
-    return None
-
-
-def _nameable_key(key: Any) -> bool:
-    # A path step must survive JSON: str and int keys do (bool would come back as an int).
-    return type(key) is str or type(key) is int
-
-
-def _encode(value: Any, path: _Path, table: list) -> Any:
-    """``value`` with Lightning-specific objects replaced by plain data, noted in ``table``.
-
-    Containers are copied only where something inside them changed, so tensors and
-    untouched sub-trees are passed on as they are.
-    """
-    plain = _as_plain(value)
-    if plain is not None:
-        kind, data = plain
-        table.append([list(path), kind])
-        return data if kind == "type" else _encode_children(data, path, table, force=True)
-    return _encode_children(value, path, table, force=False)
-
-
-def _encode_children(value: Any, path: _Path, table: list, *, force: bool) -> Any:
-    kind = type(value)
-    if kind in (dict, OrderedDict):
-        items, changed = [], force
-        for key, item in value.items():
-            new = _encode(item, [*path, key], table) if _nameable_key(key) else item
-            changed = changed or new is not item
-            items.append((key, new))
-        if not changed:
-            return value
-        copy = kind(items)
-        if kind is OrderedDict and "_metadata" in vars(value):
-            copy._metadata = value._metadata
-        return copy
-    if kind in (list, tuple):
-        items = [_encode(item, [*path, i], table) for i, item in enumerate(value)]
-        if not force and all(a is b for a, b in zip(items, value)):
-            return value
-        return items if kind is list else tuple(items)
-    return value
-
-
-def _rebuild(kind: str, data: Any, where: str) -> Any:
-    if kind == "AttributeDict":
-        return AttributeDict(data)
-    if kind == "argparse.Namespace":
-        return argparse.Namespace(**data)
-    if kind in ("omegaconf.DictConfig", "omegaconf.ListConfig"):
-        oc = _omegaconf(load=True)
-        if oc is None:
-            raise ImportError(
-                f"the checkpoint holds an OmegaConf {kind} at {where}; install omegaconf"
-            )
-        return oc.OmegaConf.create(data)
-    if kind == "type":
-        by_name = {name: t for t, name in _type_names(load=True).items()}
-        if data not in by_name:
-            raise ImportError(
-                f"the checkpoint holds the type {data!r} at {where}; install omegaconf"
-            )
-        return by_name[data]
-    raise fastckpt.HeaderError(f"unknown kind {kind!r} at {where} in {TYPES_KEY}")
-
-
-def _restore(checkpoint: Any, table_text: str, filename: str) -> Any:
-    """Rebuilds the objects listed in ``table_text`` (deepest first, so outer ones see inner)."""
-    try:
-        table = json.loads(table_text)
-        entries = [(list(p), str(k)) for p, k in table]
-    except (ValueError, TypeError) as exc:
-        raise fastckpt.HeaderError(f"malformed {TYPES_KEY} metadata in {filename}: {exc}") from None
-    for path, kind in sorted(entries, key=lambda e: len(e[0]), reverse=True):
-        where = "checkpoint" + "".join(f"[{step!r}]" for step in path)
-        try:
-            if not path:
-                checkpoint = _rebuild(kind, checkpoint, where)
-                continue
-            parent = checkpoint
-            for step in path[:-1]:
-                parent = parent[step]
-            parent[path[-1]] = _rebuild(kind, parent[path[-1]], where)
-        except (KeyError, IndexError, TypeError) as exc:
-            raise fastckpt.HeaderError(
-                f"{TYPES_KEY} in {filename} names {where}, which the checkpoint lacks: {exc!r}"
-            ) from None
-    return checkpoint
-
-
-# -- file layouts -----------------------------------------------------------------------------
-
-
-def _json_exact(value: Any) -> str | None:
-    """``value`` as JSON when JSON gives it back equal (no tuples, int keys, tensors, NaN)."""
-    try:
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return None
-    return text if json.loads(text) == value else None
-
-
-def _weights_layout(checkpoint: dict) -> tuple[dict, dict[str, str]] | None:
-    """The flat layout of a weights-only checkpoint: ``(state_dict, metadata)``, or None.
-
-    It applies when the model's ``state_dict`` is a ``str -> Tensor`` mapping and the rest of
-    the checkpoint is plain JSON data, which is what ``save_weights_only=True`` produces.
-    """
-    state = checkpoint.get("state_dict")
-    if not isinstance(state, dict) or not state:
-        return None
-    if not all(type(k) is str and type(v) is torch.Tensor for k, v in state.items()):
-        return None
-    rest = _json_exact({k: v for k, v in checkpoint.items() if k != "state_dict"})
-    if rest is None:
-        return None
-    metadata = {CHECKPOINT_KEY: rest, STATE_DICT_KEYS_KEY: json.dumps(list(state))}
-    module_versions = getattr(state, "_metadata", None)
-    if module_versions is not None:
-        versions = _json_exact(module_versions)
-        if versions is None:
-            return None
-        metadata[STATE_DICT_METADATA_KEY] = versions
-    return dict(state), metadata
-
-
-def _prepare(checkpoint: dict) -> tuple[Any, dict[str, str]]:
-    """What to hand to fastckpt for ``checkpoint``: ``(object, metadata)``."""
-    table: list = []
-    encoded = _encode(checkpoint, [], table)
-    metadata: dict[str, str] = {}
-    if table:
-        metadata[TYPES_KEY] = json.dumps(table)
-    flat = _weights_layout(encoded) if isinstance(encoded, dict) else None
-    if flat is not None:
-        encoded, extra = flat
-        metadata.update(extra)
-    return encoded, metadata
+        return tree.flatten(checkpoint, allow_pickle=allow_pickle, name_root=_WEIGHTS)
+    except TypeError as exc:
+        raise _explain_refusal(exc, path) from exc
 
 
 def _explain_refusal(exc: TypeError, path: str) -> TypeError:
@@ -304,15 +129,10 @@ def _explain_refusal(exc: TypeError, path: str) -> TypeError:
     )
 
 
-# torch.save's zip archive, or its legacy format (a pickle protocol 2 header, then a long).
-# Read as a safetensors header length, either would be far above the 100 MB cap.
-_TORCH_MAGICS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
-
-
 def _is_torch_file(path: str) -> bool:
     with open(path, "rb") as f:
-        head = f.read(4)
-    return head in _TORCH_MAGICS
+        head = f.read(SNIFF_BYTES)
+    return torch_save_format(head) is not None
 
 
 def _remove_file(path: str) -> None:
@@ -366,13 +186,9 @@ class FastCkptIO(CheckpointIO):
         is complete)."""
         _check_storage_options(storage_options, type(self))
         path = os.fspath(path)
-        obj, metadata = _prepare(checkpoint)
+        flat = _flatten(checkpoint, path, self.allow_pickle)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        options = {"progress": False, **self.save_options}
-        try:
-            fastckpt.save(obj, path, metadata=metadata, allow_pickle=self.allow_pickle, **options)
-        except TypeError as exc:
-            raise _explain_refusal(exc, path) from exc
+        save_fastckpt(flat, path, **{"progress": False, **self.save_options})
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
@@ -398,25 +214,44 @@ def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, 
         # Onto the CPU unless told otherwise, as TorchCheckpointIO's own default does.
         cpu = map_location if map_location is not None else (lambda storage, loc: storage)
         return TorchCheckpointIO().load_checkpoint(path, cpu, weights_only=weights_only)
-    safe = weights_only is not False
-    with fastckpt.open(path) as reader:
-        metadata = reader.metadata()
-    loaded = fastckpt.load(path, map_location, weights_only=safe)
-    if CHECKPOINT_KEY in metadata:
-        try:
-            checkpoint = json.loads(metadata[CHECKPOINT_KEY])
-            order = json.loads(metadata.get(STATE_DICT_KEYS_KEY, "null")) or list(loaded)
-            state = OrderedDict((key, loaded[key]) for key in order)
-            if STATE_DICT_METADATA_KEY in metadata:
-                state._metadata = json.loads(metadata[STATE_DICT_METADATA_KEY])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise fastckpt.HeaderError(f"malformed Lightning metadata in {path}: {exc!r}") from None
-        checkpoint["state_dict"] = state
-    else:
-        checkpoint = loaded
-    if TYPES_KEY in metadata:
-        checkpoint = _restore(checkpoint, metadata[TYPES_KEY], path)
+    with open_checkpoint(path) as reader:
+        earlier = sorted(set(reader.metadata()) & set(_EARLIER_LAYOUT_KEYS))
+    if earlier:
+        raise HeaderError(
+            f"{path} holds Lightning metadata of an earlier fastckpt layout ({', '.join(earlier)}), "
+            "which this version does not read: load it with the version that wrote it and "
+            "save it again"
+        )
+    checkpoint = load_fastckpt(path, map_location, weights_only=weights_only is not False)
+    if not isinstance(checkpoint, dict):
+        raise HeaderError(
+            f"{path} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__}, "
+            "not a dict"
+        )
     return checkpoint
+
+
+def _refuse_resolving_hparams(cls: type, checkpoint: dict[str, Any], path: str) -> None:
+    """WeightsOnlyError when Lightning would make the saved hyper-parameters an OmegaConf
+    config (``hparams_type``) and one of their strings would then call a resolver."""
+    hparams_type = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_TYPE)
+    if not isinstance(hparams_type, type):
+        return
+    if config_objects.class_name(hparams_type) not in (
+        "omegaconf.DictConfig",
+        "omegaconf.ListConfig",
+    ):
+        return
+    hparams = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY)
+    plain = config_objects.to_plain(hparams)
+    text = config_objects.resolver_interpolation(hparams if plain is None else plain[1])
+    if text is not None:
+        raise WeightsOnlyError(
+            f"{path}: Lightning would build an OmegaConf config from the hyper-parameters "
+            f"(hparams_type), and their value {text[:60]!r} calls a resolver when read "
+            "(oc.env reads this process's environment; others run code registered here); "
+            "pass weights_only=False if you trust the file"
+        )
 
 
 def load_from_checkpoint(
@@ -473,6 +308,8 @@ def load_from_checkpoint(
     path = os.fspath(checkpoint_path)
     location = map_location if map_location is not None else "cpu"
     checkpoint = _load(path, location, weights_only)
+    if weights_only is not False:
+        _refuse_resolving_hparams(cls, checkpoint, path)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
@@ -485,7 +322,7 @@ def load_from_checkpoint(
 class _Removal:
     """A deletion put off until the saves in flight when it was asked for have committed."""
 
-    def __init__(self, path: str, waiting_on: list[fastckpt.SaveFuture]):
+    def __init__(self, path: str, waiting_on: list[SaveFuture]):
         self.path = path
         self.waiting_on = waiting_on
         self.cancelled = False
@@ -531,8 +368,8 @@ class AsyncFastCkptIO(FastCkptIO):
     def __init__(self, *, allow_pickle: bool = False, max_pending: int = 2, **save_options: Any):
         super().__init__(allow_pickle=allow_pickle, **save_options)
         self.max_pending = max_pending
-        self._unsettled: list[fastckpt.SaveFuture] = []  # not yet checked for an error
-        self._latest: dict[str, fastckpt.SaveFuture] = {}  # path -> its latest save
+        self._unsettled: list[SaveFuture] = []  # not yet checked for an error
+        self._latest: dict[str, SaveFuture] = {}  # path -> its latest save
         self._removals: list[_Removal] = []
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
         self._deletions: dict[str, concurrent.futures.Future] = {}  # path -> its deletion
@@ -554,16 +391,9 @@ class AsyncFastCkptIO(FastCkptIO):
         for removal in self._removals:
             if removal.path == path:
                 removal.cancelled = True  # this save replaces the file: do not delete it later
-        obj, metadata = _prepare(checkpoint)
+        flat = _flatten(checkpoint, path, self.allow_pickle)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        future = fastckpt.async_save(
-            obj,
-            path,
-            metadata=metadata,
-            allow_pickle=self.allow_pickle,
-            max_pending=self.max_pending,
-            **self.save_options,
-        )
+        future = async_save(flat, path, max_pending=self.max_pending, **self.save_options)
         self._latest[path] = future
         self._unsettled.append(future)
         if future.done() and future.exception() is not None:
@@ -593,6 +423,18 @@ class AsyncFastCkptIO(FastCkptIO):
         self._latest.clear()
         self._raise_failures()
 
+    def in_flight(self, path: Any) -> bool:
+        """Whether a save to ``path`` is still being written: the file is not there yet,
+        but a checkpoint is on its way to that name.
+
+        Example:
+            >>> from fastckpt.lightning import AsyncFastCkptIO
+            >>> AsyncFastCkptIO().in_flight("/tmp/none.ckpt")
+            False
+        """
+        future = self._latest.get(os.fspath(path))
+        return future is not None and not future.done()
+
     def wait(self) -> None:
         """Waits for every save and pending deletion, like :meth:`teardown`.
 
@@ -605,7 +447,7 @@ class AsyncFastCkptIO(FastCkptIO):
     def _raise_failures(self) -> None:
         """Raises the first error among finished saves not checked yet (each is raised once)."""
         first: BaseException | None = None
-        still: list[fastckpt.SaveFuture] = []
+        still: list[SaveFuture] = []
         for future in self._unsettled:
             if not future.done():
                 still.append(future)
@@ -691,6 +533,19 @@ class FastCkptCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self.asynchronous = asynchronous
         self.allow_pickle = allow_pickle
+
+    def file_exists(self, filepath: Any, trainer: pl.Trainer) -> bool:
+        """Whether ``filepath`` is taken: on disk, or the name of a save still in flight.
+
+        ``ModelCheckpoint`` picks a new name (``-v1``, ``-v2``...) only for a name taken; a
+        background save has not renamed its file into place yet, and would otherwise be
+        overwritten by the next checkpoint given the same name.
+        """
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncFastCkptIO) and io.in_flight(filepath):
+            # Only the rank that saves knows; the reduction is the one every rank makes.
+            return trainer.strategy.reduce_boolean_decision(True, all=False)
+        return super().file_exists(filepath, trainer)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -109,17 +109,18 @@ def test_module_state_dict_round_trip():
     torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).load_state_dict(back)
 
 
-def test_flat_dict_has_no_tree():
+def test_flat_dict_tree_holds_only_its_key_order():
     w = torch.randn(3)
     state = {"w": w, "b": torch.zeros(2), "tied": w}
     flat = flatten(state)
-    assert flat.tree is None
+    assert flat.tree == {"t": "flat", "v": ["w", "b", "tied"]}
     assert list(flat.tensors) == ["w", "b"]
     assert flat.aliases == {"tied": "w"}
     back = round_trip(state)
-    assert type(back) is dict and set(back) == set(state)
+    assert type(back) is dict and list(back) == list(state)
     assert back["tied"] is back["w"]
     assert flatten({}).tree is None and round_trip({}) == {}
+    assert flatten({"w": w}).tree is None  # one key has one order
 
 
 @pytest.mark.parametrize(
@@ -465,6 +466,9 @@ tags = st.sampled_from(
         "device",
         "bytes",
         "pickle",
+        "object",
+        "class",
+        "flat",
         "?",
     ]
 )
@@ -473,6 +477,8 @@ field_values = st.one_of(
     st.booleans(),
     st.integers(-(2**70), 2**70),
     st.sampled_from(["x", "i", "nan", "-0x1f", "float32", "cpu", "AA==", "gAR9lC4=", "cuda:-1"]),
+    st.sampled_from(["argparse.Namespace", "omegaconf.DictConfig", "omegaconf.ListConfig"]),
+    st.sampled_from(["lightning.AttributeDict", "dict", "os.system", "${oc.env:HOME}", "${x}"]),
     st.text(max_size=4),
 )
 json_trees = st.recursive(
@@ -489,6 +495,7 @@ json_trees = st.recursive(
                 "p": children,
                 "g": children,
                 "type": children,
+                "c": children,
             },
         ),
     ),
@@ -511,9 +518,8 @@ def test_fuzz_trees_raise_only_header_error(tree, weights_only):
 # --------------------------------------------------------------------------- property
 
 
-keys = st.one_of(
-    st.text(max_size=4), st.integers(-5, 5), st.booleans(), st.none(), st.floats(allow_nan=False)
-)
+# NaN keys included: two NaN keys of one dict are two keys (nan != nan).
+keys = st.one_of(st.text(max_size=4), st.integers(-5, 5), st.booleans(), st.none(), st.floats())
 leaves = st.one_of(
     st.none(),
     st.booleans(),
@@ -549,3 +555,180 @@ def test_an_empty_key_round_trips(tmp_path):
     fastckpt.save({"": torch.tensor([]), "w": torch.ones(2)}, path)
     back = fastckpt.load(path)
     assert list(back) == ["", "w"] and back[""].numel() == 0
+
+
+# --------------------------------------------------------------------------- key order, NaN keys
+
+
+def test_two_nan_keys_round_trip():
+    first, second = float("nan"), float("nan")
+    obj = {first: torch.ones(1), second: torch.zeros(1), 1.5: "x"}
+    back = round_trip(obj)
+    assert len(back) == 3
+    (a, va), (b, vb), (c, vc) = back.items()
+    assert math.isnan(a) and math.isnan(b) and a is not b
+    assert torch.equal(va, torch.ones(1)) and torch.equal(vb, torch.zeros(1)) and vc == "x"
+
+
+def test_a_flat_dict_loads_in_insertion_order(tmp_path):
+    """The layout orders the file for alignment; load returns the keys as they were given,
+    tied names in their place, and the file stays plain safetensors under the same keys."""
+    from safetensors.torch import load_file
+
+    import fastckpt
+
+    big = torch.ones(1024)  # 4096 bytes: laid out first
+    state = {"z.bias": torch.zeros(3), "tied": big, "a.weight": big, "b": torch.arange(5)}
+    path = tmp_path / "flat.safetensors"
+    fastckpt.save(state, path)
+    back = fastckpt.load(path)
+    assert list(back) == list(state)
+    assert back["tied"] is back["a.weight"]
+    plain = load_file(path)
+    assert set(plain) == {"z.bias", "tied", "b"}  # the alias "a.weight" is fastckpt's own
+    for name, tensor in plain.items():
+        assert torch.equal(tensor, state[name])
+
+
+def test_name_root_names_a_subtree_by_its_own_keys():
+    weights = OrderedDict(w=torch.ones(2), b=torch.zeros(1))
+    checkpoint = {"state_dict": weights, "optimizer": {"w": torch.ones(1)}, "epoch": 1}
+    flat = flatten(checkpoint, name_root=("state_dict",))
+    assert list(flat.tensors) == ["w", "b", "optimizer/w"]
+    assert flatten(flat) is flat  # a Flat is handed to save as it is
+    assert_same(checkpoint, round_trip(checkpoint, name_root=("state_dict",)))
+
+
+# --------------------------------------------------------------------------- configuration objects
+
+
+def test_configuration_objects_and_their_classes_round_trip():
+    import argparse
+
+    omegaconf = pytest.importorskip("omegaconf")
+    from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
+    from lightning.pytorch.utilities.parsing import AttributeDict
+
+    w = torch.ones(2)
+    obj = {
+        "ns": argparse.Namespace(lr=0.1, layers=[4, 1], w=w),
+        "attrs": AttributeDict(x=0.5),
+        "fabric": FabricAttributeDict(y=(1, 2)),
+        "config": omegaconf.OmegaConf.create({"model": {"width": 8}, "twice": "${model.width}"}),
+        "list": omegaconf.OmegaConf.create([1, {"k": "v"}]),
+        "types": [omegaconf.DictConfig, omegaconf.ListConfig, AttributeDict, argparse.Namespace],
+    }
+    flat = flatten(obj)
+    assert list(flat.tensors) == ["ns/w"]
+    back = round_trip(obj)
+    assert type(back["ns"]) is argparse.Namespace
+    assert back["ns"].lr == 0.1 and back["ns"].layers == [4, 1] and torch.equal(back["ns"].w, w)
+    assert type(back["attrs"]) is AttributeDict and back["attrs"] == {"x": 0.5}
+    assert type(back["fabric"]) is FabricAttributeDict and back["fabric"].y == (1, 2)
+    assert isinstance(back["config"], omegaconf.DictConfig) and back["config"].twice == 8
+    assert isinstance(back["list"], omegaconf.ListConfig) and back["list"][1].k == "v"
+    assert back["types"] == obj["types"]
+
+
+@pytest.fixture
+def marker_resolver(tmp_path, monkeypatch):
+    """A resolver that leaves a file behind when called, and a secret in the environment."""
+    omegaconf = pytest.importorskip("omegaconf")
+    marker = tmp_path / "resolver-was-called"
+
+    def touch(*args: object) -> str:
+        marker.touch()
+        return "touched"
+
+    conf = omegaconf.OmegaConf
+    register = getattr(conf, "register_resolver", None) or conf.register_new_resolver
+    register("fastckpt_test_touch", touch, replace=True)
+    monkeypatch.setenv("FASTCKPT_TEST_SECRET", "hunter2-secret-value")
+    yield omegaconf, marker
+    omegaconf.OmegaConf.clear_resolver("fastckpt_test_touch")
+
+
+@pytest.mark.parametrize(
+    "value", ["${fastckpt_test_touch:}", "${oc.env:FASTCKPT_TEST_SECRET}", "a ${b.${c}}"]
+)
+@pytest.mark.parametrize("kind", ["omegaconf.DictConfig", "omegaconf.ListConfig"])
+def test_a_safe_load_never_resolves_an_omegaconf_value(tmp_path, marker_resolver, value, kind):
+    """A hostile file tags plain data as OmegaConf: the default load refuses it unresolved."""
+    import fastckpt
+
+    omegaconf, marker = marker_resolver
+    data = {"t": "dict", "k": ["x", "ok"], "v": [value, 1]}
+    if kind == "omegaconf.ListConfig":
+        data = [value, 1]
+    tree = {"t": "dict", "k": ["hyper_parameters"], "v": [{"t": "object", "c": kind, "v": data}]}
+    with pytest.raises(WeightsOnlyError, match="resolver") as info:
+        unflatten(tree, {}, {})
+    assert "hunter2" not in str(info.value)
+    # The same through a real file written by save: OmegaConf objects, unresolved.
+    config = omegaconf.OmegaConf.create({"x": value} if "Dict" in kind else [value])
+    path = tmp_path / "hostile.safetensors"
+    fastckpt.save({"hyper_parameters": config}, path)
+    with pytest.raises(WeightsOnlyError):
+        fastckpt.load(path)
+    assert not marker.exists()
+    # Trusted: rebuilt as saved; resolution is the reader's own choice, later.
+    back = fastckpt.load(path, weights_only=False)["hyper_parameters"]
+    assert omegaconf.OmegaConf.to_container(back) == omegaconf.OmegaConf.to_container(config)
+    assert not marker.exists()
+    if "touch" in value:  # the resolver is live: reading the value calls it
+        omegaconf.OmegaConf.to_container(back, resolve=True)
+        assert marker.exists()
+
+
+def test_node_interpolations_load_safely(marker_resolver):
+    omegaconf, _ = marker_resolver
+    config = omegaconf.OmegaConf.create(
+        {"a": {"b": 2}, "c": "${a.b}", "d": "${.c}", "e": "x${a.b}y", "l": [0, "${l[0]}"]}
+    )
+    back = round_trip({"cfg": config})["cfg"]
+    assert back.c == 2 and back.d == 2 and back.e == "x2y" and back.l[1] == 0
+
+
+HOSTILE_OBJECTS = {
+    "unknown class": {"t": "object", "c": "os.system", "v": {"t": "dict", "k": [], "v": []}},
+    "class of a name": {"t": "class", "v": "subprocess.Popen"},
+    "class not str": {"t": "class", "v": ["dict"]},
+    "object fields": {"t": "object", "c": "argparse.Namespace"},
+    "object extra field": {"t": "object", "c": "dict", "v": [], "x": 1},
+    "namespace of a list": {"t": "object", "c": "argparse.Namespace", "v": [1]},
+    "namespace int keys": {
+        "t": "object",
+        "c": "argparse.Namespace",
+        "v": {"t": "dict", "k": [1], "v": [2]},
+    },
+    "attrdict of a str": {"t": "object", "c": "lightning.AttributeDict", "v": "abc"},
+    "dictconfig of a list": {"t": "object", "c": "omegaconf.DictConfig", "v": [1]},
+    "dictconfig tensor value": {
+        "t": "object",
+        "c": "omegaconf.DictConfig",
+        "v": {"t": "dict", "k": ["a"], "v": [{"t": "tensor", "n": "x"}]},
+    },
+    "listconfig of a dict": {"t": "object", "c": "omegaconf.ListConfig", "v": {"t": "none"}},
+    "flat not a list": {"t": "flat", "v": "x"},
+    "flat int name": {"t": "flat", "v": [1]},
+    "flat duplicate": {"t": "flat", "v": ["x", "x"]},
+    "flat missing": {"t": "flat", "v": ["x", "gone"]},
+    "deep object": None,  # built below
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_OBJECTS)
+def test_hostile_object_nodes_raise_header_error(name):
+    pytest.importorskip("omegaconf")
+    tree = HOSTILE_OBJECTS[name]
+    if name == "deep object":
+        tree = 1
+        for _ in range(MAX_DEPTH):
+            tree = {
+                "t": "object",
+                "c": "argparse.Namespace",
+                "v": {"t": "dict", "k": ["a"], "v": [tree]},
+            }
+    with pytest.raises(HeaderError) as info:
+        unflatten(tree, {"x": torch.ones(1)}, {}, weights_only=False)
+    assert "deeper than" in str(info.value) or name != "deep object"

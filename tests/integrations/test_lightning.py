@@ -402,7 +402,7 @@ def test_unsupported_hyperparameter_is_refused_with_its_place(tmp_path):
         trainer.fit(_Activation(), _loader())
     message = str(info.value)
     assert "['hyper_parameters']['activation']" in message and "allow_pickle=True" in message
-    assert not os.listdir(tmp_path / "ckpt")
+    assert not list((tmp_path / "ckpt").glob("*"))  # refused before anything is written
 
 
 def test_allow_pickle_stores_it_and_needs_weights_only_false(tmp_path):
@@ -448,10 +448,15 @@ def test_lightning_containers_round_trip_without_pickle(tmp_path):
     assert type(back["extra"]["attrs"]) is AttributeDict and back["extra"]["attrs"].x == 0.5
     assert isinstance(back["list_config"], omegaconf.ListConfig)
     assert back["list_config"][1].k == "v"
-    # Outside Lightning the same file is plain data.
+    # Outside Lightning, one encoding: fastckpt.load gives the same objects back.
     raw = fastckpt.load(path)
-    assert raw["hyper_parameters"] == {"model": {"width": 8}, "twice": "${model.width}"}
-    assert raw["hparams_type"] == "omegaconf.DictConfig"
+    assert isinstance(raw["hyper_parameters"], omegaconf.DictConfig)
+    assert omegaconf.OmegaConf.to_container(raw["hyper_parameters"]) == {
+        "model": {"width": 8},
+        "twice": "${model.width}",
+    }
+    assert raw["hparams_type"] is omegaconf.DictConfig
+    assert type(raw["extra"]["attrs"]) is AttributeDict
 
 
 def test_omegaconf_hyperparameters_resume(tmp_path):
@@ -539,3 +544,206 @@ def test_missing_checkpoint_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         AsyncFastCkptIO().load_checkpoint(missing)
     assert info.value.filename == missing and info.value.errno == errno.ENOENT
+
+
+# -- torch.save files of every kind -----------------------------------------------------------
+
+
+# torch's weights-only unpickler says it was written for protocol 2 (and reads the rest).
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+@pytest.mark.parametrize("zipped", [True, False])
+def test_torch_save_files_of_every_pickle_protocol_are_recognised(tmp_path, protocol, zipped):
+    model = _model()
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": pl.__version__,
+        "hyper_parameters": {"hidden": 8, "lr": 0.05, "scores": None},
+    }
+    path = tmp_path / f"p{protocol}.ckpt"
+    torch.save(checkpoint, path, pickle_protocol=protocol, _use_new_zipfile_serialization=zipped)
+    # Handed to torch.load, which reads every protocol (its weights-only unpickler not
+    # protocols 4 and 5: that refusal is torch's own, never fastckpt's HeaderError).
+    loaded = FastCkptIO().load_checkpoint(path, weights_only=False)
+    assert loaded["hyper_parameters"]["hidden"] == 8
+    _assert_same(dict(loaded["state_dict"]), dict(model.state_dict()))
+    if protocol == 3 and not zipped:  # one real Trainer run through the plugin, by default
+        trainer = _trainer(tmp_path, 1, plugins=[AsyncFastCkptIO()])
+        trainer.validate(_model(hidden=8), _loader(8), ckpt_path=str(path), verbose=False)
+
+
+# -- hostile checkpoints ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def resolver_marker(tmp_path, monkeypatch):
+    """An OmegaConf resolver that leaves a file behind when called; a secret in the env."""
+    omegaconf = pytest.importorskip("omegaconf")
+    marker = tmp_path / "resolver-was-called"
+
+    def touch(*args: object) -> str:
+        marker.touch()
+        return "touched"
+
+    conf = omegaconf.OmegaConf
+    register = getattr(conf, "register_resolver", None) or conf.register_new_resolver
+    register("fastckpt_lightning_touch", touch, replace=True)
+    monkeypatch.setenv("FASTCKPT_TEST_SECRET", "hunter2-secret-value")
+    yield omegaconf, marker
+    conf.clear_resolver("fastckpt_lightning_touch")
+
+
+class _ConfModel(pl.LightningModule):
+    def __init__(self, cfg):
+        super().__init__()
+        self.save_hyperparameters(cfg)
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _hostile_checkpoint(path, hparams, hparams_type):
+    model = _ConfModel({"lr": 0.1})
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": pl.__version__,
+        "hparams_name": "cfg",
+        "hyper_parameters": hparams,
+        "hparams_type": hparams_type,
+    }
+    FastCkptIO().save_checkpoint(checkpoint, str(path))
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_a_hostile_omegaconf_checkpoint_never_resolves(tmp_path, resolver_marker, tagged):
+    """Hyper-parameters tagged as a DictConfig, or plain ones that Lightning turns into one
+    (hparams_type): the default load refuses them, runs no resolver, leaks no variable."""
+    omegaconf, marker = resolver_marker
+    values = {"token": "${oc.env:FASTCKPT_TEST_SECRET}", "hook": "${fastckpt_lightning_touch:}"}
+    hparams = omegaconf.OmegaConf.create(values) if tagged else values
+    path = tmp_path / "hostile.ckpt"
+    _hostile_checkpoint(path, hparams, omegaconf.DictConfig)
+
+    with pytest.raises(fastckpt.WeightsOnlyError) as info:
+        load_from_checkpoint(_ConfModel, path)
+    assert "hunter2" not in str(info.value) and not marker.exists()
+    if tagged:
+        with pytest.raises(fastckpt.WeightsOnlyError):
+            FastCkptIO().load_checkpoint(path)
+        trainer = _trainer(tmp_path, 1, plugins=[FastCkptIO()])
+        with pytest.raises(fastckpt.WeightsOnlyError):
+            trainer.fit(_ConfModel({"lr": 0.1}), _loader(), ckpt_path=str(path))
+    else:  # the file itself holds plain strings: loading them resolves nothing
+        loaded = FastCkptIO().load_checkpoint(path)
+        assert loaded["hyper_parameters"] == values
+    assert not marker.exists()
+    # Trusted on request: the values come back as saved.
+    trusted = FastCkptIO().load_checkpoint(path, weights_only=False)
+    assert (
+        omegaconf.OmegaConf.to_container(
+            omegaconf.OmegaConf.create(trusted["hyper_parameters"]), resolve=False
+        )
+        == values
+    )
+    assert not marker.exists()
+
+
+def test_node_interpolations_in_hyperparameters_load_by_default(tmp_path, resolver_marker):
+    omegaconf, marker = resolver_marker
+    config = omegaconf.OmegaConf.create({"lr": 0.1, "base_lr": "${lr}"})
+    path = tmp_path / "conf.ckpt"
+    _hostile_checkpoint(path, config, omegaconf.DictConfig)
+    model = load_from_checkpoint(_ConfModel, path)
+    assert model.hparams.base_lr == 0.1 and not marker.exists()
+
+
+def _file_with_metadata(path, metadata):
+    # Padding keeps the header under the parser's bound of one JSON array per 12 bytes.
+    metadata = {**metadata, "padding": " " * 400_000}
+    fastckpt.save({"w": torch.ones(2)}, str(path), metadata=metadata)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"lightning.checkpoint": "[" * 5_000 + "]" * 5_000},
+        {"lightning.checkpoint": "[1]"},
+        {"lightning.checkpoint": "{}", "lightning.state_dict_keys": "[[[" * 3_000},
+        {"lightning.types": "[" * 5_000 + "]" * 5_000},
+        {"lightning.types": '[[["w"], "AttributeDict"]]'},
+    ],
+    ids=["deep checkpoint", "checkpoint list", "deep keys", "deep types", "types of a tensor"],
+)
+def test_hostile_lightning_metadata_raises_header_error(tmp_path, metadata):
+    path = _file_with_metadata(tmp_path / "hostile.ckpt", metadata)
+    with pytest.raises(fastckpt.HeaderError, match="earlier fastckpt layout"):
+        FastCkptIO().load_checkpoint(path)
+
+
+def _file_with_tree(path, tree_json):
+    from fastckpt.checkpoint.tree import Flat
+
+    fastckpt.save(Flat(tensors={"w": torch.ones(2)}, tree=tree_json), str(path))
+    return str(path)
+
+
+def _nested(depth):
+    node: object = {"t": "tensor", "n": "w"}
+    for _ in range(depth):
+        node = {"t": "dict", "k": ["state_dict"], "v": [node]}
+    return node
+
+
+@pytest.mark.parametrize(
+    "tree_json",
+    [
+        _nested(250),
+        [1, 2],
+        {"t": "object", "c": "builtins.eval", "v": "1"},
+        {"t": "dict", "k": ["state_dict"], "v": [{"t": "object", "c": "dict", "v": 5}]},
+        {"t": "dict", "k": ["hparams_type"], "v": [{"t": "class", "v": "os.system"}]},
+    ],
+    ids=["deep", "not a dict", "unknown class", "object of an int", "class by name"],
+)
+def test_hostile_structure_raises_header_error_in_the_trainer(tmp_path, tree_json):
+    path = _file_with_tree(tmp_path / "hostile.ckpt", tree_json)
+    with pytest.raises(fastckpt.HeaderError):
+        FastCkptIO().load_checkpoint(path)
+    if tree_json == [1, 2]:
+        trainer = _trainer(tmp_path, 1, plugins=[FastCkptIO()])
+        with pytest.raises(fastckpt.HeaderError):
+            trainer.validate(_model(), _loader(8), ckpt_path=path, verbose=False)
+
+
+# -- names of saves in flight -----------------------------------------------------------------
+
+
+class _Ballast(TinyModel):
+    """TinyModel with 16 MiB of buffer: each background save is still writing when the
+    next epoch (one batch) ends and ModelCheckpoint names the next file."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(4 * 2**20))
+
+
+def test_a_save_in_flight_keeps_its_name_from_the_version_counter(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath, filename="ckpt", save_top_k=-1, monitor="step_score", mode="max"
+    )
+    torch.manual_seed(0)
+    _trainer(tmp_path, 4, [callback]).fit(_Ballast(), _loader(n=4))
+    names = ["ckpt.ckpt", "ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt"]
+    assert _checkpoints(dirpath) == set(names)
+    epochs = [fastckpt.load(str(dirpath / name))["epoch"] for name in names]
+    assert epochs == [0, 1, 2, 3]
