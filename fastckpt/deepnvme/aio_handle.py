@@ -12,7 +12,9 @@ What differs, on purpose: every completion is checked and failures raise ``OSErr
 (errno and file name included) instead of returning -1 or printing; misuse raises
 ``TypeError``/``ValueError`` naming the argument; any length and offset work (unaligned
 parts go through the page cache or aligned bounce buffers); buffers may be torch tensors
-(pinned or not), numpy arrays or writable buffer objects.
+(pinned or not), numpy arrays or writable buffer objects. Every method takes DeepSpeed's
+arguments by position or by name and returns what DeepSpeed's returns; where it takes a file
+name, an open file descriptor works too (DeepSpeed's ``async_pwrite(buffer, fd, offset)``).
 
 Example:
     >>> import torch

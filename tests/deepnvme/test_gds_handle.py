@@ -592,6 +592,9 @@ def test_gds_handle_bookkeeping_on_host_memory(host_gds, tmp_path):
     assert len(host_gds.registered_log) == 4  # no registration on the fly for it
     assert h.free_pinned_device_tensor(pinned) and not h.free_pinned_device_tensor(pinned)
     assert host_gds.buffers == {}
+    # DeepSpeed's binding spells the keyword "example_tenosr".
+    spelled = h.new_pinned_device_tensor(num_elem=8, example_tenosr=torch.empty(0))
+    assert spelled.numel() == 8 and h.free_pinned_device_tensor(tensor=spelled)
 
     other = torch.zeros(64, dtype=torch.uint8)
     assert h.pin_device_tensor(other) is True
