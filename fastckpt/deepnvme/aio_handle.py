@@ -12,7 +12,9 @@ What differs, on purpose: every completion is checked and failures raise ``OSErr
 (errno and file name included) instead of returning -1 or printing; misuse raises
 ``TypeError``/``ValueError`` naming the argument; any length and offset work (unaligned
 parts go through the page cache or aligned bounce buffers); buffers may be torch tensors
-(pinned or not), numpy arrays or writable buffer objects.
+(pinned or not), numpy arrays or writable buffer objects. Every method takes DeepSpeed's
+arguments by position or by name and returns what DeepSpeed's returns; where it takes a file
+name, an open file descriptor works too (DeepSpeed's ``async_pwrite(buffer, fd, offset)``).
 
 Example:
     >>> import torch
@@ -33,12 +35,14 @@ Example:
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from fastckpt import _C
 from fastckpt.config import IOConfig, resolve_io
+from fastckpt.deepnvme.descriptors import HeldDescriptor, as_descriptor
 from fastckpt.errors import ChecksumError
 from fastckpt.io import device_copy, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor, buffer_ref
@@ -63,6 +67,45 @@ _DEEPSPEED_DEFAULTS = IOConfig(
     engine="auto",
 )
 _UNSET: Any = object()
+
+# Where DeepSpeed takes a file name, a path or an open file descriptor.
+FileTarget = Union[str, "os.PathLike[str]", int]
+
+
+def _target(filename: Any, fd: Any, method: str) -> Any:
+    """The file an op works on: ``filename`` (a path or a descriptor) or the ``fd=`` keyword."""
+    if fd is None:
+        if filename is None:
+            raise TypeError(f"{method}() missing required argument 'filename' (or 'fd')")
+        return filename
+    if filename is not None:
+        raise TypeError(f"{method}() got both 'filename' and 'fd'; pass one")
+    if as_descriptor(fd) is None:
+        raise TypeError(f"{method}(): fd must be an int, got {type(fd).__name__}")
+    return fd
+
+
+def _offset_arg(file_offset: Any) -> int:
+    """``file_offset`` as an int (numpy integers too), refusing bools, floats and negatives."""
+    if isinstance(file_offset, bool) or not hasattr(type(file_offset), "__index__"):
+        raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
+    file_offset = operator.index(file_offset)
+    if file_offset < 0:
+        raise ValueError(f"file_offset must not be negative, got {file_offset}")
+    return file_offset
+
+
+def _example_arg(example_tensor: Any, kwargs: dict[str, Any], method: str) -> Any:
+    """DeepSpeed's binding names this argument ``example_tenosr``; accept both spellings."""
+    if "example_tenosr" in kwargs:
+        if example_tensor is not _UNSET:
+            raise TypeError(f"{method}() got both 'example_tensor' and 'example_tenosr'")
+        example_tensor = kwargs.pop("example_tenosr")
+    if kwargs:
+        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
+    if example_tensor is _UNSET:
+        raise TypeError(f"{method}() missing required argument 'example_tensor'")
+    return example_tensor
 
 
 def _pop_async(async_op: Any, kwargs: dict[str, Any], method: str) -> bool:
@@ -197,27 +240,20 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     def _start(
         self,
         buffer: Any,
-        filename: str | os.PathLike[str] | None,
+        target: FileTarget,
         *,
         write: bool,
         file_offset: int,
         validate: bool,
         parallel: bool,
-        fd: int | None = None,
     ) -> _PendingOp:
-        if isinstance(file_offset, bool) or not isinstance(file_offset, int):
-            raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
-        if file_offset < 0:
-            raise ValueError(f"file_offset must not be negative, got {file_offset}")
+        file_offset = _offset_arg(file_offset)
         ref = self._buffer(buffer, write=write)
+        fd = as_descriptor(target)
         if fd is not None:
-            if filename is not None:
-                raise TypeError("pass either filename or fd, not both")
-            file = File.from_fd(fd)
-        elif filename is None:
-            raise TypeError("filename (or fd=) is required")
+            file: File = HeldDescriptor(fd, write=write)
         else:
-            file = File(filename, write=write, create=write)
+            file = File(target, write=write, create=write)
         try:
             aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
             # (a range past the largest file offset is left for the engine to refuse)
@@ -250,8 +286,9 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             op.file.close()
 
     def _run(self, *args: Any, **kwargs: Any) -> int:
+        """A blocking, non-parallel op outside the queue; returns 0 as DeepSpeed's does."""
         self._finish(self._start(*args, **kwargs))
-        return 1
+        return 0
 
     def _queue(self, *args: Any, **kwargs: Any) -> int:
         op = self._start(*args, **kwargs)
@@ -259,123 +296,181 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             self._pending.append(op)
         return 0
 
+    def _queue_and_wait(self, *args: Any, **kwargs: Any) -> int:
+        """A blocking parallel op: queued, then every queued op completed, as DeepSpeed does;
+        returns how many completed (1 plus the asynchronous ops still queued before it)."""
+        self._queue(*args, **kwargs)
+        return self.wait()
+
     # -- DeepSpeed's I/O methods ------------------------------------------------------------
-    def read(self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0) -> int:
-        """Blocking, single-threaded read of ``buffer.nbytes`` bytes at ``file_offset``; returns 1."""
+    # Each takes DeepSpeed's arguments positionally or by name. Where DeepSpeed takes a file
+    # name, a file descriptor (an int, positionally or as ``fd=``) works too: it is used as
+    # the caller opened it (O_DIRECT only if opened so) and never closed. Return values are
+    # DeepSpeed's: ``read``/``write`` 0, the asynchronous calls 0 (``wait`` then returns the
+    # count), the blocking parallel calls the number of ops completed.
+    def read(
+        self,
+        buffer: Any,
+        filename: FileTarget | None = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Blocking, single-threaded read of ``buffer.nbytes`` bytes at ``file_offset``; returns 0."""
         return self._run(
             buffer,
-            filename,
+            _target(filename, fd, "read"),
             write=False,
             file_offset=file_offset,
-            validate=validate,
+            validate=bool(validate),
             parallel=False,
         )
 
     def write(
-        self, buffer: Any, filename: str, validate: bool = False, file_offset: int = 0
+        self,
+        buffer: Any,
+        filename: FileTarget | None = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
     ) -> int:
-        """Blocking, single-threaded write of ``buffer`` at ``file_offset`` (the file is not truncated); returns 1."""
+        """Blocking, single-threaded write of ``buffer`` at ``file_offset`` (the file is not
+        truncated); returns 0."""
         return self._run(
-            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=False
+            buffer,
+            _target(filename, fd, "write"),
+            write=True,
+            file_offset=file_offset,
+            validate=bool(validate),
+            parallel=False,
         )
 
     def pread(
         self,
         buffer: Any,
-        filename: str,
+        filename: FileTarget | None = None,
         validate: bool = False,
         async_op: bool = _UNSET,
         file_offset: int = 0,
+        *,
+        fd: int | None = None,
         **kwargs: Any,
     ) -> int:
-        """Parallel read; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
-        if _pop_async(async_op, kwargs, "pread"):
-            return self._queue(
-                buffer,
-                filename,
-                write=False,
-                file_offset=file_offset,
-                validate=validate,
-                parallel=True,
-            )
-        return self._run(
-            buffer, filename, write=False, file_offset=file_offset, validate=validate, parallel=True
+        """Parallel read; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else the
+        number of ops completed (see :meth:`sync_pread`)."""
+        start = self._queue if _pop_async(async_op, kwargs, "pread") else self._queue_and_wait
+        return start(
+            buffer,
+            _target(filename, fd, "pread"),
+            write=False,
+            file_offset=file_offset,
+            validate=bool(validate),
+            parallel=True,
         )
 
     def pwrite(
         self,
         buffer: Any,
-        filename: str,
+        filename: FileTarget | None = None,
         validate: bool = False,
         async_op: bool = _UNSET,
         file_offset: int = 0,
+        *,
+        fd: int | None = None,
         **kwargs: Any,
     ) -> int:
-        """Parallel write; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else 1 when done."""
-        if _pop_async(async_op, kwargs, "pwrite"):
-            return self._queue(
-                buffer,
-                filename,
-                write=True,
-                file_offset=file_offset,
-                validate=validate,
-                parallel=True,
-            )
-        return self._run(
-            buffer, filename, write=True, file_offset=file_offset, validate=validate, parallel=True
+        """Parallel write; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else the
+        number of ops completed (see :meth:`sync_pwrite`)."""
+        start = self._queue if _pop_async(async_op, kwargs, "pwrite") else self._queue_and_wait
+        return start(
+            buffer,
+            _target(filename, fd, "pwrite"),
+            write=True,
+            file_offset=file_offset,
+            validate=bool(validate),
+            parallel=True,
         )
 
-    def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Blocking parallel read; returns 1."""
-        return self._run(
-            buffer, filename, write=False, file_offset=file_offset, validate=False, parallel=True
+    def sync_pread(
+        self,
+        buffer: Any,
+        filename: FileTarget | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Blocking parallel read. Like DeepSpeed's, it also completes the asynchronous ops
+        queued before it and returns how many ops completed: 1 when none were queued."""
+        return self._queue_and_wait(
+            buffer,
+            _target(filename, fd, "sync_pread"),
+            write=False,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
         )
 
-    def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Blocking parallel write; returns 1."""
-        return self._run(
-            buffer, filename, write=True, file_offset=file_offset, validate=False, parallel=True
+    def sync_pwrite(
+        self,
+        buffer: Any,
+        filename: FileTarget | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Blocking parallel write. Like DeepSpeed's, it also completes the asynchronous ops
+        queued before it and returns how many ops completed: 1 when none were queued."""
+        return self._queue_and_wait(
+            buffer,
+            _target(filename, fd, "sync_pwrite"),
+            write=True,
+            file_offset=file_offset,
+            validate=False,
+            parallel=True,
         )
 
     def async_pread(
         self,
         buffer: Any,
-        filename: str | None = None,
+        filename: FileTarget | None = None,
         file_offset: int = 0,
         *,
         fd: int | None = None,
     ) -> int:
-        """Starts a parallel read and returns 0; :meth:`wait` completes it. ``fd=`` reads an open descriptor."""
+        """Starts a parallel read and returns 0; :meth:`wait` completes it."""
         return self._queue(
             buffer,
-            filename,
+            _target(filename, fd, "async_pread"),
             write=False,
             file_offset=file_offset,
             validate=False,
             parallel=True,
-            fd=fd,
         )
 
     def async_pwrite(
         self,
         buffer: Any,
-        filename: str | None = None,
+        filename: FileTarget | None = None,
         file_offset: int = 0,
         *,
         fd: int | None = None,
     ) -> int:
-        """Starts a parallel write and returns 0; :meth:`wait` completes it. ``fd=`` writes an open descriptor.
+        """Starts a parallel write and returns 0; :meth:`wait` completes it.
 
-        The buffer must not change until :meth:`wait` returns (the write reads it in place).
+        ``async_pwrite(buffer, fd, file_offset)`` is DeepSpeed's descriptor form (its
+        FastFileWriter's): the descriptor stays the caller's and may even be closed before
+        :meth:`wait`, as the op holds a duplicate of it. The buffer must not change until
+        :meth:`wait` returns (the write reads it in place).
         """
         return self._queue(
             buffer,
-            filename,
+            _target(filename, fd, "async_pwrite"),
             write=True,
             file_offset=file_offset,
             validate=False,
             parallel=True,
-            fd=fd,
         )
 
     def wait(self) -> int:
@@ -397,9 +492,13 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         return len(ops)
 
     # -- locked memory ----------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+    def new_cpu_locked_tensor(
+        self, num_elem: int, example_tensor: Any = _UNSET, **kwargs: Any
+    ) -> Any:
         """A 1-D tensor of ``num_elem`` elements of ``example_tensor``'s dtype in page-aligned,
-        mlock()ed memory (raises ``OSError`` when the locked-memory limit forbids it)."""
+        mlock()ed memory (raises ``OSError`` when the locked-memory limit forbids it).
+        DeepSpeed's keyword spelling ``example_tenosr=`` works too."""
+        example_tensor = _example_arg(example_tensor, kwargs, "new_cpu_locked_tensor")
         if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
             raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
         dtype = example_tensor.dtype
@@ -416,8 +515,14 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         """
         return self._locked.pop(tensor.data_ptr(), None) is not None
 
-    def is_pinned(self, tensor: Any) -> bool:
-        """Whether the tensor's memory is page-locked (CUDA-pinned or from this library)."""
+    def is_pinned(self, buffer: Any = _UNSET, *, tensor: Any = _UNSET) -> bool:
+        """Whether the buffer's memory is page-locked (CUDA-pinned or from this library).
+
+        ``buffer`` is DeepSpeed's argument name; ``tensor=`` is kept for older fastckpt code.
+        """
+        if (buffer is _UNSET) == (tensor is _UNSET):
+            raise TypeError("is_pinned() takes one tensor: 'buffer' (or 'tensor')")
+        tensor = tensor if buffer is _UNSET else buffer
         if tensor.numel() == 0:
             return False
         try:
@@ -449,7 +554,11 @@ def _validate(op: _PendingOp) -> None:
         expected = np.ctypeslib.as_array(raw)
     else:
         expected = np.empty(0, np.uint8)
-    actual = np.frombuffer(os.pread(op.file.fd, op.ref.nbytes, op.offset), dtype=np.uint8)
+    if isinstance(op.file, HeldDescriptor):  # the caller's descriptor may be write-only
+        written = op.file.read_back(op.ref.nbytes, op.offset)
+    else:
+        written = os.pread(op.file.fd, op.ref.nbytes, op.offset)
+    actual = np.frombuffer(written, dtype=np.uint8)
     if actual.size != expected.size or not np.array_equal(actual, expected):
         mismatch = np.flatnonzero(actual != expected[: actual.size])
         where = int(mismatch[0]) if mismatch.size else actual.size

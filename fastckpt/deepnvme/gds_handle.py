@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Callable
 
-from fastckpt.deepnvme.aio_handle import _UNSET, aio_handle
+from fastckpt.deepnvme.aio_handle import _UNSET, _example_arg, aio_handle
 from fastckpt.io import cufile
 from fastckpt.io.aligned_memory import BufferRef
 from fastckpt.io.files import File
@@ -89,11 +89,16 @@ class gds_handle(aio_handle):
         return future.result
 
     # -- pinned device memory (DeepSpeed's GDS-specific API) ---------------------------------
-    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+    def new_pinned_device_tensor(
+        self, num_elem: int, example_tensor: Any = _UNSET, **kwargs: Any
+    ) -> Any:
         """A 1-D CUDA tensor of ``num_elem`` elements of ``example_tensor``'s dtype (on its
         device when it is a CUDA tensor, else the current one), registered with cuFile.
-        Release it with :meth:`free_pinned_device_tensor`."""
+        Release it with :meth:`free_pinned_device_tensor`. DeepSpeed's keyword spelling
+        ``example_tenosr=`` works too."""
         import torch
+
+        example_tensor = _example_arg(example_tensor, kwargs, "new_pinned_device_tensor")
 
         if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
             raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")

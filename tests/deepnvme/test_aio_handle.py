@@ -49,7 +49,7 @@ def test_awkward_sizes_round_trip(engine, io_dir, nbytes, offset):
 
     # A misaligned destination goes through the bounce buffers.
     misaligned = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
-    assert h.read(misaligned, path, True, offset) == 1
+    assert h.read(misaligned, path, True, offset) == 0  # DeepSpeed's read returns 0
     assert torch.equal(misaligned, data)
 
 
@@ -60,8 +60,8 @@ def test_every_io_method(engine, tmp_path, method):
     src = torch.randn(50_000)
     dst = torch.zeros_like(src)
     if method in ("read", "write"):
-        assert h.write(src, path, True) == 1
-        assert h.read(dst, path, True) == 1
+        assert h.write(src, path, True) == 0
+        assert h.read(dst, path, True) == 0
     elif method == "pwrite":
         assert h.pwrite(src, path, True, False) == 1
         assert h.pwrite(src, path, False, True) == 0  # DeepSpeed's positional async flag
@@ -386,3 +386,248 @@ def test_writes_of_a_new_file_preallocate_it(tmp_path):
     back = torch.empty_like(data)
     h.sync_pread(back, str(path), file_offset=4096)
     assert torch.equal(back, data)
+
+
+# ---- DeepSpeed's call forms ---------------------------------------------------------------
+# Every I/O method takes DeepSpeed's arguments positionally or by name, and a file
+# descriptor wherever DeepSpeed takes a file name (its async_pwrite(buffer, fd, file_offset)
+# overload, which its FastFileWriter uses). Return values are DeepSpeed's.
+
+CALL_SIZES = [1, 4095, 4097]
+# (write method, read method, their extra DeepSpeed arguments, what the call returns)
+FAMILIES = {
+    "read/write": ("write", "read", ("validate",), 0),
+    "pread/pwrite": ("pwrite", "pread", ("validate", "blocking"), 1),
+    "pread/pwrite async": ("pwrite", "pread", ("validate", "async"), 0),
+    "sync_pread/sync_pwrite": ("sync_pwrite", "sync_pread", (), 1),
+    "async_pread/async_pwrite": ("async_pwrite", "async_pread", (), 0),
+}
+
+
+def _call(h, method, buffer, target, offset, *, extra, style):
+    """``method`` called in DeepSpeed's positional or keyword form; ``target`` is a path or
+    an int descriptor (passed as ``fd=`` in the keyword form, DeepSpeed's name for it)."""
+    is_fd = isinstance(target, int)
+    if style == "positional":
+        args = [buffer, target]
+        if "validate" in extra:
+            args.append(True)
+        if "blocking" in extra or "async" in extra:
+            args.append("async" in extra)
+        return getattr(h, method)(*args, offset)
+    kwargs = {"buffer": buffer, ("fd" if is_fd else "filename"): target, "file_offset": offset}
+    if "validate" in extra:
+        kwargs["validate"] = True
+    if "blocking" in extra or "async" in extra:
+        kwargs["async"] = "async" in extra
+    return getattr(h, method)(**kwargs)
+
+
+@pytest.fixture(params=["filename", "fd", "fd-O_DIRECT"])
+def target_kind(request):
+    return request.param
+
+
+def _open_target(kind, path, flags=os.O_RDWR | os.O_CREAT):
+    if kind == "filename":
+        return str(path), None
+    if kind == "fd-O_DIRECT":
+        flags |= os.O_DIRECT
+    fd = os.open(path, flags, 0o644)
+    return fd, fd
+
+
+@pytest.mark.parametrize("nbytes", CALL_SIZES)
+@pytest.mark.parametrize("style", ["positional", "keyword"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_deepspeed_call_forms(engine, tmp_path, target_kind, family, style, nbytes):
+    write_method, read_method, extra, returns = FAMILIES[family]
+    h = make_handle(engine)
+    path = tmp_path / "forms.bin"
+    offset = 4096 + 3
+    data = random_bytes(nbytes)
+    target, fd = _open_target(target_kind, path)
+    try:
+        assert _call(h, write_method, data, target, offset, extra=extra, style=style) == returns
+        if returns == 0 and write_method != "write":
+            assert h.wait() == 1
+        with open(path, "rb") as f:
+            f.seek(offset)
+            assert f.read() == data.numpy().tobytes()
+        back = torch.empty_like(data)
+        assert _call(h, read_method, back, target, offset, extra=extra, style=style) == returns
+        if returns == 0 and read_method != "read":
+            assert h.wait() == 1
+        assert torch.equal(back, data)
+        if fd is not None:  # the caller's descriptor: still open, its position untouched
+            assert os.fstat(fd).st_size == offset + nbytes
+            assert os.lseek(fd, 0, os.SEEK_CUR) == 0
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def test_numpy_integers_as_descriptor_and_offset(tmp_path):
+    h = aio_handle(engine="threads")
+    fd = os.open(tmp_path / "np.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert h.sync_pwrite(random_bytes(100), np.int32(fd), np.int64(7)) == 1
+        assert os.fstat(fd).st_size == 107
+    finally:
+        os.close(fd)
+
+
+def test_descriptor_uses_o_direct_only_when_opened_with_it(tmp_path):
+    from fastckpt.deepnvme.descriptors import HeldDescriptor
+
+    path = tmp_path / "d.bin"
+    path.write_bytes(b"x" * 8192)
+    plain = os.open(path, os.O_RDWR)
+    try:
+        direct = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        os.close(plain)
+        pytest.skip("this file system refuses O_DIRECT")
+    try:
+        held = HeldDescriptor(plain, write=True)
+        assert not held.direct and held.fd != plain and held.path == str(path)
+        held.close()
+        held = HeldDescriptor(direct, write=True)
+        assert held.direct and held.direct_fd != direct
+        held.close()
+        # Neither of the caller's descriptors was closed or changed.
+        assert fcntl_flags(plain) & os.O_DIRECT == 0
+        assert fcntl_flags(direct) & os.O_DIRECT
+    finally:
+        os.close(plain)
+        os.close(direct)
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_descriptor_closed_before_wait_still_gets_its_bytes(engine, tmp_path):
+    """The caller may close its descriptor (and the number be reused) before wait(): the op
+    holds a duplicate, so the bytes land in the file it was given, not the number's new file."""
+    h = make_handle(engine)
+    data = random_bytes(1 << 20)
+    fd = os.open(tmp_path / "first.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    assert h.async_pwrite(data, fd, 0) == 0
+    os.close(fd)
+    reused = os.open(tmp_path / "second.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert h.wait() == 1
+    finally:
+        os.close(reused)
+    assert (tmp_path / "first.bin").read_bytes() == data.numpy().tobytes()
+    assert (tmp_path / "second.bin").read_bytes() == b""
+
+
+def test_validate_through_a_write_only_descriptor(tmp_path):
+    h = aio_handle(engine="threads")
+    fd = os.open(tmp_path / "wo.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert h.write(random_bytes(5000), fd, True) == 0
+        assert h.pwrite(random_bytes(5000), fd, True, False) == 1
+    finally:
+        os.close(fd)
+
+
+def test_blocking_calls_complete_the_queued_ops(engine, tmp_path):
+    """Like DeepSpeed's, a blocking parallel call waits for the ops queued before it and
+    returns how many completed; read/write stay outside the queue and return 0."""
+    h = make_handle(engine)
+    tensors = [random_bytes(3000 + i) for i in range(3)]
+    for i, t in enumerate(tensors[:2]):
+        assert h.async_pwrite(t, str(tmp_path / f"{i}.bin")) == 0
+    assert h.sync_pwrite(tensors[2], str(tmp_path / "2.bin")) == 3
+    assert h.wait() == 0
+    assert h.async_pread(torch.empty_like(tensors[0]), str(tmp_path / "0.bin")) == 0
+    assert h.write(tensors[0], str(tmp_path / "w.bin"), False) == 0
+    assert h.pread(torch.empty_like(tensors[1]), str(tmp_path / "1.bin"), False, False) == 2
+    assert h.wait() == 0
+
+
+def test_descriptor_errors(tmp_path):
+    h = aio_handle(engine="threads")
+    path = tmp_path / "e.bin"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDWR)
+    os.close(fd)
+    with pytest.raises(OSError) as info:  # a closed descriptor, named in the error
+        h.async_pwrite(torch.zeros(10), fd, 0)
+    assert info.value.errno == 9 and info.value.filename == f"fd {fd}"
+    with pytest.raises(OSError) as info:
+        h.sync_pread(torch.zeros(10), fd=fd)
+    assert info.value.filename == f"fd {fd}"
+    appending = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        with pytest.raises(ValueError, match="O_APPEND"):
+            h.async_pwrite(torch.zeros(10), appending, 0)
+        back = torch.empty(100, dtype=torch.uint8)
+        ro = os.open(path, os.O_RDONLY | os.O_APPEND)
+        try:  # reading through an O_APPEND descriptor is fine
+            assert h.sync_pread(back, ro) == 1
+        finally:
+            os.close(ro)
+    finally:
+        os.close(appending)
+    with pytest.raises(TypeError, match="both 'filename' and 'fd'"):
+        h.sync_pwrite(torch.zeros(1), str(path), fd=3)
+    with pytest.raises(TypeError, match="missing required argument 'filename'"):
+        h.sync_pwrite(torch.zeros(1))
+    with pytest.raises(TypeError, match="fd must be an int"):
+        h.async_pwrite(torch.zeros(1), fd=str(path))
+    with pytest.raises(TypeError, match="bool"):
+        h.async_pwrite(torch.zeros(1), True)
+    with pytest.raises(TypeError, match="file name"):
+        h.async_pwrite(torch.zeros(1), 1.5)
+    with pytest.raises(ValueError, match="negative"):
+        h.async_pwrite(torch.zeros(1), -3)
+    with pytest.raises(TypeError, match="file_offset"):
+        h.sync_pwrite(torch.zeros(1), str(path), 1.0)
+    assert h.wait() == 0
+
+
+def test_deepspeed_keyword_spellings():
+    h = aio_handle()
+    example = torch.empty(0, dtype=torch.int16)
+    t = h.new_cpu_locked_tensor(num_elem=8, example_tenosr=example)  # DeepSpeed's spelling
+    u = h.new_cpu_locked_tensor(8, example_tensor=example)
+    assert t.dtype == u.dtype == torch.int16
+    assert h.is_pinned(buffer=t) and h.is_pinned(tensor=u) and h.is_pinned(t)
+    assert h.free_cpu_locked_tensor(tensor=t) and h.free_cpu_locked_tensor(u)
+    with pytest.raises(TypeError, match="both"):
+        h.new_cpu_locked_tensor(8, example, example_tenosr=example)
+    with pytest.raises(TypeError, match="unexpected"):
+        h.new_cpu_locked_tensor(8, example, dtype=torch.int16)
+
+
+def test_parameter_names_are_deepspeeds():
+    """The names DeepSpeed's binding gives each argument, in its order (``async`` is a Python
+    keyword: it is ``async_op`` here, and ``**{"async": ...}`` works)."""
+    import inspect
+
+    expected = {
+        "read": ["buffer", "filename", "validate", "file_offset"],
+        "write": ["buffer", "filename", "validate", "file_offset"],
+        "pread": ["buffer", "filename", "validate", "async_op", "file_offset"],
+        "pwrite": ["buffer", "filename", "validate", "async_op", "file_offset"],
+        "sync_pread": ["buffer", "filename", "file_offset"],
+        "sync_pwrite": ["buffer", "filename", "file_offset"],
+        "async_pread": ["buffer", "filename", "file_offset"],
+        "async_pwrite": ["buffer", "filename", "file_offset"],
+        "new_cpu_locked_tensor": ["num_elem", "example_tensor"],
+        "free_cpu_locked_tensor": ["tensor"],
+        "is_pinned": ["buffer"],
+        "wait": [],
+    }
+    for method, names in expected.items():
+        params = inspect.signature(getattr(aio_handle, method)).parameters.values()
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+        assert positional == names, method
+        if method not in ("new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "wait"):
+            assert "fd" in inspect.signature(getattr(aio_handle, method)).parameters, method
