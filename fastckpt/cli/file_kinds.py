@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fastckpt.cli._common import USAGE, CliError
 from fastckpt.format import HEADER_LIMIT
+from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
 __all__ = [
     "CONVERT_HINT",
@@ -39,8 +40,8 @@ __all__ = [
 #: What a user does with a torch.save file to get one the commands can check.
 CONVERT_HINT = "`fastckpt convert FILE OUT.safetensors` writes a fastckpt copy"
 
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_PROTOCOLS = range(2, 6)
+#: How each format :func:`torch_save_format` names is described to users.
+_TORCH_FORMATS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a legacy tar archive"}
 #: Temporary files of an atomic save (``<name>.<random>.tmp``): in progress or interrupted.
 _TEMPORARY_SUFFIX = ".tmp"
 
@@ -68,7 +69,7 @@ class FileKind:
 
 
 def sniff(path: str | os.PathLike[str]) -> FileKind:
-    """The kind of the regular file ``path``, from its first 9 bytes and its size.
+    """The kind of the regular file ``path``, from its first bytes and its size.
 
     A safetensors file starts with a little-endian u64 header length that fits the file and
     the header's ``{``; torch.save writes a zip archive or (legacy) a pickle.
@@ -85,15 +86,14 @@ def sniff(path: str | os.PathLike[str]) -> FileKind:
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(9)
-    if len(head) == 9:
+        head = f.read(SNIFF_BYTES)
+    if len(head) >= 9:
         (length,) = struct.unpack("<Q", head[:8])
         if 2 <= length <= min(HEADER_LIMIT, size - 8) and head[8:9] == b"{":
             return FileKind("safetensors")
-    if head.startswith(_ZIP_MAGIC):
-        return FileKind("torch", "a zip archive")
-    if len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS:
-        return FileKind("torch", "a pickle")
+    torch_format = torch_save_format(head)
+    if torch_format is not None:
+        return FileKind("torch", _TORCH_FORMATS[torch_format])
     if size == 0:
         return FileKind("other", "empty")
     return FileKind("other", f"it starts with {head[:8]!r}")
