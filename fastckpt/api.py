@@ -62,7 +62,7 @@ def _for_url(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def _local(f: Any) -> Any:
     """A ``file://`` URL as its path; anything else unchanged (checked by the callee)."""
-    return storage.to_local(f) if storage.handles(f) else f
+    return storage.to_local(f) if storage.handles(f) and not storage.is_url(f) else f
 
 
 def _routed(

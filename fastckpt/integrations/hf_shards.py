@@ -403,6 +403,7 @@ def load_sharded(
         path,
         storage_options=storage_options,
         parallel=parallel,
+        only=load_options.get("keys"),
         device=target if on_cuda else "cpu",
         **open_options,
     ) as reader:
@@ -431,6 +432,7 @@ class ShardedReader(Reader):
     reads the index and each shard's header; the tensors are those the index names (plus the
     tied names a shard records for them), each read from the shard the index names; a tensor
     a shard holds but the index does not name (left by an earlier save) is not seen.
+    ``only`` opens just the shards that hold these indexed names (what ``load(keys=...)`` reads).
 
     Example:
         >>> import tempfile, torch
@@ -447,6 +449,7 @@ class ShardedReader(Reader):
         *,
         storage_options: Mapping[str, Any] | None = None,
         parallel: int = DEFAULT_PARALLEL,
+        only: Sequence[str] | None = None,
         **open_options: Any,
     ):
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -462,6 +465,11 @@ class ShardedReader(Reader):
             weight_map, self._metadata = _read_index_document(index, storage_options)
         else:
             weight_map, self._metadata = {}, {}
+        if only is not None and index is not None:  # open only the shards these names need
+            for name in only:
+                if name not in weight_map:
+                    raise KeyError(f"no tensor named {name!r} in {index}")
+            weight_map = {n: weight_map[n] for n in weight_map if n in set(only)}
         files = [single] if single else [storage.join(directory, n) for n in weight_map.values()]
         try:
             for shard in dict.fromkeys(files):
