@@ -50,7 +50,7 @@ def placed(pos: int, offset: int, alignment: int) -> int:
 
     Example:
         >>> placed(0, 8200, 4096), placed(10, 8200, 4096), placed(300, 64, 256)
-        (8, 8, 320)
+        (8, 4104, 576)
     """
     return -(-pos // alignment) * alignment + offset % alignment if alignment > 1 else pos
 

@@ -88,7 +88,7 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
         >>> verify_file("/no/such.safetensors").status
         'ERROR'
     """
-    import fastckpt
+    from fastckpt import api
     from fastckpt.cli.inspect import describe_file
     from fastckpt.errors import HeaderError
     from fastckpt.integrations.dcp import is_dcp_checkpoint
@@ -119,13 +119,8 @@ def verify_file(path: str | os.PathLike[str], *, progress: bool | None = None) -
             "by another library, so its data cannot be checked",
         )
     try:
-        reader = fastckpt.open(path)
-        try:
-            damaged = list(reader.verify(progress=progress))
-        finally:
-            close = getattr(reader, "close", None)
-            if close is not None:
-                close()
+        with api.open(path) as reader:  # one Reader type, whatever the storage
+            damaged = reader.verify(progress=progress)
     except HeaderError as exc:
         return Verdict(DAMAGED, f"{name}: bad header: {exc}")
     except OSError as exc:
