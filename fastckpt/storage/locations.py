@@ -71,7 +71,7 @@ def local_path(url: str) -> str:
         raise ValueError(f"{url!r} is not a file:// URL")
     rest = url.split("://", 1)[1]
     host, slash, path = rest.partition("/")
-    if host not in ("", "localhost"):
+    if host.lower() not in ("", "localhost"):  # host names are case-insensitive
         raise ValueError(
             f"{url}: names host {host!r}; only local files (file:///path or "
             "file://localhost/path) are read as files"
