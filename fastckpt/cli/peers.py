@@ -97,7 +97,7 @@ class Loader:
 
 
 def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
-    from fastckpt import save  # resolved (its modules imported) outside the timed section
+    from fastckpt.api import save  # resolved (its modules imported) outside the timed section
 
     return lambda: save(state, path, progress=False)  # fsyncs and commits itself
 
@@ -156,25 +156,24 @@ SAVERS: dict[str, Saver] = {
 
 
 def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt import load  # resolved (its modules imported) outside the timed section
+    from fastckpt.api import load  # resolved (its modules imported) outside the timed section
 
     return lambda: load(path, map_location=device, progress=False)
 
 
 def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt import load
+    from fastckpt.api import load
 
     return lambda: load(path, map_location=device, verify=False, progress=False)
 
 
 def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
-    import fastckpt
+    from fastckpt.api import load
 
-    if "mmap" not in inspect.signature(fastckpt.load).parameters:
+    if "mmap" not in inspect.signature(load).parameters:
         raise Skip("fastckpt.load takes no mmap argument in this version")
     if device != "cpu":
         raise Skip("mmap loads are for CPU tensors")
-    load = fastckpt.load
     return lambda: load(path, mmap=True, progress=False)
 
 

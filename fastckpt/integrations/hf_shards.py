@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from fastckpt import storage
+from fastckpt.checkpoint import save as checkpoint_save
 from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.range_read import TensorSlice
@@ -211,10 +212,8 @@ def _save_one(state: dict[str, torch.Tensor], target: str, options: dict[str, An
     if remote.is_url(target):
         remote.save(state, target, **options)
     else:
-        import fastckpt
-
         options = {k: v for k, v in options.items() if k != "storage_options"}
-        fastckpt.save(state, target, **options)
+        checkpoint_save.save(state, target, **options)
 
 
 def _remove_stale(directory: str, keep: set[str]) -> None:
