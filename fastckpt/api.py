@@ -72,6 +72,7 @@ def _routed(
     keyword-only parameters (name -> documentation; ``"shards"`` adds documentation only)."""
 
     def decorate(route: Callable[..., Any]) -> Callable[..., Any]:
+        returns = inspect.signature(route).return_annotation  # open() gives a Reader
         functools.update_wrapper(route, local)
         del route.__wrapped__  # the signature below is the true one
         signature = inspect.signature(local)
@@ -83,7 +84,12 @@ def _routed(
         params = list(signature.parameters.values())
         tail = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
         head = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        route.__signature__ = signature.replace(parameters=head + added + tail)
+        route.__signature__ = signature.replace(
+            parameters=head + added + tail,
+            return_annotation=returns
+            if returns is not inspect.Signature.empty
+            else signature.return_annotation,
+        )
         doc = local.__doc__ or ""
         at = doc.find("\n    Returns:")
         at = doc.find("\n    Raises:") if at < 0 else at

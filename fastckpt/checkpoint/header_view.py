@@ -21,10 +21,7 @@ from fastckpt import format
 from fastckpt.checkpoint import dtypes
 from fastckpt.errors import HeaderError
 
-__all__ = ["HEADER_PROBE", "HeaderView", "TensorInfo", "read_header"]
-
-#: The first read of a URL's header: its length and, usually, the whole header (one request).
-HEADER_PROBE = 1 << 20
+__all__ = ["HeaderView", "TensorInfo", "read_header"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +39,16 @@ def read_header(storage: Any) -> format.Header:
     """Reads and parses the header of the file in ``storage`` (a
     :class:`~fastckpt.storage.Storage`): the one header reader of every storage.
 
-    A local file is read with two small reads (the length, then the header); a URL with one
-    read of :data:`HEADER_PROBE` bytes, which usually holds the whole header, and a second
-    one for a longer header.
+    The first read takes ``storage.header_probe`` bytes: 8 for a local file (the length, then
+    the header in a second read); for a URL 1 MiB, which usually holds the whole header in
+    one request (a longer header takes a second).
 
     Raises:
         HeaderError: not a valid safetensors file; the message names the file.
     """
     where = storage.location
     size = storage.size()
-    probe = HEADER_PROBE if getattr(storage, "ranged", False) else 8
+    probe = max(8, storage.header_probe)
     try:
         first = storage.read_bytes(0, min(size, probe)) if size else b""
         try:

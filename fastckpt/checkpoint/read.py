@@ -56,7 +56,7 @@ _DEVICE_ALIGN = 256
 # verify() reads in batches of about this many bytes, so memory stays bounded on huge files.
 _VERIFY_BATCH = 256 << 20
 _LOCAL_OPTIONS = ("direct_io", "engine", "block_size", "queue_depth", "intra_op_parallelism")
-_URL_OPTIONS = ("part_size", "parallel")
+_URL_OPTIONS = ("part_size", "parallel", "header_probe")
 
 
 def _check_device(device: str | torch.device) -> torch.device:

@@ -94,4 +94,3 @@ def check_crcs(
     if bad:
         name = bad[0]
         raise checksum_mismatch(name, path, actual.get(name, 0), expected[name])
-

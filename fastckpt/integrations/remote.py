@@ -38,7 +38,11 @@ from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 from fastckpt.io import parallel_io
 from fastckpt.io.checksums import PieceCrcs
 from fastckpt.storage.locations import handles, is_url, join, local_path, url_to_fs
-from fastckpt.storage.url import DEFAULT_PARALLEL, DEFAULT_PART_SIZE, UrlStorage
+from fastckpt.storage.url import DEFAULT_PARALLEL, DEFAULT_PART_SIZE, UrlStorage, url_errors
+
+# The context manager that restates a failure as an OSError naming the URL; it lives in the
+# storage layer now (DCP's listing still reaches it by this name).
+_Errors = url_errors
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -238,14 +242,12 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
 
 
 def RemoteReader(  # noqa: N802 - the name readers of URLs have always had
-    url: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    part_size: int = DEFAULT_PART_SIZE,
-    parallel: int = DEFAULT_PARALLEL,
+    url: str, *, storage_options: Mapping[str, Any] | None = None, **options: Any
 ) -> CheckpointReader:
     """The checkpoint at ``url`` opened for lazy reading: the one
-    :class:`~fastckpt.checkpoint.read.CheckpointReader`, over the URL's storage.
+    :class:`~fastckpt.checkpoint.read.CheckpointReader`, over the URL's storage. ``options``
+    are :func:`fastckpt.open`'s (``part_size``, ``parallel``, ``header_probe``: bytes of the
+    first read of the header).
 
     Example:
         >>> import torch
@@ -254,9 +256,9 @@ def RemoteReader(  # noqa: N802 - the name readers of URLs have always had
         ...     sorted(r.keys()), r.get_tensor("b").tolist()
         (['a', 'b'], [0.0, 0.0, 0.0])
     """
-    return CheckpointReader(
-        UrlStorage(url, storage_options=storage_options, part_size=part_size, parallel=parallel)
-    )
+    if not is_url(url):
+        raise ValueError(f"{url!r} is not a URL (open local files with fastckpt.open)")
+    return open_checkpoint(url, storage_options=storage_options, **options)
 
 
 def open_url(url: str, **options: Any) -> CheckpointReader:

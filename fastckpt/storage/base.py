@@ -42,6 +42,8 @@ class Storage(abc.ABC):
     location: str
     #: Whether each read is a request to a server (a URL): one larger read beats two small.
     ranged: bool = False
+    #: Bytes of the first read of a header (its length, and with a URL usually all of it).
+    header_probe: int = 8
 
     @abc.abstractmethod
     def size(self) -> int:

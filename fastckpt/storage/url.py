@@ -52,6 +52,8 @@ DEFAULT_PARALLEL = 8
 _S3_MIN_PART = 5 << 20
 _S3_MAX_PARTS = 10_000
 _STREAM_CHUNK = 1 << 20  # bytes taken from a streamed GET at a time
+#: The first read of a URL's header: its length and, usually, the whole header (one request).
+HEADER_PROBE = 1 << 20
 #: Stores where a written object appears only once its upload completes (no rename needed).
 _OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss")
 
@@ -287,6 +289,7 @@ class UrlStorage(Storage):
         storage_options: passed to the fsspec file system (None: ``FASTCKPT_STORAGE_OPTIONS``).
         part_size: bytes per uploaded part and per ranged read.
         parallel: parts uploaded, or ranges read, at the same time.
+        header_probe: bytes of the first read of the header (one request for most headers).
     """
 
     ranged = True
@@ -298,12 +301,18 @@ class UrlStorage(Storage):
         storage_options: Mapping[str, Any] | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         parallel: int = DEFAULT_PARALLEL,
+        header_probe: int = HEADER_PROBE,
     ):
         for what, value in (("part_size", part_size), ("parallel", parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
         self.location = url
         self.part_size, self.parallel = part_size, parallel
+        if isinstance(header_probe, bool) or not isinstance(header_probe, int) or header_probe < 8:
+            raise ValueError(
+                f"header_probe must be an int of at least 8 bytes, got {header_probe!r}"
+            )
+        self.header_probe = header_probe
         with url_errors(url, "resolving the URL"):
             self.fs, self.path = url_to_fs(url, storage_options)
         self._size: int | None = None
