@@ -457,6 +457,7 @@ class ShardedReader(Reader):
         self.path = text
         self._parallel = parallel
         self._readers: dict[str, CheckpointReader] = {}
+        self._closed = False
         self._owner: dict[str, CheckpointReader] = {}  # stored name -> its shard's reader
         self._aliases: dict[str, str] = {}
         directory, index, single = _resolve(text, storage_options)
@@ -548,7 +549,7 @@ class ShardedReader(Reader):
         return sum(reader.bytes_read for reader in self._readers.values())
 
     def _live(self) -> list[CheckpointReader]:
-        if self._readers is None:
+        if self._closed:
             raise ValueError(f"{self.path}: the reader is closed")
         return list(self._readers.values())
 
@@ -632,8 +633,8 @@ class ShardedReader(Reader):
 
     def close(self) -> None:
         """Closes every shard (each first waits for its reads in flight)."""
-        readers, self._readers = self._readers, None  # type: ignore[assignment]
-        for reader in (readers or {}).values():
+        self._closed = True
+        for reader in self._readers.values():
             reader.close()
 
     def __enter__(self) -> ShardedReader:
