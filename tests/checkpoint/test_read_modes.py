@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 import fastckpt
 from fastckpt.checkpoint.read import _plan_spans
-from fastckpt.storage.local import span_bytes
 from fastckpt.checkpoint.save import _through_page_cache, plan_save
 from fastckpt.checkpoint.tensor_runs import tensor_runs
 from fastckpt.io.commit import AtomicFile
+from fastckpt.storage.local import span_bytes
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ def test_close_while_reads_run_waits_for_them(tmp_path):
         errors: list[BaseException] = []
         started = threading.Barrier(5)
 
-        def read_all(reader=reader) -> None:
+        def read_all(reader=reader, started=started, errors=errors) -> None:
             started.wait()
             try:
                 for _ in range(5):
