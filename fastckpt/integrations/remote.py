@@ -5,11 +5,10 @@ which :mod:`fastckpt.storage` turns back into one) keeps the native direct-I/O p
 a URL is the checkpoint layer's one reader over :class:`~fastckpt.storage.url.UrlStorage`
 (:func:`open_url` and :func:`load` are that reader, spelled for URLs).
 
-Save. The layout is planned before any byte is written (:func:`fastckpt.checkpoint.save.plan_save`), and
-the CRC32Cs are computed in a first pass over the tensors in memory, so the header is known up
-front and goes out first, followed by the data, in file order, through the storage's atomic
-sink (:meth:`~fastckpt.storage.Storage.write_atomically`): bounded memory, parallel parts on
-S3, and a checkpoint at a URL is complete or absent.
+Save. The checkpoint layer plans the file and streams it header first
+(:func:`fastckpt.checkpoint.ordered_save.write_in_order`: save's plan, header and checksums)
+through the URL's atomic sink (:meth:`~fastckpt.storage.Storage.write_atomically`): bounded
+memory, parallel parts on S3, and a checkpoint at a URL is complete or absent.
 
 Example:
     >>> import torch, fastckpt
@@ -23,20 +22,16 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from fastckpt import format, storage
 from fastckpt.checkpoint import asynchronous
 from fastckpt.checkpoint import load as checkpoint_load
 from fastckpt.checkpoint import save as checkpoint_save
+from fastckpt.checkpoint.ordered_save import write_in_order
 from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
-from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
-from fastckpt.io import parallel_io
-from fastckpt.io.checksums import PieceCrcs
+from fastckpt.checkpoint.save import SavePlan, plan_save
 from fastckpt.storage.locations import handles, is_url, join, local_path, url_to_fs
 from fastckpt.storage.url import DEFAULT_PARALLEL, DEFAULT_PART_SIZE, UrlStorage, url_errors
 
@@ -65,34 +60,6 @@ __all__ = [
 # --------------------------------------------------------------------------- save
 
 
-def _tensor_crc(t: torch.Tensor, acc: PieceCrcs, piece: int) -> PieceCrcs:
-    for chunk in _byte_chunks(t, piece):
-        if chunk.device.type != "cpu":
-            chunk = chunk.cpu()
-        acc.update(chunk.data_ptr(), chunk.numel())
-    return acc
-
-
-def _checksums(plan: SavePlan, threads: int) -> dict[str, PieceCrcs] | None:
-    """CRC32C of every tensor and of its pieces, read from memory before anything is written
-    (so the header, which holds them, can be written first)."""
-    if not plan.checksum:
-        return None
-    sums = plan.checksummers()
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        done = pool.map(
-            lambda n: _tensor_crc(plan.tensors[n], sums[n], DEFAULT_PART_SIZE), list(sums)
-        )
-        return dict(zip(sums, done))
-
-
-def _file_bytes(plan: SavePlan, header: bytes, piece: int) -> Iterator[Any]:
-    """The checkpoint's bytes in file order: the header, then each tensor in pieces."""
-    yield header
-    for entry in plan.entries:
-        yield from _byte_chunks(plan.tensors[entry.name], piece)
-
-
 def write_plan(
     plan: SavePlan,
     url: str,
@@ -104,11 +71,7 @@ def write_plan(
     """Writes a planned checkpoint to ``url``: checksums first, then header and data, streamed
     through the URL's atomic sink."""
     sink = UrlStorage(url, storage_options=storage_options, part_size=part_size, parallel=parallel)
-    sums = _checksums(plan, parallel_io.worker_count())
-    header = plan.header(None) if sums is None else plan.header_from(sums)
-    if len(header) != plan.header_size:
-        raise AssertionError("header size changed between planning and writing")
-    sink.write_atomically(_file_bytes(plan, header, part_size), plan.file_size)
+    write_in_order(plan, sink, piece_bytes=part_size)
 
 
 def save(
