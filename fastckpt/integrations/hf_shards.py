@@ -21,8 +21,10 @@ and committed on its own; the index is written last, once every shard is durable
 reader that finds the index finds every shard complete. Shards of an earlier save into the
 same directory that the new index does not name are then removed.
 
-``fastckpt.load(directory)`` (or the index file's path) reads every shard in parallel and
-returns one flat dict; ``fastckpt.open(directory)`` reads tensors lazily. Both take the
+``fastckpt.load(directory)`` (or the index file's path) returns one flat dict of the tensors
+the index names, each read from the shard the index names, shards in parallel;
+``fastckpt.open(directory)`` gives a :class:`ShardedReader`, the one
+:class:`~fastckpt.Reader` type over a reader per shard, reading tensors lazily. Both take the
 directories that ``transformers`` and ``huggingface_hub`` write. The directory may be a URL
 (see :mod:`fastckpt.integrations.remote`).
 
