@@ -26,6 +26,7 @@ range are read (see :mod:`fastckpt.checkpoint.range_read`).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import mmap
 import threading
@@ -105,6 +106,12 @@ class CheckpointReader(HeaderView, Reader):
             chosen = {k: v for k, v in options.items() if k in wanted and v is not None}
             self._storage = open_storage(f, storage_options=storage_options, **chosen)
         self.path = self._storage.location
+        if gds and self._storage.ranged:
+            self._storage.close()
+            raise io.UnsupportedOperation(
+                f"{self.path}: GPUDirect Storage (gds=True) reads local files only; "
+                "a URL is read into host memory (leave gds unset)"
+            )
         try:
             self._adopt_header(read_header(self._storage))
         except BaseException:

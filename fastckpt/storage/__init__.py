@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -106,15 +105,7 @@ def list_names(directory: str, storage_options: Options = None) -> list[str]:
 
 def delete(location: str, storage_options: Options = None) -> None:
     """Removes the file at ``location`` (``FileNotFoundError`` when there is none)."""
-    local = to_local(location)
-    if local is not None:
-        os.unlink(local)
-        return
-    with url_errors(location, "delete"):
-        fs, path = url_to_fs(location, storage_options)
-        if not fs.isfile(path):
-            raise FileNotFoundError(errno.ENOENT, "no such file", location)
-        fs.rm(path)
+    open_storage(location, storage_options=storage_options, create=True).delete()
 
 
 def read_whole(location: str, storage_options: Options = None) -> bytes:

@@ -81,6 +81,10 @@ class Storage(abc.ABC):
         """Writes the file from ``pieces`` (bytes-like objects or uint8 CPU tensors, in file
         order, ``total`` bytes in all): it appears whole and durable, or not at all."""
 
+    @abc.abstractmethod
+    def delete(self) -> None:
+        """Removes the file (``FileNotFoundError`` naming it when there is none)."""
+
     def local_file(self) -> Any:
         """The open :class:`~fastckpt.io.files.File` for what only a local file can do
         (memory mapping, GPUDirect reads).

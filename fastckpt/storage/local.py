@@ -207,6 +207,9 @@ class LocalStorage(Storage):
             if offset != total:
                 raise ValueError(f"{self.location}: wrote {offset} bytes, expected {total}")
 
+    def delete(self) -> None:
+        os.unlink(self.location)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -435,6 +435,13 @@ class UrlStorage(Storage):
         with url_errors(url, "ranged read"):
             sync(fs.loop, fetch_all)
 
+    def delete(self) -> None:
+        with url_errors(self.location, "delete"):
+            if not self.fs.isfile(self.path):
+                raise FileNotFoundError(errno.ENOENT, "no such file", self.location)
+            self.fs.rm(self.path)
+        self._size = None
+
     def write_atomically(self, pieces: Iterable[Any], total: int) -> None:
         if _is_s3(self.fs):
             _s3_upload(

@@ -183,3 +183,9 @@ def test_prefetched_bytes_are_verified_when_asked(ckpt):
     with ckpt.open() as reader:
         reader.prefetch(["h", "b"])
         assert torch.equal(reader.get_tensors(["h"], verify=True)["h"], _state()["h"])
+
+
+def test_gds_is_for_local_files_only(ckpt):
+    if ckpt.kind in ("memory", "s3"):
+        with pytest.raises(io.UnsupportedOperation, match="GPUDirect Storage"):
+            ckpt.open(gds=True)

@@ -90,3 +90,13 @@ def test_missing_files_are_file_not_found(location):
     with pytest.raises(FileNotFoundError) as info:
         storage.open_storage(url, storage_options=options)
     assert url in str(info.value)
+
+
+def test_delete(location):
+    url, options = location
+    _written(location).close()
+    sink = storage.open_storage(url, storage_options=options, create=True)
+    sink.delete()
+    assert not storage.exists(url, options)
+    with pytest.raises(FileNotFoundError):
+        sink.delete()
