@@ -3,7 +3,8 @@
 Two faces:
 
 - :func:`save`, :func:`load` and :func:`open`: a drop-in for ``torch.save``/``torch.load``
-  writing safetensors-compatible files laid out for direct I/O.
+  writing safetensors-compatible files laid out for direct I/O. :func:`open` returns a
+  :class:`Reader`, the same type for a local file, an fsspec URL and a sharded directory.
 - :mod:`fastckpt.aio`: the DeepNVMe API (``aio_handle``, ``aio_read``, ``aio_write``,
   ``deepspeed_memcpy``, ``gds_handle``) over a native engine (io_uring, Linux AIO, a
   thread pool, or cuFile for GPUDirect Storage).
@@ -39,6 +40,7 @@ _PUBLIC = {
     "wait_all": ("fastckpt.checkpoint.asynchronous", "wait_all"),
     "release_staging": ("fastckpt.checkpoint.asynchronous", "release_staging"),
     "prepare_staging": ("fastckpt.checkpoint.asynchronous", "prepare_staging"),
+    "Reader": ("fastckpt.checkpoint.reader", "Reader"),
     "CheckpointReader": ("fastckpt.checkpoint.read", "CheckpointReader"),
     "TensorInfo": ("fastckpt.checkpoint.header_view", "TensorInfo"),
     "engines": ("fastckpt.io.engines", "engines"),
@@ -64,6 +66,7 @@ __all__ = [
     "wait_all",
     "release_staging",
     "prepare_staging",
+    "Reader",
     "CheckpointReader",
     "TensorInfo",
     "aio",
@@ -90,6 +93,7 @@ if TYPE_CHECKING:
     )
     from fastckpt.checkpoint.header_view import TensorInfo
     from fastckpt.checkpoint.read import CheckpointReader
+    from fastckpt.checkpoint.reader import Reader
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,

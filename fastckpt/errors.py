@@ -24,6 +24,7 @@ __all__ = [
     "EngineUnavailableError",
     "WeightsOnlyError",
     "UnsafePickleError",
+    "checksum_mismatch",
 ]
 
 
@@ -47,6 +48,25 @@ class ChecksumError(FastCkptError):
         super().__init__(message)
         self.tensor = tensor
         self.filename = filename
+
+
+def checksum_mismatch(
+    tensor: str, filename: str, got: int, expected: int, where: str = ""
+) -> ChecksumError:
+    """The error for tensor bytes whose CRC32C is ``got`` where ``expected`` was recorded:
+    every reader (local files, URLs, shards; CPU and CUDA loads) builds it here, so the
+    message is the same wherever the bytes came from. ``where`` narrows the place (a piece).
+
+    Example:
+        >>> str(checksum_mismatch("w", "ckpt.safetensors", 0x1234, 0xABCD))
+        "tensor 'w' in ckpt.safetensors is damaged: CRC32C 00001234, expected 0000abcd"
+    """
+    return ChecksumError(
+        f"tensor {tensor!r} in {filename} is damaged{where}: "
+        f"CRC32C {got:08x}, expected {expected:08x}",
+        tensor=tensor,
+        filename=filename,
+    )
 
 
 class EngineUnavailableError(FastCkptError):

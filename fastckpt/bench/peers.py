@@ -76,7 +76,7 @@ class Loader:
 
 
 def _save_fastckpt(state: dict[str, Any], path: str) -> Callable[[], None]:
-    from fastckpt.checkpoint.save import save  # imported outside the timed section
+    from fastckpt.api import save  # resolved (its modules imported) outside the timed section
 
     return lambda: save(state, path, progress=False)  # fsyncs and commits itself
 
@@ -135,19 +135,19 @@ SAVERS: dict[str, Saver] = {
 
 
 def _load_fastckpt(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt.checkpoint.load import load  # imported outside the timed section
+    from fastckpt.api import load  # resolved (its modules imported) outside the timed section
 
     return lambda: load(path, map_location=device, progress=False)
 
 
 def _load_fastckpt_noverify(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt.checkpoint.load import load
+    from fastckpt.api import load
 
     return lambda: load(path, map_location=device, verify=False, progress=False)
 
 
 def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
-    from fastckpt.checkpoint.load import load
+    from fastckpt.api import load
 
     if "mmap" not in inspect.signature(load).parameters:
         raise Skip("fastckpt.load takes no mmap argument in this version")

@@ -13,15 +13,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
-from fastckpt.errors import ChecksumError, HeaderError
+from fastckpt.errors import HeaderError
 
-__all__ = ["HeaderView", "TensorInfo"]
+__all__ = ["HeaderView", "TensorInfo", "read_header"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,36 @@ class TensorInfo:
     offset: int  # absolute file offset of the first byte
 
 
+def read_header(storage: Any) -> format.Header:
+    """Reads and parses the header of the file in ``storage`` (a
+    :class:`~fastckpt.storage.Storage`): the one header reader of every storage.
+
+    The first read takes ``storage.header_probe`` bytes: 8 for a local file (the length, then
+    the header in a second read); for a URL 1 MiB, which usually holds the whole header in
+    one request (a longer header takes a second).
+
+    Raises:
+        HeaderError: not a valid safetensors file; the message names the file.
+    """
+    where = storage.location
+    size = storage.size()
+    probe = max(8, storage.header_probe)
+    try:
+        first = storage.read_bytes(0, min(size, probe)) if size else b""
+        try:
+            n = format.parse_header_length(first[:8], size)
+            raw = first[8 : 8 + n] if len(first) >= 8 + n else storage.read_bytes(8, n)
+            return format.parse_header(raw, size)
+        except HeaderError as exc:
+            raise HeaderError(f"{where}: {exc}") from None
+    except EOFError:
+        raise HeaderError(f"{where}: the file ended while reading the header") from None
+
+
 class HeaderView:
-    """The header-side of a reader. Subclasses set ``path`` and call :meth:`_adopt_header`."""
+    """The header-side of a single-file reader. Subclasses set ``path`` and call
+    :meth:`_adopt_header`; they are :class:`~fastckpt.Reader` s, which give
+    ``require_checksums``."""
 
     path: str
     header: format.Header
@@ -106,25 +134,6 @@ class HeaderView:
         """Whether the file records a CRC32C per tensor."""
         return self.meta.crcs is not None
 
-    def require_checksums(self, verify: bool = True) -> None:
-        """Refuses to verify (``verify=True``) a file that records no checksums.
-
-        Raises:
-            ChecksumError: naming the file.
-
-        Example:
-            >>> import torch, fastckpt
-            >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-nosum.safetensors", checksum=False)
-            >>> with fastckpt.open("/tmp/fastckpt-nosum.safetensors") as r:
-            ...     r.require_checksums(verify=False)  # nothing to check, nothing asked
-            ...     r.require_checksums()
-            Traceback (most recent call last):
-            ...
-            fastckpt.errors.ChecksumError: /tmp/fastckpt-nosum.safetensors has no checksums to verify
-        """
-        if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
-
     def _entry(self, name: str) -> format.TensorEntry:
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
@@ -145,23 +154,6 @@ class HeaderView:
         target = None if out is None else byte_view(out, stop - start)
         self.require_checksums(verify)
         return e, target
-
-    def read(
-        self, names: Sequence[str] | None = None, *, verify: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """Stored tensors (all when ``names`` is None): stored name -> tensor."""
-        raise NotImplementedError
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """Reads one tensor (by stored name or alias)."""
-        return self.get_tensors([name])[name]
-
-    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
-        """Reads several tensors in one batch of parallel reads; ``name -> tensor``."""
-        if isinstance(names, str):
-            raise TypeError("names must be a sequence of str, not a str")
-        tensors = self.read(list(names), verify=verify)
-        return {n: tensors[self.meta.aliases.get(n, n)] for n in names}
 
     def info(self, name: str) -> TensorInfo:
         """dtype, shape, size and file offset of a tensor, without reading it."""

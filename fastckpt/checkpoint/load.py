@@ -1,4 +1,8 @@
-"""``fastckpt.load``: read a checkpoint back into the object that was saved."""
+"""``fastckpt.load``: read a checkpoint back into the object that was saved.
+
+One load for every storage: the checkpoint is opened as a :class:`~fastckpt.Reader` (a local
+file, a file at a URL, or a sharded directory opened by the caller) and read through it.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 
 from fastckpt.checkpoint import tree
-from fastckpt.checkpoint.read import CheckpointReader
+from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.checkpoint.reader import Reader
 
-__all__ = ["load", "resolve_device"]
+__all__ = ["check_target", "load", "resolve_device"]
 
 MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., Any]]
 
@@ -58,8 +63,37 @@ def _apply_callable(fn: Callable[..., Any], t: torch.Tensor) -> torch.Tensor:
     return t.to(result.device)
 
 
+def check_target(
+    map_location: MapLocation,
+    device: str | torch.device | None,
+    *,
+    keys: Sequence[str] | None = None,
+    mmap: bool = False,
+    pin_memory: bool = False,
+) -> torch.device | Callable[..., Any]:
+    """The target of a load, with every argument checked before anything is read.
+
+    Example:
+        >>> check_target("mps", None)
+        Traceback (most recent call last):
+        ...
+        ValueError: device mps is not supported (use 'cpu', 'cuda[:N]' or 'meta')
+    """
+    target = resolve_device(map_location, device)
+    if isinstance(target, torch.device) and target.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"device {target} is not supported (use 'cpu', 'cuda[:N]' or 'meta')")
+    if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
+        raise TypeError("keys must be a list of tensor names")
+    on_cuda = isinstance(target, torch.device) and target.type == "cuda"
+    if mmap and (on_cuda or pin_memory):
+        raise ValueError(
+            "mmap=True maps the file into CPU memory: it takes no CUDA device or pin_memory"
+        )
+    return target
+
+
 def load(
-    f: str | os.PathLike[str],
+    f: str | os.PathLike[str] | Reader,
     map_location: MapLocation = None,
     *,
     device: str | torch.device | None = None,
@@ -75,6 +109,9 @@ def load(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    part_size: int | None = None,
+    parallel: int | None = None,
 ) -> Any:
     """Loads what :func:`fastckpt.save` saved, or any safetensors file (as a flat dict).
 
@@ -111,6 +148,12 @@ def load(
             (``True``: GDS or ``EngineUnavailableError``; default: when ``FASTCKPT_GDS=1``
             and GDS runs here). Otherwise disk reads into page-locked staging buffers
             overlap the copies to the GPU.
+        storage_options: for a URL, passed to its fsspec file system.
+        part_size: for a URL, bytes per ranged read.
+        parallel: for a URL, ranged reads in flight.
+
+    ``f`` may also be an open :class:`~fastckpt.Reader` (opened on the target's device),
+    read here and left open: every storage loads through this one function.
 
     Raises:
         FileNotFoundError: no such file (an ``OSError`` with errno and filename).
@@ -126,15 +169,11 @@ def load(
         >>> back["param_groups"][0]["lr"], list(back["state"])
         (0.1, [0])
     """
-    target = resolve_device(map_location, device)
-    if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
-        raise TypeError("keys must be a list of tensor names")
+    target = check_target(map_location, device, keys=keys, mmap=mmap, pin_memory=pin_memory)
     on_cuda = isinstance(target, torch.device) and target.type == "cuda"
-    if mmap and (on_cuda or pin_memory):
-        raise ValueError(
-            "mmap=True maps the file into CPU memory: it takes no CUDA device or pin_memory"
-        )
-    with CheckpointReader(
+    if isinstance(f, Reader):
+        return _read_object(f, target, pin_memory, weights_only, keys, verify, progress, mmap)
+    with open_checkpoint(
         f,
         device=target if on_cuda else "cpu",
         gds=gds,
@@ -143,24 +182,41 @@ def load(
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
+        storage_options=storage_options,
+        part_size=part_size,
+        parallel=parallel,
     ) as reader:
-        check = reader.has_checksums and (VERIFY_DEFAULT if verify is None else verify)
-        reader.require_checksums(verify)
-        names = None if keys is None else list(keys)
-        if mmap:
-            stored = reader.map(names, verify=bool(verify))
-        else:
-            stored = reader.read(names, pin_memory=pin_memory, verify=check, progress=progress)
-            if pin_memory and not on_cuda:
-                _warn_unpinned(stored, reader.path)
-        if isinstance(target, torch.device) and target.type not in ("cpu", "cuda"):
-            stored = _to_device(stored, target)
-        elif callable(target) and not isinstance(target, torch.device):
-            stored = {name: _apply_callable(target, t) for name, t in stored.items()}
-        aliases = reader.meta.aliases
-        if keys is not None:
-            return {k: stored[aliases.get(k, k)] for k in keys}
-        return tree.unflatten(reader.meta.tree, stored, aliases, weights_only=weights_only)
+        return _read_object(reader, target, pin_memory, weights_only, keys, verify, progress, mmap)
+
+
+def _read_object(
+    reader: Reader,
+    target: torch.device | Callable[..., Any],
+    pin_memory: bool,
+    weights_only: bool,
+    keys: Sequence[str] | None,
+    verify: bool | None,
+    progress: bool | None,
+    mmap: bool,
+) -> Any:
+    check = reader.has_checksums and (VERIFY_DEFAULT if verify is None else verify)
+    reader.require_checksums(bool(verify))
+    names = None if keys is None else list(keys)
+    on_cuda = isinstance(target, torch.device) and target.type == "cuda"
+    if mmap:
+        stored = reader.map(names, verify=bool(verify))
+    else:
+        stored = reader.read(names, pin_memory=pin_memory, verify=check, progress=progress)
+        if pin_memory and not on_cuda:
+            _warn_unpinned(stored, reader.path)
+    if isinstance(target, torch.device) and target.type == "meta":
+        stored = {name: t.to("meta") for name, t in stored.items()}
+    elif callable(target) and not isinstance(target, torch.device):
+        stored = {name: _apply_callable(target, t) for name, t in stored.items()}
+    aliases = reader.aliases
+    if keys is not None:
+        return {k: stored[aliases.get(k, k)] for k in keys}
+    return tree.unflatten(reader.structure, stored, aliases, weights_only=weights_only)
 
 
 def _warn_unpinned(tensors: Mapping[str, torch.Tensor], path: str) -> None:
@@ -181,9 +237,3 @@ def _warn_unpinned(tensors: Mapping[str, torch.Tensor], path: str) -> None:
         UserWarning,
         stacklevel=3,
     )
-
-
-def _to_device(tensors: dict[str, torch.Tensor], target: torch.device) -> dict[str, torch.Tensor]:
-    if target.type == "meta":
-        return {name: t.to("meta") for name, t in tensors.items()}
-    raise ValueError(f"device {target} is not supported (use 'cpu' or 'cuda[:N]')")

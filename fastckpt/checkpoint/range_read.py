@@ -26,13 +26,12 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
-from fastckpt.errors import ChecksumError
-from fastckpt.io import parallel_io
+from fastckpt.checkpoint.tensor_runs import placed
+from fastckpt.errors import ChecksumError, checksum_mismatch
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
 from fastckpt.io.checksums import crc32c_combine
-from fastckpt.io.executor import Executor
-from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
+from fastckpt.storage.base import Storage
 
 __all__ = [
     "check_byte_range",
@@ -47,15 +46,15 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """What a range read needs of its reader: the open file, how to read it, the checksums."""
+    """What a range read needs of its reader: the storage, how to read it (``mode``, as
+    :meth:`~fastckpt.storage.Storage.choose_mode` answered), the checksums."""
 
-    file: File
-    executor: Executor
+    storage: Storage
     path: str
     data_offset: int
     crcs: dict[str, int] | None
     pieces: format.PieceTable | None
-    direct: bool
+    mode: str
 
 
 @dataclasses.dataclass
@@ -108,7 +107,7 @@ def covering_regions(
 
 def _placed(file_offset: int, pos: int) -> int:
     """The first position at or after ``pos`` with the same offset in a page as the file."""
-    return -(-pos // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT + file_offset % BUFFER_ALIGNMENT
+    return placed(pos, file_offset, BUFFER_ALIGNMENT)
 
 
 def read_byte_range(
@@ -164,12 +163,7 @@ def read_byte_range(
     if on_read is not None:
         on_read(sum(s.nbytes for s in spans))
     checked = verify and any(r.expected is not None for r in regions)
-    if source.direct:
-        crcs = parallel_io.read_direct(
-            source.executor, source.file, spans, owner=keep, checksum=checked
-        )
-    else:
-        crcs = parallel_io.read_buffered(source.file, spans, checksum=checked)
+    crcs = source.storage.read_spans(spans, owner=keep, mode=source.mode, checksum=checked)
     if checked:
         _check(source, entry, regions, crcs)
     if out is not None and bounce is not None:  # the partly covered pieces' share of the range
@@ -227,12 +221,7 @@ def damaged_region(
     else:
         count = format.piece_count(entry.nbytes, pieces.piece_size)  # type: ignore[union-attr]
         where = f" in piece {region.piece} of {count} (tensor bytes [{region.lo}, {region.hi}))"
-    return ChecksumError(
-        f"tensor {entry.name!r} in {path} is damaged{where}: "
-        f"CRC32C {got:08x}, expected {region.expected:08x}",
-        tensor=entry.name,
-        filename=path,
-    )
+    return checksum_mismatch(entry.name, path, got, region.expected or 0, where)
 
 
 def check_byte_range(name: str, nbytes: int, start: int, stop: int, where: str) -> None:

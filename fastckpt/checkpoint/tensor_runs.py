@@ -18,7 +18,7 @@ import torch
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
 
-__all__ = ["Run", "tensor_runs", "tensor_view"]
+__all__ = ["Run", "place_runs", "placed", "tensor_runs", "tensor_view"]
 
 
 @dataclasses.dataclass
@@ -41,6 +41,36 @@ def tensor_runs(entries: Iterable[format.TensorEntry]) -> list[Run]:
         else:
             runs.append(Run(e.begin, e.end, [e]))
     return runs
+
+
+def placed(pos: int, offset: int, alignment: int) -> int:
+    """The first arena position at or after ``pos`` that sits at ``offset`` modulo
+    ``alignment``: bytes read from file offset ``offset`` keep their place in a page (so
+    O_DIRECT stays possible) or in a GPU allocation's alignment (so dtypes stay aligned).
+
+    Example:
+        >>> placed(0, 8200, 4096), placed(10, 8200, 4096), placed(300, 64, 256)
+        (8, 4104, 576)
+    """
+    return -(-pos // alignment) * alignment + offset % alignment if alignment > 1 else pos
+
+
+def place_runs(runs: list[Run], base: int, alignment: int) -> int:
+    """Sets each run's ``arena_pos`` one after the other, each at its offset ``base + begin``
+    modulo ``alignment`` (see :func:`placed`); returns the arena's size. Every arena of
+    tensors (CPU loads, GPU loads, URLs) is laid out here.
+
+    Example:
+        >>> runs = [Run(0, 10, []), Run(100, 104, [])]
+        >>> place_runs(runs, 8, 64), [r.arena_pos for r in runs]
+        (112, [8, 108])
+    """
+    pos = 0
+    for run in runs:
+        pos = placed(pos, base + run.begin, alignment)
+        run.arena_pos = pos
+        pos += run.end - run.begin
+    return pos
 
 
 def tensor_view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:

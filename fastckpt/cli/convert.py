@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    import fastckpt
+    from fastckpt import api
     from fastckpt.integrations.remote import is_url
 
     src, dst = args.src, args.dst
@@ -321,7 +321,7 @@ def _convert(args: argparse.Namespace) -> int:
                 "they hold; use it only on files you trust"
             )
         try:
-            obj = fastckpt.load(src, weights_only=not args.allow_pickle)
+            obj = api.load(src, weights_only=not args.allow_pickle)
         except pickle.UnpicklingError as exc:
             raise CliError(f"{exc}; if you trust the file, pass --allow-pickle") from None
 
@@ -334,7 +334,7 @@ def _convert(args: argparse.Namespace) -> int:
         written = f"torch file, {format_bytes(os.path.getsize(dst))}"
     else:
         try:
-            fastckpt.save(obj, dst, metadata=metadata or None, allow_pickle=args.allow_pickle)
+            api.save(obj, dst, metadata=metadata or None, allow_pickle=args.allow_pickle)
         except TypeError as exc:
             hint = "" if args.allow_pickle else "; --allow-pickle keeps such objects (pickled)"
             raise CliError(

@@ -109,7 +109,7 @@ def verify_file(
         >>> verify_file("/no/such.safetensors").status
         'ERROR'
     """
-    import fastckpt
+    from fastckpt import api
     from fastckpt.cli.inspect import describe_file
     from fastckpt.errors import HeaderError
     from fastckpt.integrations.dcp import is_dcp_checkpoint
@@ -152,13 +152,8 @@ def verify_file(
             "by another library, so its data cannot be checked",
         )
     try:
-        reader = fastckpt.open(path)
-        try:
-            damaged = list(reader.verify(progress=progress))
-        finally:
-            close = getattr(reader, "close", None)
-            if close is not None:
-                close()
+        with api.open(path) as reader:  # one Reader type, whatever the storage
+            damaged = reader.verify(progress=progress)
     except HeaderError as exc:
         return Verdict(DAMAGED, f"{name}: bad header: {exc}")
     except OSError as exc:

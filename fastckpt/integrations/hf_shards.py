@@ -21,8 +21,10 @@ and committed on its own; the index is written last, once every shard is durable
 reader that finds the index finds every shard complete. Shards of an earlier save into the
 same directory that the new index does not name are then removed.
 
-``fastckpt.load(directory)`` (or the index file's path) reads every shard in parallel and
-returns one flat dict; ``fastckpt.open(directory)`` reads tensors lazily. Both take the
+``fastckpt.load(directory)`` (or the index file's path) returns one flat dict of the tensors
+the index names, each read from the shard the index names, shards in parallel;
+``fastckpt.open(directory)`` gives a :class:`ShardedReader`, the one
+:class:`~fastckpt.Reader` type over a reader per shard, reading tensors lazily. Both take the
 directories that ``transformers`` and ``huggingface_hub`` write. The directory may be a URL
 (see :mod:`fastckpt.integrations.remote`).
 
@@ -48,7 +50,13 @@ from typing import Any
 
 import torch
 
+from fastckpt import storage
+from fastckpt.checkpoint import save as checkpoint_save
 from fastckpt.checkpoint import tree
+from fastckpt.checkpoint.header_view import TensorInfo
+from fastckpt.checkpoint.range_read import TensorSlice
+from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
+from fastckpt.checkpoint.reader import Reader
 from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
 
@@ -109,13 +117,7 @@ def parse_shard_size(size: int | str) -> int:
 
 def _local(path: Any) -> str | None:
     """The local path of ``path`` (str, PathLike or ``file://`` URL), or None for a URL."""
-    if isinstance(path, os.PathLike):
-        return os.fspath(path)
-    if not isinstance(path, str):
-        return None
-    if remote.is_url(path):
-        return None
-    return path.split("://", 1)[1] if remote.handles(path) else path
+    return storage.to_local(path)
 
 
 def is_sharded(path: Any) -> bool:
@@ -212,10 +214,8 @@ def _save_one(state: dict[str, torch.Tensor], target: str, options: dict[str, An
     if remote.is_url(target):
         remote.save(state, target, **options)
     else:
-        import fastckpt
-
         options = {k: v for k, v in options.items() if k != "storage_options"}
-        fastckpt.save(state, target, **options)
+        checkpoint_save.save(state, target, **options)
 
 
 def _remove_stale(directory: str, keep: set[str]) -> None:
@@ -298,38 +298,40 @@ def save_sharded(
 # --------------------------------------------------------------------------- load
 
 
-def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:
-    if not remote.is_url(path):
-        return os.path.isfile(path)
-    fs, inner = remote.url_to_fs(path, storage_options)
-    return fs.isfile(inner)
-
-
 def _resolve(
     path: str, storage_options: Mapping[str, Any] | None
 ) -> tuple[str, str | None, str | None]:
     """``(directory, index path or None, single weights file or None)`` for a directory or index."""
     if path.endswith(".index.json"):
-        directory = path.rsplit("/", 1)[0] if remote.is_url(path) else os.path.dirname(path)
+        directory = path.rsplit("/", 1)[0] if storage.is_url(path) else os.path.dirname(path)
         return directory, path, None
-    directory = path.rstrip("/") if remote.is_url(path) else path
-    index = remote.join(directory, INDEX_NAME)
-    if _exists(index, storage_options):
+    directory = path.rstrip("/") if storage.is_url(path) else path
+    index = storage.join(directory, INDEX_NAME)
+    if storage.exists(index, storage_options):
         return directory, index, None
-    single = remote.join(directory, WEIGHTS_NAME)
-    if _exists(single, storage_options):
+    single = storage.join(directory, WEIGHTS_NAME)
+    if storage.exists(single, storage_options):
         return directory, None, single
     raise FileNotFoundError(2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path)
 
 
-def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[str, str]:
-    """The weight map of an index file, checked: shard names must be plain file names."""
-    data = remote.read_bytes(index, storage_options)
+def _read_index_document(
+    index: str, storage_options: Mapping[str, Any] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``(weight map, metadata)`` of an index file, checked: a JSON object whose
+    ``weight_map`` maps names to plain file names and whose ``metadata`` is an object.
+
+    Raises:
+        HeaderError: the index is malformed (the message names it and says how).
+    """
+    data = storage.read_whole(index, storage_options)
     try:
         document = json.loads(data)
     except ValueError as exc:
         raise HeaderError(f"{index}: not a JSON index: {exc}") from None
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(document, dict):
+        raise HeaderError(f"{index}: not a JSON object")
+    weight_map = document.get("weight_map")
     if not isinstance(weight_map, dict):
         raise HeaderError(f"{index}: no 'weight_map' object")
     for name, shard in weight_map.items():
@@ -338,41 +340,42 @@ def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[s
             or not shard
             or "/" in shard
             or "\\" in shard
-            or shard
-            in (
-                ".",
-                "..",
-            )
+            or shard in (".", "..")
         ):
             raise HeaderError(f"{index}: tensor {name!r} maps to {shard!r}, not a file name")
-    return weight_map
+    meta = document.get("metadata")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise HeaderError(f"{index}: 'metadata' is not an object")
+    return weight_map, {str(k): str(v) for k, v in meta.items()}
+
+
+def _read_index(index: str, storage_options: Mapping[str, Any] | None) -> dict[str, str]:
+    """The weight map of an index file, checked: shard names must be plain file names."""
+    return _read_index_document(index, storage_options)[0]
 
 
 def _index_metadata(index: str | None, storage_options: Mapping[str, Any] | None) -> dict:
-    if index is None:
-        return {}
-    data = remote.read_bytes(index, storage_options)
-    meta = json.loads(data).get("metadata") or {}
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    return {} if index is None else _read_index_document(index, storage_options)[1]
 
 
 def load_sharded(
     path: str | os.PathLike[str],
     map_location: Any = None,
     *,
-    keys: Sequence[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     parallel: int = DEFAULT_PARALLEL,
     **load_options: Any,
 ) -> dict[str, torch.Tensor]:
-    """Loads a sharded directory (or its index file) into one flat dict, shards in parallel.
+    """Loads a sharded directory (or its index file) into one flat dict, shards in parallel:
+    the tensors the index names, each from the shard it names (what ``fastckpt.load`` does).
 
     Args:
         path: the directory, or the path of its ``*.safetensors.index.json``; local or a URL.
-        keys: load only these tensors (and only the shards that hold them).
         storage_options: for a URL, passed to the fsspec file system.
-        parallel: shards read at the same time.
-        load_options: as :func:`fastckpt.load` (``device``, ``verify``, ...).
+        parallel: shards read at the same time (and, for a URL, ranges per shard).
+        load_options: as :func:`fastckpt.load` (``keys``, ``device``, ``verify``, ...).
 
     Raises:
         FileNotFoundError: no index or weights file in the directory, or a missing shard.
@@ -386,62 +389,51 @@ def load_sharded(
         >>> load_sharded(d, keys=["b"])["b"].sum().item()
         1000.0
     """
-    if keys is not None and (isinstance(keys, str) or not isinstance(keys, Sequence)):
-        raise TypeError("keys must be a list of tensor names")
-    text = _local(path) or os.fspath(path)
-    directory, index, single = _resolve(text, storage_options)
-    options = dict(load_options, map_location=map_location)
-    if remote.is_url(text):
-        options["storage_options"] = storage_options
-    if single is not None:
-        return _load_one(single, keys, options)
-    weight_map = _read_index(index, storage_options)
-    by_shard: dict[str, list[str]] = {}
-    for name in weight_map if keys is None else keys:
-        if name not in weight_map:
-            raise KeyError(f"no tensor named {name!r} in {index}")
-        by_shard.setdefault(weight_map[name], []).append(name)
-    shards = list(by_shard)
+    from fastckpt.checkpoint.load import check_target, load
 
-    def read(shard: str) -> dict[str, torch.Tensor]:
-        wanted = None if keys is None else by_shard[shard]
-        found = _load_one(remote.join(directory, shard), wanted, options)
-        missing = [n for n in by_shard[shard] if n not in found]
-        if missing:
-            raise HeaderError(
-                f"{remote.join(directory, shard)}: lacks tensor {missing[0]!r} that {index} maps to it"
-            )
-        return found
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(parallel, len(shards)))) as pool:
-        parts = list(pool.map(read, shards))
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    ordered = {n: merged[n] for n in (weight_map if keys is None else keys)}
-    ordered.update(merged)  # aliases of tied tensors recorded in a shard
-    return ordered
-
-
-def _load_one(path: str, keys: Sequence[str] | None, options: dict[str, Any]) -> dict:
-    if remote.is_url(path):
-        result = remote.load(path, keys=keys, **options)
-    else:
-        import fastckpt
-
-        options = {k: v for k, v in options.items() if k != "storage_options"}
-        result = fastckpt.load(path, keys=keys, **options)
-    if not isinstance(result, dict) or not all(
-        isinstance(t, torch.Tensor) for t in result.values()
-    ):
-        raise HeaderError(f"{path}: a shard must hold a flat dict of tensors")
+    open_options = {k: load_options.pop(k) for k in _OPEN_OPTIONS if k in load_options}
+    target = check_target(
+        map_location,
+        load_options.get("device"),
+        keys=load_options.get("keys"),
+        mmap=load_options.get("mmap", False),
+        pin_memory=load_options.get("pin_memory", False),
+    )
+    on_cuda = isinstance(target, torch.device) and target.type == "cuda"
+    with ShardedReader(
+        path,
+        storage_options=storage_options,
+        parallel=parallel,
+        only=load_options.get("keys"),
+        device=target if on_cuda else "cpu",
+        **open_options,
+    ) as reader:
+        result = load(reader, map_location, **load_options)
+    if not isinstance(result, dict):
+        raise HeaderError(f"{path}: a sharded checkpoint holds a flat dict of tensors")
     return result
 
 
-class ShardedReader:
+#: Options of ``fastckpt.load`` that say how shards are opened (the rest, how they are read).
+_OPEN_OPTIONS = (
+    "gds",
+    "direct_io",
+    "engine",
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "part_size",
+)
+
+
+class ShardedReader(Reader):
     """A sharded checkpoint opened for lazy reading: what ``fastckpt.open(directory)`` returns.
 
-    Opening reads the index and each shard's header; tensors are read when asked for.
+    A reader over one :class:`~fastckpt.checkpoint.read.CheckpointReader` per shard: opening
+    reads the index and each shard's header; the tensors are those the index names (plus the
+    tied names a shard records for them), each read from the shard the index names; a tensor
+    a shard holds but the index does not name (left by an earlier save) is not seen.
+    ``only`` opens just the shards that hold these indexed names (what ``load(keys=...)`` reads).
 
     Example:
         >>> import tempfile, torch
@@ -458,75 +450,197 @@ class ShardedReader:
         *,
         storage_options: Mapping[str, Any] | None = None,
         parallel: int = DEFAULT_PARALLEL,
+        only: Sequence[str] | None = None,
         **open_options: Any,
     ):
-        text = _local(path) or os.fspath(path)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel must be a positive int, got {parallel!r}")
+        text = storage.to_local(path) or os.fspath(path)
         self.path = text
-        directory, index, single = _resolve(text, storage_options)
-        self._metadata = _index_metadata(index, storage_options)
-        files = [single] if single else sorted(set(_read_index(index, storage_options).values()))
         self._parallel = parallel
-        self._readers: dict[str, Any] = {}
-        self._owner: dict[str, str] = {}  # tensor name -> shard
+        self._readers: dict[str, CheckpointReader] = {}
+        self._closed = False
+        self._owner: dict[str, CheckpointReader] = {}  # stored name -> its shard's reader
+        self._aliases: dict[str, str] = {}
+        directory, index, single = _resolve(text, storage_options)
+        if index is not None:
+            weight_map, self._metadata = _read_index_document(index, storage_options)
+        else:
+            weight_map, self._metadata = {}, {}
+        if only is not None and index is not None:  # open only the shards these names need
+            for name in only:
+                if name not in weight_map:
+                    raise KeyError(f"no tensor named {name!r} in {index}")
+            weight_map = {n: weight_map[n] for n in weight_map if n in set(only)}
+        files = [single] if single else [storage.join(directory, n) for n in weight_map.values()]
         try:
-            for name in files:
-                shard = single or remote.join(directory, name)
-                if remote.is_url(shard):
-                    reader = remote.open_url(shard, storage_options=storage_options, **open_options)
+            for shard in dict.fromkeys(files):
+                self._readers[shard] = open_checkpoint(
+                    shard, storage_options=storage_options, parallel=parallel, **open_options
+                )
+            if single is not None:
+                reader = self._readers[single]
+                self._owner = {name: reader for name in reader.header.entries}
+                self._aliases = reader.aliases
+                self._structure = reader.structure
+                return
+            self._structure = None
+            for name, file_name in weight_map.items():
+                reader = self._readers[storage.join(directory, file_name)]
+                if name in reader.header.entries:
+                    self._owner[name] = reader
+                elif reader.aliases.get(name) in reader.header.entries:
+                    self._aliases[name] = reader.aliases[name]
+                    self._owner.setdefault(reader.aliases[name], reader)
                 else:
-                    import fastckpt
-
-                    reader = fastckpt.open(shard, **open_options)
-                self._readers[shard] = reader
-                for key in reader.keys():
-                    self._owner[key] = shard
+                    raise HeaderError(
+                        f"{reader.path}: lacks tensor {name!r} that {index} maps to it"
+                    )
+            for reader in self._readers.values():  # tied names a shard records (not indexed)
+                for alias, stored in reader.aliases.items():
+                    if self._owner.get(stored) is reader and alias not in weight_map:
+                        self._aliases[alias] = stored
         except BaseException:
             self.close()
             raise
 
+    # -- what the index and headers say ----------------------------------------------------
     def keys(self) -> list[str]:
-        """Every tensor name in every shard."""
-        return list(self._owner)
+        """Every tensor name the index gives (in its order), then tied names."""
+        return list(self._owner) + [a for a in self._aliases if a not in self._owner]
 
     def metadata(self) -> dict[str, str]:
-        """The index's ``metadata`` (``total_size`` and any saved metadata), as strings."""
-        if self._metadata:
+        """The index's ``metadata`` (``total_size`` and any saved metadata), as strings; for a
+        directory of one ``model.safetensors``, that file's metadata."""
+        if self._metadata or len(self._readers) != 1:
             return dict(self._metadata)
-        return next(iter(self._readers.values())).metadata() if self._readers else {}
+        return next(iter(self._readers.values())).metadata()
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """Reads one tensor from the shard that holds it."""
-        return self.get_tensors([name])[name]
+    def _reader_of(self, name: str) -> tuple[CheckpointReader, str]:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are str, got {type(name).__name__}")
+        stored = self._aliases.get(name, name)
+        reader = self._owner.get(stored)
+        if reader is None:
+            raise KeyError(f"no tensor named {name!r} in {self.path}")
+        return reader, stored
 
-    def get_tensors(self, names: Sequence[str], *, verify: bool = False) -> dict[str, torch.Tensor]:
-        """Reads several tensors, shards in parallel."""
+    def info(self, name: str) -> TensorInfo:
+        reader, stored = self._reader_of(name)
+        return reader.info(stored)
+
+    @property
+    def has_checksums(self) -> bool:
+        return bool(self._readers) and all(r.has_checksums for r in self._readers.values())
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return dict(self._aliases)
+
+    @property
+    def structure(self) -> Any:
+        return self._structure
+
+    @property
+    def read_mode(self) -> str:
+        modes = {reader.read_mode for reader in self._live()}
+        return modes.pop() if len(modes) == 1 else "mixed"
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(reader.bytes_read for reader in self._readers.values())
+
+    def _live(self) -> list[CheckpointReader]:
+        if self._closed:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return list(self._readers.values())
+
+    # -- reading ---------------------------------------------------------------------------
+    def _by_shard(self, names: Sequence[str] | None) -> dict[CheckpointReader, list[str]]:
+        self._live()
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
-        by_shard: dict[str, list[str]] = {}
-        for name in names:
-            if name not in self._owner:
-                raise KeyError(f"no tensor named {name!r} in {self.path}")
-            by_shard.setdefault(self._owner[name], []).append(name)
+        groups: dict[CheckpointReader, list[str]] = {}
+        for name in list(self._owner) if names is None else names:
+            reader, stored = self._reader_of(name)
+            groups.setdefault(reader, []).append(stored)
+        return groups
 
-        def read(shard: str) -> dict[str, torch.Tensor]:
-            return self._readers[shard].get_tensors(by_shard[shard], verify=verify)
+    def _each_shard(self, work: Any, groups: dict[CheckpointReader, list[str]]) -> list[Any]:
+        """``work(reader, names)`` per shard, ``parallel`` shards at once; results in order."""
+        if len(groups) <= 1:
+            return [work(reader, names) for reader, names in groups.items()]
+        with concurrent.futures.ThreadPoolExecutor(min(self._parallel, len(groups))) as pool:
+            futures = [pool.submit(work, reader, names) for reader, names in groups.items()]
+            return [f.result() for f in futures]
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(self._parallel, len(by_shard)))) as p:
-            parts = list(p.map(read, by_shard))
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {n: merged[n] for n in names}
+    def read(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        pin_memory: bool = False,
+        verify: bool = False,
+        progress: bool | None = None,
+    ) -> dict[str, torch.Tensor]:
+        self.require_checksums(verify)
+        groups = self._by_shard(names)
+
+        def work(reader: CheckpointReader, stored: list[str]) -> dict[str, torch.Tensor]:
+            return reader.read(stored, pin_memory=pin_memory, verify=verify, progress=False)
+
+        merged = {k: v for part in self._each_shard(work, groups) for k, v in part.items()}
+        wanted = list(self._owner) if names is None else [self._reader_of(n)[1] for n in names]
+        return {n: merged[n] for n in wanted}
+
+    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
+        reader, stored = self._reader_of(name)
+        return reader.get_slice(stored, verify=verify)
+
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        reader, stored = self._reader_of(name)
+        return reader.read_range(stored, start, stop, out=out, verify=verify)
+
+    def prefetch(
+        self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
+    ) -> None:
+        self.require_checksums(verify)
+        for reader, stored in self._by_shard(names).items():
+            reader.prefetch(stored, pin_memory=pin_memory, verify=verify)
+
+    def verify(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> list[str]:
+        self._live()
+        self.require_checksums()
+        groups = self._by_shard(names)
+        found = self._each_shard(lambda reader, stored: reader.verify(stored), groups)
+        return [name for part in found for name in part]
+
+    def map(
+        self, names: Sequence[str] | None = None, *, verify: bool = False
+    ) -> dict[str, torch.Tensor]:
+        self.require_checksums(verify)
+        merged: dict[str, torch.Tensor] = {}
+        for reader, stored in self._by_shard(names).items():
+            merged.update(reader.map(stored, verify=verify))
+        return merged
 
     def close(self) -> None:
-        """Closes every shard."""
+        """Closes every shard (each first waits for its reads in flight)."""
+        self._closed = True
         for reader in self._readers.values():
             reader.close()
-        self._readers = {}
 
     def __enter__(self) -> ShardedReader:
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def open_sharded(path: str | os.PathLike[str], **options: Any) -> ShardedReader:

@@ -16,6 +16,7 @@ from fastckpt.checkpoint.read import _plan_spans
 from fastckpt.checkpoint.save import _through_page_cache, plan_save
 from fastckpt.checkpoint.tensor_runs import tensor_runs
 from fastckpt.io.commit import AtomicFile
+from fastckpt.storage.local import span_bytes
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ def test_read_mode_follows_the_page_cache(tmp_path, monkeypatch):
     path = tmp_path / "cache.safetensors"
     fastckpt.save(_state(), path)
     with fastckpt.open(path) as reader:
-        if reader._file.direct_fd < 0:
+        if reader.storage.local_file().direct_fd < 0:
             pytest.skip("this file system refuses O_DIRECT")
         _drop_cache(path)
         assert reader.read_mode == "direct"
@@ -94,9 +95,9 @@ def test_one_large_tensor_is_split_across_workers():
     entries = plan_save({"w": torch.zeros(64 << 18)}).entries  # 64 MiB
     runs = tensor_runs(entries)
     runs[0].arena_pos = 0
-    spans, labels = _plan_spans(runs, 4096, 0, direct=False)
+    spans, labels = _plan_spans(runs, 4096, 0, step=span_bytes(64 << 20, "buffered"))
     assert len(spans) >= 2 * fastckpt.io.parallel_io.worker_count()
-    assert {name for segments in labels for name, _ in segments} == {"w"}
+    assert {name for segments in labels for name, *_ in segments} == {"w"}
     assert sum(s.nbytes for s in spans) == 64 << 20
 
 
@@ -163,7 +164,7 @@ def test_close_waits_for_prefetches(tmp_path):
     reader = fastckpt.open(path)
     reader.prefetch(list(state))
     reader.close()  # must not close descriptors under reads still running
-    assert not reader._active
+    assert not reader._in_flight
 
 
 def _open_fds() -> int:

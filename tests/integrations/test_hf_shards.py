@@ -260,3 +260,68 @@ def test_directory_without_max_shard_size_is_not_a_file(tmp_path):
     with pytest.raises(IsADirectoryError):
         fastckpt.save({"w": torch.ones(2)}, tmp_path)  # a sharded save needs max_shard_size
     assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- reading follows the index
+
+
+def _two_shards_with_stale_bytes(directory) -> dict:
+    """A directory whose index maps a -> shard 1 and b -> shard 2, where shard 2 also holds an
+    older ``a`` and a tensor the index does not name (left by an earlier save)."""
+    directory.mkdir(exist_ok=True)
+    fresh = {"a": torch.ones(4), "b": torch.full((4,), 2.0)}
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    fastckpt.save({"a": fresh["a"]}, str(directory / first))
+    fastckpt.save(
+        {"a": torch.zeros(4), "b": fresh["b"], "stale": torch.ones(2)}, str(directory / second)
+    )
+    index = {"metadata": {"total_size": 32}, "weight_map": {"a": first, "b": second}}
+    (directory / INDEX).write_text(json.dumps(index))
+    return fresh
+
+
+def test_load_and_open_follow_the_index(tmp_path):
+    fresh = _two_shards_with_stale_bytes(tmp_path)
+    loaded = fastckpt.load(tmp_path)
+    assert list(loaded) == ["a", "b"]  # no "stale", and "a" from the shard the index names
+    assert torch.equal(loaded["a"], fresh["a"]) and torch.equal(loaded["b"], fresh["b"])
+    with fastckpt.open(tmp_path) as reader:
+        assert reader.keys() == ["a", "b"]
+        assert torch.equal(reader.get_tensor("a"), fresh["a"])
+        with pytest.raises(KeyError, match="stale"):
+            reader.get_tensor("stale")
+
+
+@pytest.mark.parametrize(
+    "document",
+    ["[]", "not json", '{"weight_map": []}', '{"weight_map": {"a": "x"}, "metadata": "m"}'],
+)
+def test_a_malformed_index_is_a_header_error(tmp_path, document):
+    _two_shards_with_stale_bytes(tmp_path)
+    (tmp_path / INDEX).write_text(document)
+    with pytest.raises(fastckpt.HeaderError, match=INDEX):
+        fastckpt.open(tmp_path)
+    with pytest.raises(fastckpt.HeaderError, match=INDEX):
+        fastckpt.load(tmp_path)
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_a_header_error(tmp_path):
+    _two_shards_with_stale_bytes(tmp_path)
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["weight_map"]["c"] = index["weight_map"]["a"]
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(fastckpt.HeaderError, match="lacks tensor 'c'"):
+        fastckpt.open(tmp_path)
+
+
+def test_opening_a_url_directory_keeps_the_read_options():
+    """A URL of a directory (no trailing slash, no index name) falls back to the sharded
+    reader with the options it was given, as load does."""
+    url = f"memory://shards-{uuid.uuid4().hex[:8]}/run"
+    fastckpt.save(_state(), url + "/", max_shard_size="10KB")
+    with fastckpt.open(url, part_size=1 << 20, parallel=3) as reader:
+        assert isinstance(reader, hf_shards.ShardedReader)
+        shards = list(reader._readers.values())
+        assert len(shards) > 1
+        assert {(r.storage.part_size, r.storage.parallel) for r in shards} == {(1 << 20, 3)}
+        assert reader.read_mode == "ranged"

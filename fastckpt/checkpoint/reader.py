@@ -1,0 +1,179 @@
+"""The one reader type: what :func:`fastckpt.open` returns, wherever the checkpoint lives.
+
+A :class:`Reader` reads a checkpoint lazily: the header (names, dtypes, shapes, offsets,
+metadata) on opening, tensors when asked for. Its methods behave alike for a local file, a
+file at an fsspec URL and a sharded directory; where one cannot apply (memory-mapping an
+object in S3) it raises ``io.UnsupportedOperation`` saying why.
+
+Example:
+    >>> import torch, fastckpt
+    >>> fastckpt.save({"w": torch.ones(2)}, "memory://doc-reader/w.safetensors")
+    >>> with fastckpt.open("memory://doc-reader/w.safetensors") as r:
+    ...     isinstance(r, fastckpt.Reader), r.keys(), r.get_tensor("w").tolist()
+    (True, ['w'], [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastckpt.checkpoint.header_view import TensorInfo
+from fastckpt.checkpoint.range_read import TensorSlice
+from fastckpt.errors import ChecksumError
+
+__all__ = ["Reader"]
+
+
+class Reader(abc.ABC):
+    """A checkpoint opened for lazy reading; like ``safetensors.safe_open``, and a context
+    manager that closes it. ``path`` is where it lives (a path, URL or directory)."""
+
+    path: str
+
+    # -- what the header says --------------------------------------------------------------
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Every tensor name: stored tensors, then aliases of tied tensors."""
+
+    @abc.abstractmethod
+    def metadata(self) -> dict[str, str]:
+        """The user's metadata (without fastckpt's own ``fastckpt.*`` keys)."""
+
+    @abc.abstractmethod
+    def info(self, name: str) -> TensorInfo:
+        """dtype, shape, size and file offset of a tensor, without reading it (KeyError
+        naming the checkpoint for an unknown name)."""
+
+    @property
+    @abc.abstractmethod
+    def has_checksums(self) -> bool:
+        """Whether every file read records a CRC32C per tensor."""
+
+    @property
+    @abc.abstractmethod
+    def aliases(self) -> dict[str, str]:
+        """Names of tied tensors -> the stored tensor they share."""
+
+    @property
+    @abc.abstractmethod
+    def structure(self) -> Any:
+        """The saved object's nested structure (None: a flat ``name -> tensor`` dict)."""
+
+    def require_checksums(self, verify: bool = True) -> None:
+        """Refuses to verify (``verify=True``) a file that records no checksums.
+
+        Raises:
+            ChecksumError: naming the file.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-nosum.safetensors", checksum=False)
+            >>> with fastckpt.open("/tmp/fastckpt-nosum.safetensors") as r:
+            ...     r.require_checksums(verify=False)  # nothing to check, nothing asked
+            ...     r.require_checksums()
+            Traceback (most recent call last):
+            ...
+            fastckpt.errors.ChecksumError: /tmp/fastckpt-nosum.safetensors has no checksums to verify
+        """
+        if verify and not self.has_checksums:
+            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+
+    # -- reading ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        pin_memory: bool = False,
+        verify: bool = False,
+        progress: bool | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Stored tensors (all when ``names`` is None), keyed by stored name (an alias in
+        ``names`` is read as its target)."""
+
+    def get_tensor(self, name: str, *, verify: bool = False) -> torch.Tensor:
+        """Reads one tensor (by stored name or alias)."""
+        return self.get_tensors([name], verify=verify)[name]
+
+    def get_tensors(
+        self, names: Sequence[str], *, verify: bool = False, pin_memory: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Reads several tensors in one batch of parallel reads; ``name -> tensor``.
+
+        Raises:
+            ChecksumError: ``verify=True`` and a tensor is damaged, or nothing records
+                checksums.
+        """
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        tensors = self.read(list(names), verify=verify, pin_memory=pin_memory)
+        aliases = self.aliases
+        return {n: tensors[aliases.get(n, n)] for n in names}
+
+    @abc.abstractmethod
+    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
+        """Tensor ``name`` to be sliced along its first dimension, reading only the rows
+        asked for."""
+
+    @abc.abstractmethod
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of tensor ``name``: a uint8 tensor, or ``out`` filled."""
+
+    @abc.abstractmethod
+    def prefetch(
+        self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
+    ) -> None:
+        """Starts reading these tensors in the background and returns at once; a later
+        :meth:`get_tensors` waits only for what is still in flight, and verifies then what
+        it is asked to verify."""
+
+    @abc.abstractmethod
+    def verify(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> list[str]:
+        """Checks stored CRC32Cs; the names of damaged tensors (empty when intact).
+
+        Raises:
+            ChecksumError: nothing records checksums (the checkpoint cannot be verified).
+        """
+
+    @abc.abstractmethod
+    def map(
+        self, names: Sequence[str] | None = None, *, verify: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Stored tensors as views of a copy-on-write memory mapping (local files only)."""
+
+    @property
+    @abc.abstractmethod
+    def read_mode(self) -> str:
+        """How tensors are read now: ``"direct"`` (O_DIRECT), ``"buffered"`` (the page cache)
+        or ``"ranged"`` (ranged reads of a URL); ``"mixed"`` for shards read differently."""
+
+    @property
+    @abc.abstractmethod
+    def bytes_read(self) -> int:
+        """Data bytes asked of storage so far, by every read."""
+
+    # -- lifetime --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Waits for reads in flight, then releases the files; reading afterwards raises
+        ``ValueError``. Closing twice is harmless."""
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
