@@ -32,8 +32,8 @@ __all__ = ["StoredItem", "WRONG_READER"]
 #: What DCP's ``FileSystemReader`` (or ``FsspecReader``) is told when it reads an entry.
 WRONG_READER = (
     "{file}: this checkpoint was written by fastckpt.dcp.FastCkptWriter, whose rank files "
-    "hold raw tensor bytes that DCP's FileSystemReader cannot read (DCP chose that reader "
-    "because dcp.load was given no storage_reader); pass "
+    "hold raw tensor bytes that DCP's FileSystemReader (the reader dcp.load picks when "
+    "given no storage_reader) cannot read; pass "
     "storage_reader=fastckpt.dcp.FastCkptReader(checkpoint_dir), or turn it into one "
     "file with `fastckpt convert`"
 )
