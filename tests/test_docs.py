@@ -238,7 +238,7 @@ def test_the_schema_in_the_format_page_is_the_schema_file():
 def test_schema_names_the_codes_dtypes_and_keys():
     doc = _schema()
     tensor = doc["$defs"]["tensor"]
-    assert sorted(tensor["properties"]["dtype"]["enum"]) == sorted(schema.ITEMSIZE)
+    assert sorted(tensor["properties"]["dtype"]["enum"]) == sorted(schema.DTYPES)
     assert tensor["required"] == ["dtype", "shape", "data_offsets"]
     assert tensor["additionalProperties"] is False
     assert doc["properties"] == {schema.METADATA_KEY: {"$ref": "#/$defs/metadata"}}

@@ -95,7 +95,9 @@ class HeaderView:
         if meta.pieces is not None:
             self._check_pieces(meta.pieces, entries)
         for entry in entries.values():
-            dtypes.to_torch(entry.dtype)  # HeaderError for a dtype torch cannot hold
+            # HeaderError for a dtype torch cannot hold, or a shape it cannot hold it in
+            dtypes.torch_shape(entry.dtype, entry.shape, tensor=entry.name)
+            dtypes.to_torch(entry.dtype)
         self.header, self.meta = header, meta
 
     def _check_pieces(
@@ -159,5 +161,9 @@ class HeaderView:
         """dtype, shape, size and file offset of a tensor, without reading it."""
         e = self._entry(name)
         return TensorInfo(
-            name, dtypes.to_torch(e.dtype), e.shape, e.nbytes, self.header.data_offset + e.begin
+            name,
+            dtypes.to_torch(e.dtype),
+            dtypes.torch_shape(e.dtype, e.shape, tensor=name),
+            e.nbytes,
+            self.header.data_offset + e.begin,
         )

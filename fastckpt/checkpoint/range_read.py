@@ -284,12 +284,16 @@ class TensorSlice:
     ):
         self._entry = entry
         self._read = read
-        self.shape: tuple[int, ...] = tuple(entry.shape)
+        # torch's shape (for F4, half the header's last dimension: two values per element)
+        self.shape: tuple[int, ...] = dtypes.torch_shape(
+            entry.dtype, entry.shape, tensor=entry.name
+        )
         self.dtype: torch.dtype = dtypes.to_torch(entry.dtype)
 
     def get_shape(self) -> list[int]:
-        """The stored tensor's shape (as ``safetensors`` gives it)."""
-        return list(self.shape)
+        """The stored tensor's shape as its header gives it (as ``safetensors`` does; for
+        ``F4`` the last dimension counts 4-bit values, twice torch's)."""
+        return list(self._entry.shape)
 
     def get_dtype(self) -> str:
         """The stored tensor's safetensors dtype name (``"F32"``, ``"BF16"``, ...)."""

@@ -137,7 +137,8 @@ def plan_save(
     specs = []
     for name, t in flat.tensors.items():
         _check_tensor(name, t)
-        specs.append((name, dtypes.to_safetensors(t.dtype), tuple(t.shape)))
+        shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
+        specs.append((name, dtypes.to_safetensors(t.dtype), shape))
     entries = format.plan_layout(specs, alignment)
     plan = SavePlan(
         entries=entries,

@@ -76,9 +76,10 @@ def place_runs(runs: list[Run], base: int, alignment: int) -> int:
 def tensor_view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
     """The tensor of ``e`` whose bytes start at ``arena[start]``, as a view where possible."""
     dtype = dtypes.to_torch(e.dtype)
+    shape = dtypes.torch_shape(e.dtype, e.shape, tensor=e.name)
     if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype, device=arena.device)
+        return torch.empty(shape, dtype=dtype, device=arena.device)
     raw = arena[start : start + e.nbytes]
     if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
         raw = raw.clone()  # files from other writers may not align tensors to their dtype
-    return raw.view(dtype).view(e.shape)
+    return raw.view(dtype).view(shape)

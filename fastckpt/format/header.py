@@ -17,9 +17,9 @@ from typing import Any
 from fastckpt.errors import HeaderError
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
+    DTYPES,
     FORMAT_VERSION,
     HEADER_LIMIT,
-    ITEMSIZE,
     KEY_HEADER_CRC,
     KEY_VERSION,
     MAX_TENSORS,
@@ -33,14 +33,15 @@ from fastckpt.format.schema import (
     Header,
     TensorEntry,
     canonical_crc,
+    element_bits,
     int64_dims_error,
     is_count,
-    nbytes_u64,
     short,
+    tensor_nbytes,
 )
 from fastckpt.format.torch_save import torch_save_format
 
-_DTYPE_NAMES = {name: name for name in ITEMSIZE}
+_DTYPE_NAMES = {name: name for name in DTYPES}
 
 _TORCH_SAVE_KINDS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a tar archive"}
 
@@ -222,7 +223,7 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
 def _checked_entry(
     where: str, name: str, dtype: Any, shape: Any, offsets: Any, data_size: int
 ) -> TensorEntry:
-    if type(dtype) is not str or dtype not in ITEMSIZE:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
     if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
         raise HeaderError(f"{where}: shape {short(shape)} must be a list of integers in [0, 2**64)")
@@ -240,12 +241,15 @@ def _checked_entry(
     too_big = int64_dims_error(shape)
     if too_big is not None:
         raise HeaderError(f"{where}: shape {short(shape)}: {too_big}, the most torch can hold")
-    nbytes = nbytes_u64(shape, ITEMSIZE[dtype])
+    try:
+        nbytes = tensor_nbytes(dtype, shape)
+    except ValueError as exc:
+        raise HeaderError(f"{where}: shape {exc}") from None
     if nbytes is None:
         raise HeaderError(f"{where}: shape {short(shape)} of {dtype} overflows 64 bits")
     if nbytes != end - begin:
         raise HeaderError(
-            f"{where}: shape {short(shape)} of {dtype} ({ITEMSIZE[dtype]} bytes each) "
+            f"{where}: shape {short(shape)} of {dtype} ({element_bits(dtype)} bits each) "
             f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
         )
     # The table's own string for the dtype: one shared object instead of one per entry.

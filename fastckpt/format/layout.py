@@ -15,15 +15,16 @@ from typing import Any
 
 from fastckpt.format.schema import (
     DEFAULT_ALIGNMENT,
+    DTYPES,
     HEADER_LIMIT,
-    ITEMSIZE,
     KEY_HEADER_CRC,
     META_PREFIX,
     METADATA_KEY,
     TensorEntry,
     canonical_crc,
+    element_bits,
     int64_dims_error,
-    nbytes_u64,
+    tensor_nbytes,
 )
 
 # --------------------------------------------------------------------------- layout
@@ -36,7 +37,7 @@ def _check_alignment(alignment: int) -> None:
 
 def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
     """(shape as a tuple, byte size) of a tensor to write; ValueError if no reader could read it."""
-    if dtype not in ITEMSIZE:
+    if dtype not in DTYPES:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
     dims = tuple(shape)
     if not all(type(dim) is int and dim >= 0 for dim in dims):
@@ -44,7 +45,10 @@ def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[
     too_big = int64_dims_error(list(dims))
     if too_big is not None:
         raise ValueError(f"tensor {name!r}: shape {list(dims)}: {too_big}")
-    nbytes = nbytes_u64(list(dims), ITEMSIZE[dtype])
+    try:
+        nbytes = tensor_nbytes(dtype, list(dims))
+    except ValueError as exc:
+        raise ValueError(f"tensor {name!r}: shape {exc}") from None
     if nbytes is None:
         raise ValueError(f"tensor {name!r}: shape {list(dims)} of {dtype} overflows 64 bits")
     return dims, nbytes
@@ -87,7 +91,7 @@ def plan_layout(
     def order(item: tuple[str, str, tuple[int, ...], int]) -> tuple[bool, int, str]:
         name, dtype, _, nbytes = item
         fills_blocks = nbytes > 0 and nbytes % alignment == 0
-        return (not fills_blocks, -ITEMSIZE[dtype], name)
+        return (not fills_blocks, -element_bits(dtype), name)
 
     entries = []
     offset = 0

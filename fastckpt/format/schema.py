@@ -13,8 +13,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Bytes per element of every safetensors dtype fastckpt reads and writes.
-#: Sub-byte types (F4, F6_*) are left out: torch has no one-to-one match.
+#: Bytes per element of every safetensors dtype of whole-byte elements.
+#: The sub-byte dtypes are in :data:`PACKED_BITS`.
 ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,
@@ -36,6 +36,18 @@ ITEMSIZE: dict[str, int] = {
     "F64": 8,
     "C64": 8,
 }
+
+#: Bits per element of the safetensors dtypes that pack elements below one byte: ``F4``
+#: (two per byte) and the ``F6`` types (four per three bytes). A tensor of them must end on
+#: a byte boundary, as the reference reader requires.
+PACKED_BITS: dict[str, int] = {
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+#: Every safetensors dtype name a header may hold (all that safetensors 0.8 knows).
+DTYPES: frozenset[str] = frozenset(ITEMSIZE) | frozenset(PACKED_BITS)
 
 #: Largest header accepted, the same cap as the reference reader.
 HEADER_LIMIT = 100 * 1024 * 1024
@@ -238,6 +250,40 @@ def int64_dims_error(shape: list[int]) -> str | None:
             if numel >= _I64_LIMIT:
                 return "the number of elements overflows int64"
     return None
+
+
+def element_bits(dtype: str) -> int:
+    """Bits per element of a safetensors dtype name (KeyError for an unknown one).
+
+    Example:
+        >>> element_bits("BF16"), element_bits("F4"), element_bits("F6_E2M3")
+        (16, 4, 6)
+    """
+    return PACKED_BITS[dtype] if dtype in PACKED_BITS else 8 * ITEMSIZE[dtype]
+
+
+def tensor_nbytes(dtype: str, shape: list[int]) -> int | None:
+    """Byte size of a tensor of ``dtype`` and ``shape``; None where the reference reader's
+    u64 arithmetic overflows.
+
+    Raises:
+        ValueError: a packed dtype's elements do not end on a byte boundary.
+
+    Example:
+        >>> tensor_nbytes("F32", [2, 3]), tensor_nbytes("F4", [2, 6]), tensor_nbytes("F6_E3M2", [4])
+        (24, 6, 3)
+    """
+    if dtype not in PACKED_BITS:
+        return nbytes_u64(shape, ITEMSIZE[dtype])
+    nbits = nbytes_u64(shape, PACKED_BITS[dtype])  # the same checked product, in bits
+    if nbits is None:
+        return None
+    if nbits % 8:
+        raise ValueError(
+            f"{short(shape)} elements of {dtype} ({PACKED_BITS[dtype]} bits each) do not end "
+            "on a byte boundary"
+        )
+    return nbits // 8
 
 
 def nbytes_u64(shape: list[int], itemsize: int) -> int | None:

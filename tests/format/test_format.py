@@ -78,8 +78,10 @@ def test_dtype_table_matches_torch_and_safetensors():
 def test_dtype_errors():
     with pytest.raises(TypeError, match="complex128"):
         dtypes.to_safetensors(torch.complex128)
-    with pytest.raises(HeaderError, match="F4"):
-        dtypes.to_torch("F4")
+    with pytest.raises(HeaderError, match="F6_E2M3.*no torch dtype"):
+        dtypes.to_torch("F6_E2M3")
+    with pytest.raises(HeaderError, match="unknown dtype 'F2'"):
+        dtypes.to_torch("F2")
     with pytest.raises(HeaderError, match="nope"):
         dtypes.itemsize("nope")
 
@@ -139,7 +141,8 @@ def test_layout_rejects_bad_alignment(alignment):
         ([("a", "U8", (1,)), ("a", "U8", (1,))], "duplicate"),
         ([("__metadata__", "U8", (1,))], "name"),
         ([(1, "U8", (1,))], "name"),
-        ([("a", "F4", (1,))], "dtype"),
+        ([("a", "F2", (1,))], "dtype"),
+        ([("a", "F4", (3,))], "byte boundary"),
         ([("a", "U8", (-1,))], "shape"),
         ([("a", "U8", (1.0,))], "shape"),
         ([("a", "U8", (2**40, 2**40, 0))], "overflows"),
@@ -322,7 +325,8 @@ HOSTILE = {
     "missing shape": raw_file({"a": {"dtype": "U8", "data_offsets": [0, 2]}}, b"xy"),
     "missing offsets": raw_file({"a": {"dtype": "U8", "shape": [2]}}, b"xy"),
     "extra key": raw_file({"a": {**entry(), "x": 1}}, b"xy"),
-    "unknown dtype": raw_file({"a": entry(dtype="F4")}, b"xy"),
+    "unknown dtype": raw_file({"a": entry(dtype="F2")}, b"xy"),
+    "F4 off a byte boundary": raw_file({"a": entry(dtype="F4", shape=(3,))}, b"xy"),
     "dtype not str": raw_file({"a": entry(dtype=4)}, b"xy"),
     "dtype lowercase": raw_file({"a": entry(dtype="u8")}, b"xy"),
     "shape not list": raw_file({"a": {**entry(), "shape": 2}}, b"xy"),

@@ -53,6 +53,7 @@ _ADMITTED = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("fastckpt.integrations.dcp.storage_item", "StoredItem"),  # FastCkptWriter's entries
     ("collections", "OrderedDict"),
     ("pathlib", "Path"),
     ("pathlib", "PosixPath"),

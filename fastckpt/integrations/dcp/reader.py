@@ -100,6 +100,13 @@ class FastCkptReader(StorageReader):
         **io_options: Any,
     ):
         super().__init__()
+        if "_extension_registry" in io_options:
+            raise TypeError(
+                "FastCkptReader does not take _extension_registry: FastCkptWriter stores "
+                "tensors untransformed (no ZStandard or other StreamTransformExtension), so "
+                "there is nothing to decode; read checkpoints saved with DCP's "
+                "FileSystemWriter(_extensions=[...]) with FileSystemReader"
+            )
         self.path = location(path)
         self.storage_options = storage_options
         self.verify = verify

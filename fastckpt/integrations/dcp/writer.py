@@ -49,6 +49,7 @@ from fastckpt.integrations.dcp._stale_files import (
     unlink_all,
 )
 from fastckpt.integrations.dcp.metadata import is_dcp_checkpoint, write_dcp_metadata
+from fastckpt.integrations.dcp.storage_item import StoredItem
 
 __all__ = ["FastCkptWriter"]
 
@@ -121,7 +122,8 @@ class FastCkptWriter(StorageWriter):
     Args:
         path: the checkpoint directory (created if missing) or URL. ``checkpoint_id=`` of
             ``dcp.save`` replaces it.
-        overwrite: replace a checkpoint already at ``path`` (else ``RuntimeError``).
+        overwrite: replace a checkpoint already at ``path`` (else ``RuntimeError``:
+            "Checkpoint already exists ...", as DCP's own writer says).
         checksum: record a CRC32C per tensor and per piece of ``piece_size`` bytes of each
             larger one (verified by :class:`FastCkptReader`, which reads only the pieces
             a rank needs).
@@ -158,6 +160,14 @@ class FastCkptWriter(StorageWriter):
         **io_options: Any,
     ):
         super().__init__()
+        if "_extensions" in io_options:
+            raise TypeError(
+                "FastCkptWriter does not take _extensions: DCP's stream transforms (ZStandard "
+                "and other StreamTransformExtension) would break the aligned, uncompressed "
+                "layout that direct I/O and ranged reads rely on; save with DCP's "
+                "FileSystemWriter(path, _extensions=[...]) for transformed streams, or keep "
+                "FastCkptWriter and store a smaller dtype (bf16, float8) to shrink the files"
+            )
         self.path = location(path)
         self.storage_options = storage_options
         self.overwrite = overwrite
@@ -199,7 +209,10 @@ class FastCkptWriter(StorageWriter):
             os.makedirs(self.path, exist_ok=True)
             exists = os.path.exists(os.path.join(self.path, METADATA_FILE))
         if not self.overwrite and exists:
-            raise RuntimeError(f"{self.path} already holds a checkpoint and overwrite=False")
+            raise RuntimeError(
+                f"Checkpoint already exists at {self.path} and overwrite=False: pass "
+                "overwrite=True to replace it, or save to another directory"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -532,5 +545,5 @@ def _result(item: WriteItem, file_name: str, name: str, tensor: torch.Tensor) ->
     return WriteResult(
         index=item.index,
         size_in_bytes=tensor.numel() * tensor.element_size(),
-        storage_data=(file_name, name),
+        storage_data=StoredItem(file_name, name),
     )
