@@ -50,6 +50,7 @@ _PUBLIC = {
     "ChecksumError": ("fastckpt.errors", "ChecksumError"),
     "EngineUnavailableError": ("fastckpt.errors", "EngineUnavailableError"),
     "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
+    "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -77,6 +78,7 @@ __all__ = [
     "ChecksumError",
     "EngineUnavailableError",
     "WeightsOnlyError",
+    "UnsafePickleError",
     "CuFileError",
 ]
 
@@ -99,6 +101,7 @@ if TYPE_CHECKING:
         EngineUnavailableError,
         FastCkptError,
         HeaderError,
+        UnsafePickleError,
         WeightsOnlyError,
     )
     from fastckpt.io.cufile import CuFileError

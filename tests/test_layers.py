@@ -28,12 +28,6 @@ def test_import_contracts_hold():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-# Modules that still call the package root from inside; each is being moved to call the
-# layer below it directly. They are skipped ONLY while they still do (a test below fails
-# once one of them no longer needs the exemption, so the list cannot rot).
-_STILL_CALLING_THE_ROOT = {"fastckpt.integrations.dcp", "fastckpt.integrations.lightning"}
-
-
 def _public_names() -> dict[str, str]:
     """The package root's lazy names -> the module each is loaded from."""
     import fastckpt
@@ -84,16 +78,14 @@ def lazy_imports(tree: ast.Module, public: dict[str, str]) -> set[str]:
     return reached
 
 
-def import_graph(skip: set[str] = frozenset()):
-    """grimp's graph of the package, plus an edge for every use of a lazy name of the root
-    (modules in ``skip`` get none)."""
+def import_graph():
+    """grimp's graph of the package, plus an edge for every use of a lazy name of the root."""
     grimp = pytest.importorskip("grimp")
     graph = grimp.build_graph("fastckpt", exclude_type_checking_imports=True)
     public = _public_names()
     for module, tree in _package_modules().items():
-        if module not in skip:
-            for target in lazy_imports(tree, public):
-                graph.add_import(importer=module, imported=target)
+        for target in lazy_imports(tree, public):
+            graph.add_import(importer=module, imported=target)
     return graph
 
 
@@ -109,7 +101,7 @@ def find_cycles(graph) -> list[tuple[str, ...]]:
 def test_no_import_cycles():
     """No cycle among fastckpt's modules, function-local imports and the root's lazy names
     (``fastckpt.save`` from inside the package) included."""
-    cycles = find_cycles(import_graph(skip=_STILL_CALLING_THE_ROOT))
+    cycles = find_cycles(import_graph())
     assert not cycles, f"import cycles: {cycles[:5]}"
 
 
@@ -121,7 +113,7 @@ def test_lazy_names_count_as_imports():
     assert lazy_imports(ast.parse(source), public) == {"fastckpt.api"}
     assert lazy_imports(ast.parse("from fastckpt import open, format"), public) == {"fastckpt.api"}
     assert lazy_imports(ast.parse("import fastckpt\nfastckpt.format.x"), public) == set()
-    graph = import_graph(skip=_STILL_CALLING_THE_ROOT)
+    graph = import_graph()
     graph.add_module("fastckpt.integrations.synthetic")
     graph.add_import(importer="fastckpt.api", imported="fastckpt.integrations.synthetic")
     for target in lazy_imports(ast.parse(source), public):
@@ -138,12 +130,7 @@ def test_nothing_inside_calls_the_package_root():
         for module, tree in _package_modules().items()
         if lazy_imports(tree, public) or _imports_root(tree)
     )
-    assert set(offenders) <= _STILL_CALLING_THE_ROOT, offenders
-    # the exemptions are only for modules that still need them
-    assert set(offenders) == _STILL_CALLING_THE_ROOT, (
-        f"{sorted(_STILL_CALLING_THE_ROOT - set(offenders))} no longer call the root: "
-        "remove them from _STILL_CALLING_THE_ROOT"
-    )
+    assert offenders == [], offenders
 
 
 def _imports_root(tree: ast.Module) -> bool:
