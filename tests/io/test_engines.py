@@ -29,6 +29,8 @@ def _stub_names() -> dict[str, set[str]]:
             names[node.name] = set()
         elif isinstance(node, ast.ClassDef):
             names[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = set()  # a constant, e.g. DIRECT_IO_ALIGNMENT: int
     return names
 
 
