@@ -22,13 +22,14 @@ order, and ``fastckpt.save`` to a path waits for the asynchronous saves to that 
 pending (it does not supersede them), so the last call's checkpoint is the one left there.
 
 Example:
-    >>> import torch, fastckpt
+    >>> import os, tempfile, torch, fastckpt
+    >>> path = os.path.join(tempfile.mkdtemp(), "async.safetensors")
     >>> state = {"w": torch.randn(100)}
-    >>> future = fastckpt.async_save(state, "/tmp/fastckpt-async.safetensors")
+    >>> future = fastckpt.async_save(state, path)
     >>> state["w"].zero_()  # safe: the snapshot is already taken
     tensor(...)
     >>> future.result()
-    >>> float(fastckpt.load("/tmp/fastckpt-async.safetensors")["w"].abs().sum()) > 0
+    >>> float(fastckpt.load(path)["w"].abs().sum()) > 0
     True
 """
 
@@ -222,8 +223,9 @@ def wait_all(timeout: float | None = None) -> None:
     already retrieved with ``result()``/``exception()`` (that error then counts as retrieved).
 
     Example:
-        >>> import torch, fastckpt
-        >>> _ = fastckpt.async_save({"x": torch.ones(1)}, "/tmp/fastckpt-wait.safetensors")
+        >>> import os, tempfile, torch, fastckpt
+        >>> path = os.path.join(tempfile.mkdtemp(), "wait.safetensors")
+        >>> _ = fastckpt.async_save({"x": torch.ones(1)}, path)
         >>> fastckpt.wait_all()
     """
     with _state_lock:
@@ -310,8 +312,9 @@ def async_save(
             interrupt raised here, not handed to the future.
 
     Example:
-        >>> import torch, fastckpt
-        >>> futures = [fastckpt.async_save({"step": torch.tensor(i)}, f"/tmp/fastckpt-s{i}.safetensors")
+        >>> import os, tempfile, torch, fastckpt
+        >>> d = tempfile.mkdtemp()
+        >>> futures = [fastckpt.async_save({"step": torch.tensor(i)}, os.path.join(d, f"s{i}.safetensors"))
         ...            for i in range(3)]
         >>> [f.result() for f in futures]
         [None, None, None]
@@ -484,9 +487,10 @@ def async_load(f: str | os.PathLike[str], **load_options: Any) -> LoadFuture:
     while computing.
 
     Example:
-        >>> import torch, fastckpt
-        >>> fastckpt.save({"x": torch.arange(3)}, "/tmp/fastckpt-al.safetensors")
-        >>> fastckpt.async_load("/tmp/fastckpt-al.safetensors").result()["x"].tolist()
+        >>> import os, tempfile, torch, fastckpt
+        >>> path = os.path.join(tempfile.mkdtemp(), "al.safetensors")
+        >>> fastckpt.save({"x": torch.arange(3)}, path)
+        >>> fastckpt.async_load(path).result()["x"].tolist()
         [0, 1, 2]
     """
     from fastckpt.checkpoint.load import load

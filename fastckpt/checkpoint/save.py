@@ -210,6 +210,11 @@ class StreamWriter:
     :meth:`fill` while free buffers remain, so the snapshot does not compete with disk
     writes for memory bandwidth and CPU; :meth:`finish` starts them. When the pool runs
     out, deferred buffers are written and recycled as usual.
+
+    Interrupts: :meth:`abort` collects every write in flight before it returns (or raises
+    a Ctrl-C that came meanwhile), so neither the file nor a buffer goes while the engine
+    still uses it. Once ``cancel`` (an event) is set, the next buffer or wait raises
+    ``KeyboardInterrupt``: how pending asynchronous saves stop at exit.
     """
 
     def __init__(
