@@ -385,13 +385,22 @@ def async_save(
     with _state_lock:
         previous, _last_commit = _last_commit, future
     order = save_order.register(path)
-    thread = threading.Thread(
-        target=_finish_in_order,
-        args=(future, previous, work, writer, out, order),
-        name=f"fastckpt-save:{os.path.basename(path)}",
-        daemon=True,  # waited for at exit by _finish_at_exit, which can also cancel it
-    )
-    thread.start()
+    try:
+        threading.Thread(
+            target=_finish_in_order,
+            args=(future, previous, work, writer, out, order),
+            name=f"fastckpt-save:{os.path.basename(path)}",
+            daemon=True,  # waited for at exit by _finish_at_exit, which can also cancel it
+        ).start()
+    except Exception as exc:  # no thread to be had: nothing runs, nothing may wait for it
+        # (An interrupt during start() is not caught: the thread may be running by then,
+        # and finishes the save; the interrupt goes on to the caller.)
+        save_order.finish(order)
+        try:
+            writer.abort()
+        finally:
+            out.abort()
+        return _fail_early(future, exc)
     return future
 
 
