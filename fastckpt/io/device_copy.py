@@ -45,6 +45,7 @@ from fastckpt.io import cufile
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
+from fastckpt.io.interrupts import result_when_done
 
 __all__ = [
     "CHUNK",
@@ -335,7 +336,7 @@ def submit_device_io(
     )
 
     def wait() -> None:
-        future.result()
+        result_when_done(future)  # Ctrl-C meanwhile: raised once the transfer is over
 
     return wait
 

@@ -21,6 +21,7 @@ into the file (or into memory) the caller is about to let go.
 Example:
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.io.files import File
+from fastckpt.io.interrupts import wait_through_interrupts
     >>> data = np.arange(1 << 16, dtype=np.uint8)
     >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
     >>> with File(path, write=True, create=True) as f:
@@ -43,6 +44,7 @@ from fastckpt import _C
 from fastckpt.io.aligned_memory import BufferRef
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
+from fastckpt.io.interrupts import wait_through_interrupts
 
 __all__ = [
     "Span",
@@ -145,22 +147,11 @@ def _run_all(
         concurrent.futures.wait(futures)
     except BaseException:  # an interrupt: let the running tasks end, then raise it
         cancelled.set()
-        _wait_through_interrupts(futures)
+        wait_through_interrupts(futures)  # a second Ctrl-C must not orphan them either
         raise
     for future in futures:
         future.result()
     return results
-
-
-def _wait_through_interrupts(futures: Sequence[concurrent.futures.Future[None]]) -> None:
-    """Waits until every future is done; further interrupts meanwhile are dropped (one is
-    already on its way to the caller)."""
-    while True:
-        try:
-            concurrent.futures.wait(futures)
-            return
-        except BaseException:  # noqa: BLE001 - a second Ctrl-C must not orphan the workers
-            pass
 
 
 def read_buffered(
