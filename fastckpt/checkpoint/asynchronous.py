@@ -48,10 +48,10 @@ from fastckpt import config
 from fastckpt.checkpoint import save_order
 from fastckpt.checkpoint.save import (
     StreamWriter,
+    _through_page_cache,
+    _write_from_tensors,
     executor_for_destination,
     plan_save,
-    through_page_cache,
-    write_from_tensors,
 )
 from fastckpt.format import DEFAULT_ALIGNMENT, DEFAULT_PIECE_SIZE
 from fastckpt.io.commit import AtomicFile, check_destination
@@ -347,7 +347,7 @@ def async_save(
         return _fail_early(future, exc)
     try:
         out.reserve(plan.file_size)
-        from_tensors = not snapshot and through_page_cache(plan, out, direct_io)
+        from_tensors = not snapshot and _through_page_cache(plan, out, direct_io)
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)
@@ -364,7 +364,7 @@ def async_save(
     if from_tensors:
 
         def work() -> None:
-            write_from_tensors(plan, out.file, progress=progress)
+            _write_from_tensors(plan, out.file, progress=progress)
 
     elif snapshot:
         try:

@@ -41,8 +41,6 @@ __all__ = [
     "StreamWriter",
     "executor_for_destination",
     "write_plan",
-    "through_page_cache",
-    "write_from_tensors",
 ]
 
 
@@ -380,7 +378,9 @@ class StreamWriter:
         for buf, _, _ in self._deferred:
             self.pool.release(buf)
         self._deferred.clear()
-        interrupt = self.executor.drain(op_id for op_id, _, _ in self._inflight)
+        interrupt = None
+        if self._inflight:  # (a writer that never wrote may have no executor yet)
+            interrupt = self.executor.drain(op_id for op_id, _, _ in self._inflight)
         while self._inflight:
             self.pool.release(self._inflight.popleft()[1])
         if interrupt is not None:
@@ -489,8 +489,8 @@ def write_plan(
     save_order.wait_for_earlier(path)
     with AtomicFile(path) as out:
         out.reserve(plan.file_size)
-        if through_page_cache(plan, out, direct_io):
-            write_from_tensors(plan, out.file, progress=progress)
+        if _through_page_cache(plan, out, direct_io):
+            _write_from_tensors(plan, out.file, progress=progress)
             return
         writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
         try:
@@ -501,7 +501,7 @@ def write_plan(
             raise
 
 
-def through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
+def _through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
     """Whether to write from the tensors' memory through the page cache (CPU tensors only)."""
     if direct_io is None:
         direct_io = config.direct_io()
@@ -514,7 +514,7 @@ def through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) 
     return config.filesystem_key(out.path).split(":", 1)[0] in page_cache.MEMORY_FILESYSTEMS
 
 
-def write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:
+def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:
     """Writes every tensor from its own memory (contiguous ones on every core, the others a
     bounded slab at a time), checksumming each step before it is written; then the header."""
     spans: list[Span] = []
