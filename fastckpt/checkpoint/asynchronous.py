@@ -294,10 +294,11 @@ def async_save(
         piece_size: bytes per checksummed piece, as :func:`fastckpt.save`'s.
         progress: show a progress bar while snapshotting (with ``snapshot=False``, while
             writing), as :func:`fastckpt.save`'s (default: on a terminal).
-        direct_io: as :func:`fastckpt.save`'s: ``True`` writes with O_DIRECT, ``False``
-            through the page cache (with ``snapshot=False`` and CPU tensors, straight from
-            the tensors' memory, with no staging copy); default: ``False`` on memory file
-            systems and where O_DIRECT is refused, ``True`` elsewhere.
+        direct_io: as :func:`fastckpt.save`'s: ``True`` writes the staging buffers with
+            O_DIRECT (where the file system takes it), ``False`` through the page cache
+            (with ``snapshot=False`` and CPU tensors, straight from the tensors' memory on
+            every core, with no staging copy). Default: with ``snapshot=False`` chosen as
+            :func:`fastckpt.save` chooses; with a snapshot, O_DIRECT where taken.
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
