@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <system_error>
 
@@ -289,12 +290,7 @@ void Executor::run_task(Engine& engine, Task& task, bool& engine_lost) {
   }
   struct BounceGuard {
     std::vector<Slot>& slots;
-    bool leak = false;  // requests the engine never returned still point into the slots
     ~BounceGuard() {
-      if (leak) {
-        new std::vector<Slot>(std::move(slots));  // kept for the process's life
-        return;
-      }
       for (auto& sl : slots) std::free(sl.bounce);
     }
   } guard{slots};
@@ -434,11 +430,13 @@ void Executor::run_task(Engine& engine, Task& task, bool& engine_lost) {
     if (in_flight == 0) break;
     if (++failed_rounds > kMaxFailedRounds) {
       // The engine keeps failing with requests in flight: they cannot be collected, so the
-      // slots (and their bounce buffers) and the engine are kept for good, and the op fails
-      // with the engine's errno rather than wait() hanging.
-      guard.leak = true;
-      engine_lost = true;
-      break;
+      // slots (their requests and bounce buffers) and the engine are kept for the process's
+      // life, and the op fails with the engine's errno rather than wait() hanging. (Moving
+      // the vector keeps every slot's address; the guard then frees nothing.)
+      if (new (std::nothrow) std::vector<Slot>(std::move(slots)) != nullptr) {
+        engine_lost = true;
+        break;
+      }
     }
     backoff(failed_rounds, in_flight);
   }
