@@ -205,6 +205,30 @@ size_t Executor::wait_all() {
   return finished.size();
 }
 
+bool Executor::cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ops_.find(id);
+  if (it == ops_.end()) return false;
+  const std::shared_ptr<Op> op = it->second;
+  unsigned dropped = 0;
+  for (auto t = tasks_.begin(); t != tasks_.end();) {
+    if (t->op == op) {
+      t = tasks_.erase(t);
+      ++dropped;
+    } else {
+      ++t;
+    }
+  }
+  if (dropped == 0) return false;
+  if (!op->err) op->err = ECANCELED;  // err_what stays empty: strerror says it
+  op->parts_left -= dropped;
+  if (op->parts_left == 0) {
+    op->done = true;
+    done_cv_.notify_all();
+  }
+  return true;
+}
+
 bool Executor::is_pending(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   return ops_.count(id) != 0;

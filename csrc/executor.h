@@ -66,6 +66,10 @@ class Executor {
   // Blocks until op `id` has finished; throws IoError if it failed, std::invalid_argument if
   // `id` is not pending (never submitted, or already collected).
   void wait(uint64_t id);
+  // Drops the parts of op `id` that no worker has started (they never touch the memory);
+  // the op then fails with ECANCELED once the parts already running finish, and must still
+  // be collected by wait(). Returns whether any part was dropped.
+  bool cancel(uint64_t id);
   // Whether op `id` was submitted and is not yet collected by wait()/wait_all().
   bool is_pending(uint64_t id);
   // Blocks until every op submitted so far has finished; returns how many finished since

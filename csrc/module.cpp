@@ -98,6 +98,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("alignment") = kDirectIoAlignment, py::arg("max_parts") = 0)
       .def("wait", &Executor::wait, py::arg("op_id"), py::call_guard<py::gil_scoped_release>())
       .def("is_pending", &Executor::is_pending, py::arg("op_id"))
+      .def("cancel", &Executor::cancel, py::arg("op_id"))
       .def("wait_all", &Executor::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("pending", &Executor::pending);
 

@@ -380,7 +380,8 @@ class StreamWriter:
         self._deferred.clear()
         interrupt = None
         if self._inflight:  # (a writer that never wrote may have no executor yet)
-            interrupt = self.executor.drain(op_id for op_id, _, _ in self._inflight)
+            ops = [op_id for op_id, _, _ in self._inflight]
+            interrupt = self.executor.drain(ops, cancel=True)  # unstarted writes: dropped
         while self._inflight:
             self.pool.release(self._inflight.popleft()[1])
         if interrupt is not None:

@@ -171,7 +171,7 @@ def _pinned(torch: Any, nbytes: int) -> Any:
 def _drain(executor: Executor, in_flight: dict[int, int]) -> None:
     """Waits for every op still in flight, ignoring their errors (a first one is on its way);
     an interrupt meanwhile does not cut the wait short and is raised once all are collected."""
-    interrupt = executor.drain(in_flight.values())
+    interrupt = executor.drain(in_flight.values(), cancel=True)
     in_flight.clear()
     if interrupt is not None:
         raise interrupt

@@ -120,12 +120,18 @@ class Executor:
         """Whether ``op_id`` was submitted and not yet collected by a wait."""
         return self._native.is_pending(op_id)
 
-    def drain(self, op_ids: Iterable[int]) -> BaseException | None:
+    def cancel(self, op_id: int) -> bool:
+        """Drops the parts of ``op_id`` no worker has started; the op still has to be waited
+        for (it then fails with ``ECANCELED``). Returns whether anything was dropped."""
+        return self._native.cancel(op_id)
+
+    def drain(self, op_ids: Iterable[int], *, cancel: bool = False) -> BaseException | None:
         """Collects every op of ``op_ids`` still pending, whatever happens meanwhile: the ops'
         own errors are dropped (the caller is already handling an error), and an interrupt
         (``KeyboardInterrupt``, ``SystemExit``) raised while waiting does not stop the
-        draining. Returns the first such interrupt, for the caller to raise once it has
-        released what the ops used; None if there was none.
+        draining. With ``cancel``, the parts not yet started are dropped first, so only
+        those running are waited for. Returns the first interrupt, for the caller to raise
+        once it has released what the ops used; None if there was none.
 
         Example:
             >>> from fastckpt.config import IOConfig
@@ -133,7 +139,15 @@ class Executor:
             True
         """
         interrupt: BaseException | None = None
-        for op_id in list(op_ids):
+        op_ids = list(op_ids)
+        if cancel:
+            for op_id in reversed(op_ids):  # the last queued first: workers take the oldest
+                try:
+                    self._native.cancel(op_id)
+                except BaseException as exc:  # noqa: BLE001 - an interrupt: keep draining
+                    if interrupt is None:
+                        interrupt = exc
+        for op_id in op_ids:
             while True:
                 try:
                     if self._native.is_pending(op_id):

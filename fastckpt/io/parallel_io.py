@@ -227,12 +227,16 @@ def read_direct(
         return _segment_crcs(span) if checksum else []
 
     try:
-        return _run_all(spans, work, on_progress)
-    finally:
-        # Ops a failed or cancelled task never reached are still collected.
-        interrupt = executor.drain(ops)
+        crcs = _run_all(spans, work, on_progress)
+    except BaseException:
+        # Reads a failed or interrupted task never reached: dropped if not started, else
+        # collected; none may write into the memory once this raises.
+        interrupt = executor.drain(ops, cancel=True)
         if interrupt is not None:
             raise interrupt
+        raise
+    executor.drain(ops)  # every op was waited for by a task: nothing left, normally
+    return crcs
 
 
 def checksum_memory(spans: Sequence[Span]) -> list[list[int]]:

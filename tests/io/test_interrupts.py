@@ -171,3 +171,29 @@ def test_file_closed_while_held_stays_open_until_released(tmp_path):
         os.fstat(fd)
     with pytest.raises(ValueError, match="closed"):
         f.hold()
+
+
+def test_cancel_drops_ops_not_started(tmp_path):
+    import errno
+
+    import numpy as np
+
+    from fastckpt.io.aligned_memory import BufferRef
+
+    ex = Executor(IOConfig(engine="threads", intra_op_parallelism=1))
+    data = np.ones(32 << 20, dtype=np.uint8)
+    with File(tmp_path / "x.bin", write=True, create=True) as f:
+        ops = [
+            ex.submit(
+                f, BufferRef(data.ctypes.data, data.nbytes, data), i * data.nbytes, write=True
+            )
+            for i in range(4)
+        ]
+        assert ex.cancel(ops[-1])  # one worker, still busy with the first: never started
+        assert ex.drain(ops[1:-1]) is None
+        ex.wait(ops[0])
+        with pytest.raises(OSError) as info:
+            ex.wait(ops[-1])
+        assert info.value.errno == errno.ECANCELED
+        assert not ex.cancel(ops[0])  # collected: nothing to drop
+        assert f.size() == 3 * data.nbytes
