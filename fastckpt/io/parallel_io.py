@@ -218,7 +218,7 @@ def read_direct(
             ref = BufferRef(span.address, span.nbytes, owner)
             ops.append(executor.submit(file, ref, span.file_offset, write=False))
     except BaseException:
-        executor.drain(ops)  # nothing submitted may outlive this call
+        executor.drain(ops, cancel=True)  # nothing submitted may outlive this call
         raise
     op_of = {id(span): op for span, op in zip(spans, ops)}
 
