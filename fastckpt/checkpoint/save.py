@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, tree
+from fastckpt.checkpoint import dtypes, save_order, tree
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
@@ -209,6 +209,11 @@ class StreamWriter:
     :meth:`fill` while free buffers remain, so the snapshot does not compete with disk
     writes for memory bandwidth and CPU; :meth:`finish` starts them. When the pool runs
     out, deferred buffers are written and recycled as usual.
+
+    Interrupts: :meth:`abort` collects every write in flight before it returns (or raises
+    a Ctrl-C that came meanwhile), so neither the file nor a buffer goes while the engine
+    still uses it. Once ``cancel`` (an event) is set, the next buffer or wait raises
+    ``KeyboardInterrupt``: how pending asynchronous saves stop at exit.
     """
 
     def __init__(
@@ -220,8 +225,10 @@ class StreamWriter:
         *,
         progress: bool | None = None,
         defer_writes: bool = False,
+        cancel: threading.Event | None = None,
     ):
         self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
+        self._cancel = cancel  # once set, the next buffer or wait raises KeyboardInterrupt
         self._defer = defer_writes
         # full buffers not yet written: (buffer, bytes to write, segments)
         self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
@@ -236,6 +243,7 @@ class StreamWriter:
 
     # -- buffers ----------------------------------------------------------------------------
     def _next_buffer(self) -> StagingBuffer:
+        self._check_cancelled()
         buf = self.pool.try_acquire()
         if buf is not None:
             return buf
@@ -246,9 +254,16 @@ class StreamWriter:
 
     def _retire_oldest(self, *, release: bool) -> StagingBuffer:
         """Waits for the oldest write, checksums its buffer, then releases or returns it."""
-        op_id, buf, segments = self._inflight.popleft()
+        self._check_cancelled()
+        op_id, buf, segments = self._inflight[0]
         try:
             self.executor.wait(op_id)
+        finally:
+            # Dropped only once collected: an interrupt raised before the wait began leaves
+            # the write running, and abort() must still find it.
+            if not self.executor.is_pending(op_id):
+                self._inflight.popleft()
+        try:
             if self.plan.checksum:
                 for name, at, n in segments:
                     self.sums[name].update(buf.address + at, n)
@@ -258,6 +273,10 @@ class StreamWriter:
         if release:
             self.pool.release(buf)
         return buf
+
+    def _check_cancelled(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise KeyboardInterrupt(f"save to {self.file.path} cancelled")
 
     def _write_deferred(self) -> None:
         while self._deferred:
@@ -352,18 +371,22 @@ class StreamWriter:
             self.file.truncate(self.plan.file_size)
 
     def abort(self) -> None:
-        """Waits for in-flight writes, ignoring their errors, and returns the buffers."""
+        """Waits for in-flight writes, ignoring their errors, and returns the buffers.
+
+        An interrupt (Ctrl-C) while waiting does not cut the wait short: every write is
+        collected first (none may outlive the file or the buffers), then it is raised.
+        """
         for buf, _, _ in self._deferred:
             self.pool.release(buf)
         self._deferred.clear()
+        interrupt = None
+        if self._inflight:  # (a writer that never wrote may have no executor yet)
+            ops = [op_id for op_id, _, _ in self._inflight]
+            interrupt = self.executor.drain(ops, cancel=True)  # unstarted writes: dropped
         while self._inflight:
-            op_id, buf, _ = self._inflight.popleft()
-            try:
-                self.executor.wait(op_id)
-            except OSError:
-                pass
-            finally:
-                self.pool.release(buf)
+            self.pool.release(self._inflight.popleft()[1])
+        if interrupt is not None:
+            raise interrupt
 
 
 def save(
@@ -393,6 +416,8 @@ def save(
 
     The write is atomic and durable: a temporary file in the same directory is fsynced and
     renamed over ``f``; on any error it is removed and an existing file at ``f`` is untouched.
+    An ``async_save`` to the same path still pending is waited for first, so this save's
+    file is the one left at ``f``.
 
     Args:
         metadata: str -> str pairs stored in the header's ``__metadata__``.
@@ -459,7 +484,11 @@ def write_plan(
 ) -> None:
     """Writes a planned checkpoint to ``path`` with the atomic commit protocol: from the
     tensors' own memory through the page cache where that is the faster path (see
-    :func:`save`'s ``direct_io``), else through staging buffers with O_DIRECT."""
+    :func:`save`'s ``direct_io``), else through staging buffers with O_DIRECT.
+
+    Asynchronous saves to the same path still pending are waited for first, so none of
+    them commits after (and over) this one."""
+    save_order.wait_for_earlier(path)
     with AtomicFile(path) as out:
         out.reserve(plan.file_size)
         if _through_page_cache(plan, out, direct_io):

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 
 from fastckpt import _C
-from fastckpt.format import DEFAULT_ALIGNMENT
 
-#: Alignment of every buffer fastckpt allocates for direct I/O: the file format's block, which
-#: is also the page size of the machines fastckpt runs on.
-BUFFER_ALIGNMENT = DEFAULT_ALIGNMENT
+#: Alignment of every buffer fastckpt allocates for direct I/O: the native core's one
+#: direct-I/O alignment (a page). The file format's default layout alignment has the same
+#: value, so every tensor of a default layout starts on it, but the two are separate
+#: constants: one is the I/O layer's, the other the format's.
+BUFFER_ALIGNMENT: int = _C.DIRECT_IO_ALIGNMENT
 
 __all__ = ["BufferRef", "buffer_ref", "aligned_tensor", "aligned_array"]
 
@@ -103,7 +104,7 @@ def aligned_tensor(
 
     Example:
         >>> t = aligned_tensor(8192)
-        >>> t.data_ptr() % 4096, t.numel()
+        >>> t.data_ptr() % BUFFER_ALIGNMENT, t.numel()
         (0, 8192)
     """
     import torch
