@@ -278,4 +278,3 @@ class CommitSet:
 
     def __exit__(self, *exc: Any) -> None:
         self.abort()
-
