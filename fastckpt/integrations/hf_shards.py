@@ -319,7 +319,9 @@ def _save_local(
                     os.unlink(index)
                     commit_set.fsync_directory(directory)
                 return
-            commit_set.write_atomically(index, _index_bytes(stored, names, options.get("metadata")))
+            data = _index_bytes(stored, names, options.get("metadata"))
+            # read-only files of the old set were refused (or allowed) by the commit set
+            commit_set.write_atomically(index, data, overwrite_readonly=True)
 
         files.publish(
             lambda referenced: _final_names(len(shards), referenced),

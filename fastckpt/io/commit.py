@@ -306,7 +306,9 @@ class AtomicFile:
             self.abort()
 
 
-def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+def write_atomically(
+    path: str | os.PathLike[str], data: bytes, *, overwrite_readonly: bool = False
+) -> None:
     """Writes a small file (an index, a metadata file) by the commit protocol: it appears
     whole and durable at ``path``, or the old one stays.
 
@@ -317,5 +319,5 @@ def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
         >>> target.read_bytes()
         b'{}'
     """
-    with AtomicFile(path, direct=False) as out:
+    with AtomicFile(path, direct=False, overwrite_readonly=overwrite_readonly) as out:
         out.file.pwrite_all(data, 0)

@@ -75,6 +75,7 @@ from typing import Any
 from fastckpt.io.commit import (
     _NO_FLOCK,
     AtomicFile,
+    check_writable,
     fsync_directory,
     write_atomically,
 )
@@ -164,7 +165,9 @@ def remove_unreferenced(
         ['b.bin', 'b.bin.0123456789ab.tmp']
     """
     removed = []
-    for entry in os.scandir(directory):
+    with os.scandir(directory) as listing:
+        entries = list(listing)
+    for entry in entries:
         name = entry.name
         if not entry.is_file(follow_symlinks=False):
             continue
@@ -187,6 +190,10 @@ class CommitSet:
 
     Use as a context manager: files still staged when it exits (an error, or no
     :meth:`publish`) are removed.
+
+    ``overwrite_readonly=True`` lets a publish replace or remove read-only files of the
+    published set; otherwise it raises ``PermissionError`` naming the first one, before any
+    change (see :func:`fastckpt.io.commit.check_writable`).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, overwrite_readonly: bool = False):
@@ -198,11 +205,9 @@ class CommitSet:
     def stage(self, hint: str, *, direct: bool = True) -> AtomicFile:
         """A new file, written by the caller into ``.file``; its temporary name is
         ``<hint>.<random>.tmp``, and its final name is chosen at :meth:`publish`."""
-        out = AtomicFile(
-            os.path.join(self.directory, hint),
-            direct=direct,
-            overwrite_readonly=self.overwrite_readonly,
-        )
+        # The hint is only a name for the temporary: read-only files are checked at publish,
+        # among the files the new set replaces.
+        out = AtomicFile(os.path.join(self.directory, hint), direct=direct, overwrite_readonly=True)
         self.staged.append(out)
         return out
 
@@ -230,7 +235,12 @@ class CommitSet:
         for out in self.staged:
             out.make_durable()  # the slow part, outside the lock
         with directory_lock(self.directory):
-            names = final_names(referenced())
+            current = referenced()
+            for name in sorted(current):  # each is replaced or removed by this publish
+                check_writable(
+                    os.path.join(self.directory, name), overwrite_readonly=self.overwrite_readonly
+                )
+            names = final_names(current)
             if len(names) != len(self.staged):
                 raise ValueError(f"{len(names)} names for {len(self.staged)} staged files")
             renamed: list[str] = []
