@@ -163,12 +163,12 @@ def encode_header(
         (64, b'{"x":{"dtype":"U8","shape":[5],"')
     """
     _check_alignment(alignment)
-    _check_contiguous(entries)
     if len(entries) > MAX_TENSORS:
         raise ValueError(
             f"{len(entries)} tensors: more than MAX_TENSORS ({MAX_TENSORS}), the most one "
             "file may hold (readers refuse more); save them as several files (max_shard_size=)"
         )
+    _check_contiguous(entries)
     document: dict[str, Any] = {}
     if metadata:
         check_metadata(metadata)

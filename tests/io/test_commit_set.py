@@ -352,7 +352,7 @@ def test_reader_during_resaves_sees_only_whole_sets(tmp_path):
 def test_two_writers_into_one_directory_end_with_one_whole_set(tmp_path):
     writers = [_spawn(_WRITER, tmp_path, w, 3) for w in (1, 2)]
     results = [w.communicate(timeout=120) for w in writers]
-    for w, (out, err) in zip(writers, results):
+    for w, (_, err) in zip(writers, results):
         assert w.returncode == 0, err[-3000:]  # every save of both reported success
     lasts = {float(out.split()[1]) for out, _ in results}
     final = _generation(tmp_path)
