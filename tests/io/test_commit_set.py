@@ -413,3 +413,26 @@ def test_index_mode_is_kept_across_resaves(tmp_path):
     os.chmod(tmp_path / INDEX, 0o600)
     fastckpt.save(_state(2), tmp_path, max_shard_size="20KB")
     assert stat.S_IMODE((tmp_path / INDEX).stat().st_mode) == 0o600
+
+
+def test_url_resave_publishes_by_the_index_and_a_failure_keeps_the_old_set():
+    import uuid
+
+    import fsspec
+
+    url = f"memory://commit-set-{uuid.uuid4().hex}/model"
+    fs = fsspec.filesystem("memory")
+    listing = lambda: sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False))  # noqa: E731
+    fastckpt.save(_state(1), url, max_shard_size="20KB")
+    first = listing()
+    assert first == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [INDEX]
+    broken = _state(2)
+    broken["layers.5.weight"] = torch.zeros(2048, device="meta")  # fails the last shard
+    with pytest.raises(TypeError):
+        fastckpt.save(broken, url, max_shard_size="20KB", parallel=1)
+    assert listing() == first
+    assert {float(t[0]) for t in fastckpt.load(url).values()} == {1.0}
+    fastckpt.save(_state(2), url, max_shard_size="20KB")
+    second = listing()
+    assert not set(first[:-1]) & set(second) and INDEX in second and len(second) == 4
+    assert {float(t[0]) for t in fastckpt.load(url).values()} == {2.0}
