@@ -750,6 +750,48 @@ def set_kills(work: Path, kind: str, count: int, seed: int) -> dict[str, Any]:
     return report
 
 
+_LOAD_PLANTED = textwrap.dedent(
+    """
+    import sys, fastckpt
+    try:
+        fastckpt.load(sys.argv[1])
+    except BaseException as exc:
+        print(type(exc).__name__)
+    """
+)
+
+
+def planted_pickles(work: Path) -> int:
+    """How many of ``fastckpt.load``'s paths run a pickle planted in a checkpoint directory
+    (a hostile DCP ``.metadata``, a ``pytorch_model.bin`` beside an index) without
+    ``allow_pickle``/``weights_only=False``."""
+    import pickle
+
+    import torch
+
+    import fastckpt
+
+    ran = 0
+    for case in ("dcp", "shard"):
+        folder = work / f"planted-{case}"
+        folder.mkdir()
+        canary = folder / _CANARY
+
+        class Canary:
+            def __reduce__(self, target: str = str(canary)):
+                return (open, (target, "w"))
+
+        if case == "dcp":
+            (folder / ".metadata").write_bytes(pickle.dumps(Canary()))
+        else:
+            fastckpt.save({"w": torch.ones(4), "v": torch.ones(4)}, folder, max_shard_size="16B")
+            (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Canary()))
+        subprocess.run([sys.executable, "-c", _LOAD_PLANTED, str(folder)], capture_output=True)
+        ran += canary.exists()
+        shutil.rmtree(folder)
+    return ran
+
+
 def set_concurrency(work: Path, kind: str, seconds: float) -> dict[str, Any]:
     """Two writers re-saving one set and a reader loading it meanwhile."""
     folder = work / f"{kind}-concurrent"
@@ -924,6 +966,7 @@ PARTS = [
     "shard-concurrency",
     "dcp-kills",
     "dcp-concurrency",
+    "planted-pickles",
     "bounds",
 ]
 
@@ -971,6 +1014,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part in ("shard-kills", "dcp-kills"):
                 report = set_kills(work, part.split("-")[0], args.set_kills, args.seed)
                 bad += _set_bad(report)
+            elif part == "planted-pickles":
+                report = {"pickles run without consent": planted_pickles(work)}
+                bad += report["pickles run without consent"]
             elif part in ("shard-concurrency", "dcp-concurrency"):
                 report = set_concurrency(work, part.split("-")[0], args.seconds)
                 bad += _set_bad(report)
