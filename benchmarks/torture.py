@@ -1,5 +1,7 @@
 """Torture fastckpt as an attacker and as bad luck would: hostile files, bit flips, kill -9
-during saves, a full disk, concurrent savers and loaders, and huge headers.
+during saves, a full disk, concurrent savers and loaders, and huge headers; and for
+checkpoints of several files (Hugging Face shards + index, DCP rank files + .metadata):
+kill -9 during saves and during the removal of old files, two writers and a reader at once.
 
 Every risky call runs in a child process with time and memory limits. Cases are batched
 (many per child); a child reports each outcome on its own line, so when a case crashes or
@@ -8,13 +10,16 @@ hangs the child is killed, that case is recorded, and a fresh child goes on with
 Outcomes are counted by exception type. Clean: loaded, or one of HeaderError,
 ChecksumError, OSError, ValueError, KeyError, WeightsOnlyError. Bad: a crash (signal), a
 hang, MemoryError, any other exception, ``fastckpt verify`` saying OK for a file that load
-rejects, or (for bit flips) a load that succeeds with different values.
+rejects, or (for bit flips) a load that succeeds with different values. For multi-file
+sets: a load mixing two saves, a set that does not load, a lost update, a changed file
+beside the checkpoint, a planted pickle that runs, a writer that fails.
 
 Usage::
 
     python benchmarks/torture.py                       # everything, default counts
     python benchmarks/torture.py --only fuzz --cases 500
     python benchmarks/torture.py --flips 200 --kills 20 --bounds-mb 100
+    python benchmarks/torture.py --only shard-kills --only shard-concurrency --set-kills 12
 
 Exit status 0 when no bad outcome was seen, 1 otherwise.
 """

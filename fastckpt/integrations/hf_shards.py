@@ -288,12 +288,6 @@ def _save_one(state: dict[str, torch.Tensor], out: AtomicFile, options: dict[str
     local_save.save_into(state, out, **local)
 
 
-def _remove_stale(directory: str, keep: Set[str]) -> list[str]:
-    """Deletes the files of earlier sharded saves that the published set does not name, and
-    the temporaries of dead writers (see :func:`fastckpt.io.commit_set.remove_unreferenced`)."""
-    return commit_set.remove_unreferenced(directory, _belongs, keep)
-
-
 def _save_local(
     shards: list[dict[str, torch.Tensor]],
     stored: list[dict[str, torch.Tensor]],

@@ -397,11 +397,18 @@ def test_kill_during_publish_or_removal_leaves_a_whole_set(tmp_path, call, nth):
 
 @pytest.mark.slow
 def test_kill_at_random_times_during_sharded_saves(tmp_path):
+    import random
+
+    rng = random.Random(0)
     fastckpt.save(_state(0.0, count=5, numel=32768), tmp_path, max_shard_size="300KB")
     seen = set()
-    for i in range(12):
-        writer = _spawn(_WRITER, tmp_path, 1, 30)
-        time.sleep(1.5 + 0.1 * i)  # torch's import, then some saves
+    for _ in range(8):
+        before = (tmp_path / INDEX).read_bytes()
+        writer = _spawn(_WRITER, tmp_path, 1, 60)
+        deadline = time.monotonic() + 60
+        while (tmp_path / INDEX).read_bytes() == before and time.monotonic() < deadline:
+            time.sleep(0.01)  # until its first save is published: then it saves in a loop
+        time.sleep(rng.uniform(0.0, 0.3))
         writer.kill()
         writer.communicate()
         seen.add(_generation(tmp_path))
