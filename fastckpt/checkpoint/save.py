@@ -40,6 +40,8 @@ __all__ = [
     "plan_save",
     "StreamWriter",
     "executor_for_destination",
+    "save_into",
+    "write_into",
     "write_plan",
 ]
 
@@ -107,6 +109,14 @@ class SavePlan:
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if type(t) is not torch.Tensor and type(t.detach()) is not torch.Tensor:
+        # DTensor, FakeTensor, wrapper subclasses: their bytes are not in one local storage
+        # (nn.Parameter passes: detach() gives its plain tensor).
+        raise TypeError(
+            f"tensor {name!r} is a {type(t).__name__}, a tensor subclass whose bytes fastckpt "
+            "cannot read directly: save a plain tensor (for a DTensor, .full_tensor() or "
+            ".to_local()), or save a distributed state dict through fastckpt.dcp"
+        )
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"tensor {name!r} is on device {t.device}, which fastckpt cannot save")
 
@@ -405,6 +415,7 @@ def save(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    overwrite_readonly: bool = False,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -418,6 +429,8 @@ def save(
     renamed over ``f``; on any error it is removed and an existing file at ``f`` is untouched.
     An ``async_save`` to the same path still pending is waited for first, so this save's
     file is the one left at ``f``.
+    The new file keeps the permission bits of the one it replaces; a read-only file at ``f``
+    is refused with ``PermissionError`` unless ``overwrite_readonly=True``.
 
     Args:
         metadata: str -> str pairs stored in the header's ``__metadata__``.
@@ -438,6 +451,7 @@ def save(
             is refused, ``True`` elsewhere (the device's speed, no page-cache pollution).
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
+        overwrite_readonly: replace a file at ``f`` that has no write permission.
 
     Example:
         >>> import torch, fastckpt
@@ -463,7 +477,61 @@ def save(
         intra_op_parallelism=intra_op_parallelism,
     )
     write_plan(
-        plan, path, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
+        plan,
+        path,
+        executor,
+        default_pool(staging_bytes),
+        progress=progress,
+        direct_io=direct_io,
+        overwrite_readonly=overwrite_readonly,
+    )
+
+
+def save_into(
+    obj: Any,
+    out: AtomicFile,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    alignment: int = format.DEFAULT_ALIGNMENT,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+    piece_size: int = format.DEFAULT_PIECE_SIZE,
+    progress: bool | None = None,
+    staging_bytes: int | None = None,
+    direct_io: bool | None = None,
+    engine: str | None = None,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
+    intra_op_parallelism: int | None = None,
+) -> None:
+    """:func:`save` into a staged file that the caller commits or aborts (a file of a
+    multi-file checkpoint, :class:`fastckpt.io.commit_set.CommitSet`); same options.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> target = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+        >>> with AtomicFile(target) as out:
+        ...     save_into({"w": torch.ones(2)}, out)
+        >>> os.path.exists(target)
+        True
+    """
+    plan = plan_save(
+        obj,
+        metadata=metadata,
+        alignment=alignment,
+        checksum=checksum,
+        allow_pickle=allow_pickle,
+        piece_size=piece_size,
+    )
+    executor = executor_for_destination(
+        out.path,
+        engine=engine,
+        block_size=block_size,
+        queue_depth=queue_depth,
+        intra_op_parallelism=intra_op_parallelism,
+    )
+    write_into(
+        plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
     )
 
 
@@ -481,6 +549,7 @@ def write_plan(
     *,
     progress: bool | None = None,
     direct_io: bool | None = None,
+    overwrite_readonly: bool = False,
 ) -> None:
     """Writes a planned checkpoint to ``path`` with the atomic commit protocol: from the
     tensors' own memory through the page cache where that is the faster path (see
@@ -489,18 +558,32 @@ def write_plan(
     Asynchronous saves to the same path still pending are waited for first, so none of
     them commits after (and over) this one."""
     save_order.wait_for_earlier(path)
-    with AtomicFile(path) as out:
-        out.reserve(plan.file_size)
-        if _through_page_cache(plan, out, direct_io):
-            _write_from_tensors(plan, out.file, progress=progress)
-            return
-        writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
-        try:
-            writer.fill()
-            writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
+    with AtomicFile(path, overwrite_readonly=overwrite_readonly) as out:
+        write_into(plan, out, executor, pool, progress=progress, direct_io=direct_io)
+
+
+def write_into(
+    plan: SavePlan,
+    out: AtomicFile,
+    executor: Executor,
+    pool: StagingPool,
+    *,
+    progress: bool | None = None,
+    direct_io: bool | None = None,
+) -> None:
+    """Writes a planned checkpoint into ``out``'s temporary file; the caller commits it
+    (one file of a multi-file checkpoint, :mod:`fastckpt.io.commit_set`) or aborts it."""
+    out.reserve(plan.file_size)
+    if _through_page_cache(plan, out, direct_io):
+        _write_from_tensors(plan, out.file, progress=progress)
+        return
+    writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
+    try:
+        writer.fill()
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:

@@ -228,12 +228,12 @@ def read_direct(
 
     try:
         crcs = _run_all(spans, work, on_progress)
-    except BaseException:
+    except BaseException as failure:
         # Reads a failed or interrupted task never reached: dropped if not started, else
         # collected; none may write into the memory once this raises.
         interrupt = executor.drain(ops, cancel=True)
         if interrupt is not None:
-            raise interrupt
+            raise interrupt from failure
         raise
     executor.drain(ops)  # every op was waited for by a task: nothing left, normally
     return crcs
