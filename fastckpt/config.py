@@ -22,7 +22,7 @@ The tuned configurations live in one JSON file, ``$XDG_CONFIG_HOME/fastckpt/tune
 (``~/.config/fastckpt/tuned.json`` without ``XDG_CONFIG_HOME``); ``FASTCKPT_CONFIG`` names
 another file. It is read once and re-read only when it changes (its modification time,
 size or inode), and the file system of each directory is looked up once per device
-(``/proc/self/mountinfo`` is not re-read on every load); :func:`reload` drops both caches,
+(the mount table is not re-read on every load); :func:`reload` drops both caches,
 and saving a tuned configuration does so itself.
 
 Example:
@@ -44,6 +44,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
+
+from fastckpt.mounts import mount_of
 
 __all__ = [
     "IOConfig",
@@ -226,23 +228,6 @@ def tuned_config_path() -> Path:
     return Path(base) / "fastckpt" / "tuned.json"
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    """(mount point, file system type, source) of every mount, from /proc/self/mountinfo."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    mounts = []
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and len(tail) >= 2:
-            mount_point = fields[4].replace("\\040", " ")
-            mounts.append((mount_point, tail[0], tail[1]))
-    return mounts
-
-
 _cache_lock = threading.Lock()
 _tuned_cache: tuple[tuple[Any, ...], dict[str, dict[str, Any]]] | None = None
 _filesystem_keys: dict[tuple[str, int], str] = {}
@@ -259,7 +244,7 @@ if hasattr(os, "register_at_fork"):
 
 def reload() -> None:
     """Forgets the cached tuned configuration and file-system lookups: the next use reads
-    the tuned file and ``/proc/self/mountinfo`` again (after a mount, say).
+    the tuned file and the mount table again (after a mount, say).
 
     Example:
         >>> reload()
@@ -291,12 +276,8 @@ def filesystem_key(path: str | os.PathLike[str]) -> str:
             known = _filesystem_keys.get(cache_key)
         if known is not None:
             return known
-    best = ("/", "unknown", "unknown")
-    for mount_point, fs_type, source in _mounts():
-        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best[0]):
-            best = (mount_point, fs_type, source)
-    key = f"{best[1]}:{best[2]}:{best[0]}"
+    mount = mount_of(real)
+    key = f"{mount.fs_type}:{mount.source}:{mount.mount_point}"
     if cache_key is not None:
         with _cache_lock:
             _filesystem_keys[cache_key] = key
