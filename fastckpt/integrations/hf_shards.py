@@ -544,6 +544,10 @@ def load_sharded(
     return result
 
 
+#: How often a sharded reader opens a set again when a newer save removed a shard of the
+#: set it was opening (see :class:`ShardedReader`).
+_REPUBLISHED_RETRIES = 2
+
 #: Options of ``fastckpt.load`` that say how shards are opened (the rest, how they are read).
 _OPEN_OPTIONS = (
     "gds",
@@ -592,6 +596,28 @@ class ShardedReader(Reader):
         self._closed = False
         self._owner: dict[str, CheckpointReader] = {}  # stored name -> its shard's reader
         self._aliases: dict[str, str] = {}
+        # A save that publishes a new set removes the old set's shards once its index is in
+        # place: a shard named by the index just read can vanish before it is opened. The
+        # new index then names shards that exist, so the set is opened again from it.
+        for attempt in range(_REPUBLISHED_RETRIES + 1):
+            try:
+                self._open_set(text, storage_options, parallel, only, open_options)
+                return
+            except FileNotFoundError:
+                self._readers, self._owner, self._aliases = {}, {}, {}
+                if attempt == _REPUBLISHED_RETRIES:
+                    self._closed = True
+                    raise
+
+    def _open_set(
+        self,
+        text: str,
+        storage_options: Mapping[str, Any] | None,
+        parallel: int,
+        only: Sequence[str] | None,
+        open_options: dict[str, Any],
+    ) -> None:
+        """Reads the index and opens every shard it names (those ``only`` needs)."""
         directory, index, single = _resolve(text, storage_options)
         if index is not None:
             weight_map, self._metadata = _read_index_document(index, storage_options)
@@ -631,7 +657,8 @@ class ShardedReader(Reader):
                     if self._owner.get(stored) is reader and alias not in weight_map:
                         self._aliases[alias] = stored
         except BaseException:
-            self.close()
+            for reader in self._readers.values():
+                reader.close()
             raise
 
     # -- what the index and headers say ----------------------------------------------------
