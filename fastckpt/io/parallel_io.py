@@ -21,7 +21,6 @@ into the file (or into memory) the caller is about to let go.
 Example:
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.io.files import File
-from fastckpt.io.interrupts import wait_through_interrupts
     >>> data = np.arange(1 << 16, dtype=np.uint8)
     >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
     >>> with File(path, write=True, create=True) as f:
