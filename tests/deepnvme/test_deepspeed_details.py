@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import re
 import stat
 
 import numpy as np
@@ -143,3 +144,30 @@ def test_any_alignment_works_however_get_alignment_reads(tmp_path):
     back = np.empty_like(data)
     h.sync_pread(back, str(tmp_path / "a.bin"), 7)
     assert (back == data).all() and os.path.getsize(tmp_path / "a.bin") == 1007
+
+
+def test_gibps_is_the_unit_of_deepspeeds_gb_per_sec():
+    # ds_io's "GB/sec" is total_bytes / seconds / 1024**3.
+    from fastckpt.bench.units import gbps, gibps
+
+    assert gibps(1024**3 * 6, 2.0) == 3.0
+    assert gbps(10**9 * 6, 2.0) == 3.0
+    assert gibps(10**9, 1.0) == pytest.approx(10**9 / 2**30)
+
+
+def test_raw_bench_prints_both_units(tmp_path, capsys, monkeypatch):
+    from fastckpt.cli import main
+
+    monkeypatch.setenv("FASTCKPT_NO_PROGRESS", "1")
+    argv = ["bench", "--folder", str(tmp_path), "--io_size", "1M", "--loops", "1"]
+    assert main(argv + ["--engine", "threads"]) == 0
+    stdout = capsys.readouterr().out
+    loop = re.search(r"^Loop 1: write ([0-9.e+-]+) GB/s = ([0-9.e+-]+) GiB/s", stdout, re.M)
+    median = re.search(r"^Median write: ([0-9.e+-]+) GB/s = ([0-9.e+-]+) GiB/s", stdout, re.M)
+    assert loop and median, stdout
+    for found in (loop, median):
+        decimal, binary = float(found[1]), float(found[2])
+        assert binary == pytest.approx(
+            decimal * 1e9 / 2**30, rel=1e-2
+        )  # both rounded to 3 significant digits
+    assert "GiB/s: 2^30 bytes per second, what ds_io prints as GB/sec" in stdout
