@@ -585,8 +585,9 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
 def _create_private(path: Any) -> File:
     """``path`` opened for writing, created with mode 0600 when missing (as DeepSpeed does);
     an existing file keeps its mode and contents."""
-    # fastckpt's File creates with 0644; creating the file here first keeps it private.
-    created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, _CREATE_MODE)
+    # fastckpt's File creates with 0644; creating the file here first keeps it private. The
+    # flags are File's own (O_RDWR, no O_TRUNC), so this open fails or blocks only where it would.
+    created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _CREATE_MODE)
     try:
         return File(path, write=True, create=True)
     finally:
