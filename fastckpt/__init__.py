@@ -51,6 +51,7 @@ _PUBLIC = {
     "EngineUnavailableError": ("fastckpt.errors", "EngineUnavailableError"),
     "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
     "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
+    "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -79,6 +80,7 @@ __all__ = [
     "EngineUnavailableError",
     "WeightsOnlyError",
     "UnsafePickleError",
+    "NoChecksumsError",
     "CuFileError",
 ]
 
@@ -101,6 +103,7 @@ if TYPE_CHECKING:
         EngineUnavailableError,
         FastCkptError,
         HeaderError,
+        NoChecksumsError,
         UnsafePickleError,
         WeightsOnlyError,
     )

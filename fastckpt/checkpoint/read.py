@@ -40,7 +40,13 @@ from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.checkpoint.tensor_crcs import TensorCrcs, check_crcs, damaged
-from fastckpt.checkpoint.tensor_runs import Run, place_runs, tensor_runs, tensor_view
+from fastckpt.checkpoint.tensor_runs import (
+    Run,
+    arena_exporter,
+    place_runs,
+    tensor_runs,
+    tensor_view,
+)
 from fastckpt.config import staging_bytes
 from fastckpt.io import device_copy, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
@@ -232,8 +238,8 @@ class CheckpointReader(HeaderView, Reader):
         Raises:
             ValueError: the range is not within the tensor, or ``out`` does not fit it.
             ChecksumError: a piece read does not match its CRC32C (the message names the
-                file, the tensor and the piece's byte range), or the file has no checksums
-                and ``verify=True``.
+                file, the tensor and the piece's byte range).
+            NoChecksumsError: the file has no checksums and ``verify=True``.
 
         Example:
             >>> import torch, fastckpt
@@ -378,7 +384,8 @@ class CheckpointReader(HeaderView, Reader):
                 )
                 actual = _tensor_crcs(entries.values(), labels, parallel_io.checksum_memory(spans))
                 check_crcs(entries.values(), actual, self.meta.crcs or {}, self.path)
-        return {name: tensor_view(data, e.begin, e) for name, e in entries.items()}
+        exporter = arena_exporter(data)
+        return {name: tensor_view(data, e.begin, e, exporter) for name, e in entries.items()}
 
     def _mapping(self) -> torch.Tensor:
         """The data section as a uint8 tensor over a private (copy-on-write) file mapping."""
@@ -518,7 +525,7 @@ class CheckpointReader(HeaderView, Reader):
         """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
 
         Raises:
-            ChecksumError: the file has no checksums (it cannot be verified).
+            NoChecksumsError: the file has no checksums (it cannot be verified).
 
         Example:
             >>> import torch, fastckpt
@@ -563,8 +570,10 @@ class CheckpointReader(HeaderView, Reader):
 
 
 def _views(arena: torch.Tensor, runs: list[Run]) -> dict[str, torch.Tensor]:
+    """The tensors of ``runs``; on the CPU each with a storage of its own over the arena."""
+    exporter = arena_exporter(arena)
     return {
-        e.name: tensor_view(arena, run.arena_pos + (e.begin - run.begin), e)
+        e.name: tensor_view(arena, run.arena_pos + (e.begin - run.begin), e, exporter)
         for run in runs
         for e in run.entries
     }
