@@ -34,6 +34,8 @@ _PUBLIC = {
     "load": ("fastckpt.api", "load"),
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
+    "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
+    "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
     "SaveFuture": ("fastckpt.checkpoint.asynchronous", "SaveFuture"),
     "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
@@ -62,6 +64,8 @@ __all__ = [
     "load",
     "open",
     "async_save",
+    "save_bytes",
+    "load_bytes",
     "async_load",
     "SaveFuture",
     "LoadFuture",
@@ -96,8 +100,10 @@ if TYPE_CHECKING:
         wait_all,
     )
     from fastckpt.checkpoint.header_view import TensorInfo
+    from fastckpt.checkpoint.load import load_bytes
     from fastckpt.checkpoint.read import CheckpointReader
     from fastckpt.checkpoint.reader import Reader
+    from fastckpt.checkpoint.stream_save import save_bytes
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,

@@ -53,6 +53,7 @@ from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
 from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 from fastckpt.storage import Storage, open_storage, to_local
+from fastckpt.storage.file_object import FileObjectStorage, is_file_object
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo", "TensorSlice"]
 
@@ -79,7 +80,7 @@ class CheckpointReader(HeaderView, Reader):
     """A fastckpt/safetensors file opened for lazy reading (a :class:`~fastckpt.Reader`).
 
     Use :func:`fastckpt.open` to create one; ``f`` is a path, a ``file://`` URL, an fsspec
-    URL or an open :class:`~fastckpt.storage.Storage`.
+    URL, a readable binary file object or an open :class:`~fastckpt.storage.Storage`.
 
     Example:
         >>> import torch, fastckpt
@@ -100,6 +101,8 @@ class CheckpointReader(HeaderView, Reader):
     ):
         self.device = _check_device(device)
         self.gds = gds
+        if is_file_object(f):
+            f = FileObjectStorage(f)
         if isinstance(f, Storage):
             self._storage = f
         else:
@@ -727,7 +730,9 @@ def open_checkpoint(
     """Opens a checkpoint file for lazy reading (exported as ``fastckpt.open``).
 
     Args:
-        f: the file's path, a ``file://`` URL, or an fsspec URL (``s3://``, ``memory://``, ...).
+        f: the file's path, a ``file://`` URL, an fsspec URL (``s3://``, ``memory://``, ...),
+            or a readable binary file object (``open(path, "rb")``, ``io.BytesIO``), read with
+            ``seek``/``readinto`` and left open.
         device: where :meth:`~CheckpointReader.get_tensor` puts tensors: ``"cpu"`` or
             ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
         gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or
