@@ -34,6 +34,7 @@ _PUBLIC = {
     "load": ("fastckpt.api", "load"),
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
+    "load_into": ("fastckpt.api", "load_into"),
     "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
     "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
@@ -64,6 +65,7 @@ __all__ = [
     "load",
     "open",
     "async_save",
+    "load_into",
     "save_bytes",
     "load_bytes",
     "async_load",
@@ -90,7 +92,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastckpt import aio
-    from fastckpt.api import async_save, load, open, save  # noqa: A004
+    from fastckpt.api import async_save, load, load_into, open, save  # noqa: A004
     from fastckpt.checkpoint.asynchronous import (
         LoadFuture,
         SaveFuture,

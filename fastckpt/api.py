@@ -28,11 +28,12 @@ from fastckpt import storage
 from fastckpt.checkpoint import asynchronous, read, stream_save
 from fastckpt.checkpoint import load as local_load
 from fastckpt.checkpoint import save as local_save
+from fastckpt.checkpoint.load_into import IncompatibleKeys, read_into
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.integrations import hf_shards, remote
 from fastckpt.storage.file_object import is_file_object
 
-__all__ = ["save", "load", "open", "async_save", "Reader", "weights_file"]
+__all__ = ["save", "load", "open", "async_save", "load_into", "Reader", "weights_file"]
 
 _STORAGE_OPTIONS = """storage_options: for a URL, passed to its fsspec file system (default: the
             JSON object in ``FASTCKPT_STORAGE_OPTIONS``). ``f`` may also be an fsspec URL
@@ -229,3 +230,42 @@ def async_save(obj: Any, f: Any, *, storage_options: Any = None, **options: Any)
     if storage.is_url(f):
         return remote.async_save(obj, f, storage_options=storage_options, **_for_url(options))
     return asynchronous.async_save(obj, _local(f), **options)
+
+
+def load_into(
+    model_or_state_dict: Any,
+    f: Any,
+    *,
+    strict: bool = True,
+    verify: bool | None = None,
+    **options: Any,
+) -> IncompatibleKeys:
+    """Reads a checkpoint straight into a model's parameters and buffers, or into a state
+    dict's tensors: each tensor's bytes land in the destination's own memory, with no
+    intermediate arena (the memory of a load is the model's). Like
+    ``model.load_state_dict(fastckpt.load(f), strict=strict)``, without the second copy.
+
+    Args:
+        model_or_state_dict: a ``torch.nn.Module`` or a dict of tensors to fill in place.
+        f: a file, directory or URL, as :func:`fastckpt.open` takes; a checkpoint of a flat
+            state dict (``fastckpt.save(model.state_dict(), f)``, any safetensors file).
+        strict: raise ``RuntimeError`` when keys differ (as ``load_state_dict`` does);
+            with ``strict=False`` the matching tensors are filled.
+        verify: check CRC32Cs (default: when the file has them).
+        options: :func:`fastckpt.open`'s (``storage_options``, ``direct_io``, ...).
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``, a named tuple as ``load_state_dict`` returns.
+
+    A destination of another dtype, a strided view or a GPU tensor is read into host memory
+    and copied with ``copy_`` (converting the dtype); shapes must match.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save(torch.nn.Linear(4, 2).state_dict(), "/tmp/fastckpt-load-into.safetensors")
+        >>> model = torch.nn.Linear(4, 2)
+        >>> fastckpt.load_into(model, "/tmp/fastckpt-load-into.safetensors")
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+    """
+    with open(f, **options) as reader:
+        return read_into(model_or_state_dict, reader, strict=strict, verify=verify)

@@ -117,7 +117,8 @@ def load(
     """Loads what :func:`fastckpt.save` saved, or any safetensors file (as a flat dict).
 
     The data section is read on every core into one page-aligned arena (page-locked with
-    ``pin_memory=True``); the returned tensors are views into it. Bytes already in memory (a
+    ``pin_memory=True``); the returned tensors lie in it, each with a storage of its own at
+    offset 0 as ``torch.load``'s have (no copy). Bytes already in memory (a
     hot page cache, tmpfs) are read through the page cache at memory speed, others with
     O_DIRECT at the device's speed (see :attr:`fastckpt.CheckpointReader.read_mode`).
 

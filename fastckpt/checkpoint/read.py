@@ -4,8 +4,9 @@ path that ``fastckpt.load`` uses.
 One implementation over the storage interface (:mod:`fastckpt.storage`): range planning,
 verification and prefetch are written once, for local files and fsspec URLs alike. Reads go
 straight from storage into one page-aligned arena, split into spans that every core (or
-every connection) works on; the tensors returned are views into the arena, so nothing is
-copied after the read. Each byte range is placed in the arena at the same offset modulo the
+every connection) works on; the tensors returned lie in the arena, so nothing is copied
+after the read (on the CPU each has a storage of its own over its bytes, see
+:func:`~fastckpt.checkpoint.tensor_runs.own_bytes`). Each byte range is placed in the arena at the same offset modulo the
 page size as in the file, which keeps direct I/O possible even for files whose data is not
 aligned.
 
