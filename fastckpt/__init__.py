@@ -34,6 +34,9 @@ _PUBLIC = {
     "load": ("fastckpt.api", "load"),
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
+    "load_into": ("fastckpt.api", "load_into"),
+    "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
+    "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
     "SaveFuture": ("fastckpt.checkpoint.asynchronous", "SaveFuture"),
     "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
@@ -51,6 +54,7 @@ _PUBLIC = {
     "EngineUnavailableError": ("fastckpt.errors", "EngineUnavailableError"),
     "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
     "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
+    "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -61,6 +65,9 @@ __all__ = [
     "load",
     "open",
     "async_save",
+    "load_into",
+    "save_bytes",
+    "load_bytes",
     "async_load",
     "SaveFuture",
     "LoadFuture",
@@ -79,12 +86,13 @@ __all__ = [
     "EngineUnavailableError",
     "WeightsOnlyError",
     "UnsafePickleError",
+    "NoChecksumsError",
     "CuFileError",
 ]
 
 if TYPE_CHECKING:
     from fastckpt import aio
-    from fastckpt.api import async_save, load, open, save  # noqa: A004
+    from fastckpt.api import async_save, load, load_into, open, save  # noqa: A004
     from fastckpt.checkpoint.asynchronous import (
         LoadFuture,
         SaveFuture,
@@ -94,13 +102,16 @@ if TYPE_CHECKING:
         wait_all,
     )
     from fastckpt.checkpoint.header_view import TensorInfo
+    from fastckpt.checkpoint.load import load_bytes
     from fastckpt.checkpoint.read import CheckpointReader
     from fastckpt.checkpoint.reader import Reader
+    from fastckpt.checkpoint.stream_save import save_bytes
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,
         FastCkptError,
         HeaderError,
+        NoChecksumsError,
         UnsafePickleError,
         WeightsOnlyError,
     )

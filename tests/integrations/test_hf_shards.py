@@ -256,10 +256,9 @@ def test_tied_weights_round_trip_through_transformers(tmp_path, transformers):
     assert back["lm_head.weight"] is back["transformer.wte.weight"]
 
 
-def test_directory_without_max_shard_size_is_not_a_file(tmp_path):
-    with pytest.raises(IsADirectoryError):
-        fastckpt.save({"w": torch.ones(2)}, tmp_path)  # a sharded save needs max_shard_size
-    assert os.listdir(tmp_path) == []
+def test_directory_without_max_shard_size_gets_one_model_safetensors(tmp_path):
+    fastckpt.save({"w": torch.ones(2)}, tmp_path)  # shards only when max_shard_size asks
+    assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
 # --------------------------------------------------------------------------- reading follows the index
