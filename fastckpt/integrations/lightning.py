@@ -64,6 +64,7 @@ import importlib
 import inspect
 import os
 import sys
+import tempfile
 import threading
 from typing import Any, Callable
 
@@ -79,7 +80,8 @@ from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 from fastckpt.integrations import remote
 from fastckpt.storage import exists as storage_exists
 from fastckpt.storage import open_storage
-from fastckpt.storage.locations import is_url
+from fastckpt.storage.locations import is_url, url_to_fs
+from fastckpt.storage.url import url_errors
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
@@ -102,7 +104,14 @@ except ImportError:
             "package); install it with: pip install 'fastckpt[lightning]'"
         ) from exc
 
-__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
+__all__ = [
+    "FastCkptIO",
+    "AsyncFastCkptIO",
+    "FastCkptCheckpoint",
+    "FastCkptLoadingMixin",
+    "CheckpointNotFoundError",
+    "load_from_checkpoint",
+]
 
 #: Where a checkpoint's tensors are named by their own keys rather than by their paths.
 _WEIGHTS = ("state_dict",)
@@ -137,16 +146,18 @@ def _explain_refusal(exc: TypeError, path: str) -> TypeError:
 
 
 def _is_torch_file(path: str) -> bool:
-    if is_url(path):
-        source = open_storage(path)
-        try:
-            head = source.read_bytes(0, min(SNIFF_BYTES, source.size()))
-        finally:
-            source.close()
-    else:
-        with open(path, "rb") as f:
-            head = f.read(SNIFF_BYTES)
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
     return torch_save_format(head) is not None
+
+
+def _head_of_url(url: str) -> bytes:
+    """The first bytes of the object at ``url``, asked for as a byte range. A server that
+    ignores ranges (a plain HTTP file server) answers with the whole object: so be it, the
+    caller then has all of it."""
+    with url_errors(url, "read"):
+        fs, where = url_to_fs(url)
+        return bytes(fs.cat_file(where, start=0, end=SNIFF_BYTES))
 
 
 def _remove_file(path: str) -> None:
@@ -257,7 +268,31 @@ class FastCkptIO(CheckpointIO):
 def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
     if not storage_exists(path):
         raise CheckpointNotFoundError(path)
-    if _is_torch_file(path):
+    if is_url(path):
+        return _load_url(path, map_location, weights_only)
+    return _load_located(path, map_location, weights_only, _is_torch_file(path))
+
+
+def _load_url(url: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+    head = _head_of_url(url)
+    if len(head) <= SNIFF_BYTES:
+        return _load_located(url, map_location, weights_only, torch_save_format(head) is not None)
+    # The server sent the whole object for a range request: it cannot serve the ranged reads
+    # of fastckpt's reader either, and the bytes are here already. Read them as a file.
+    with tempfile.TemporaryDirectory(prefix="fastckpt-url-") as directory:
+        local = os.path.join(directory, os.path.basename(url.split("?", 1)[0]) or "checkpoint")
+        with open(local, "wb") as f:
+            f.write(head)
+        try:
+            return _load_located(local, map_location, weights_only, _is_torch_file(local))
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"{exc.strerror} (read from {url})", url) from exc
+
+
+def _load_located(
+    path: str, map_location: Any, weights_only: bool | None, torch_file: bool
+) -> dict[str, Any]:
+    if torch_file:
         # Onto the CPU unless told otherwise, as TorchCheckpointIO's own default does.
         cpu = map_location if map_location is not None else (lambda storage, loc: storage)
         return TorchCheckpointIO().load_checkpoint(path, cpu, weights_only=weights_only)
@@ -394,6 +429,56 @@ def _outside_a_run() -> bool:
             status = getattr(getattr(trainer, "state", None), "status", None)
             return status is not None and str(getattr(status, "value", status)) != "running"
     return False
+
+
+class FastCkptLoadingMixin:
+    """Makes ``MyModule.load_from_checkpoint(path)`` read fastckpt files, for one class.
+
+    Lightning's ``load_from_checkpoint`` reads with ``torch.load``, which fails on a
+    safetensors file with torch's "Weights only load failed" advice (whose
+    ``weights_only=False`` would not help either). Put this class first among the bases
+    and the class method goes through :func:`load_from_checkpoint` instead, for fastckpt
+    and ``torch.save`` files alike; nothing outside the class changes.
+
+    Example:
+        >>> import torch, lightning.pytorch as pl
+        >>> from fastckpt.lightning import FastCkptIO, FastCkptLoadingMixin
+        >>> class Net(FastCkptLoadingMixin, pl.LightningModule):
+        ...     def __init__(self, width=4):
+        ...         super().__init__()
+        ...         self.save_hyperparameters()
+        ...         self.layer = torch.nn.Linear(width, 1)
+        >>> FastCkptIO().save_checkpoint(
+        ...     {"state_dict": Net(3).state_dict(), "hyper_parameters": {"width": 3}},
+        ...     "/tmp/fastckpt-mixin.ckpt")
+        >>> Net.load_from_checkpoint("/tmp/fastckpt-mixin.ckpt").hparams.width
+        3
+    """
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | os.PathLike[str],
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As ``LightningModule.load_from_checkpoint``; ``hparams_file`` is not supported."""
+        if hparams_file is not None:
+            raise TypeError(
+                "hparams_file is not supported with fastckpt files: pass the hyper-parameters "
+                "to override as keyword arguments"
+            )
+        return load_from_checkpoint(
+            cls,
+            checkpoint_path,
+            map_location=map_location,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
+        )
 
 
 class _Removal:

@@ -31,6 +31,7 @@ from fastckpt.lightning import (  # noqa: E402
     AsyncFastCkptIO,
     FastCkptCheckpoint,
     FastCkptIO,
+    FastCkptLoadingMixin,
     load_from_checkpoint,
 )
 
@@ -878,16 +879,11 @@ def _cross_run(tmp_path, first: str, second: str):
     assert fastckpt.load(str(dirpath / "last.ckpt"))["epoch"] == 5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "first,second", [("model_checkpoint", "fastckpt"), ("fastckpt", "model_checkpoint")]
 )
 def test_resume_across_callbacks_keeps_top_k_and_last(tmp_path, first, second):
     _cross_run(tmp_path, first, second)
-
-
-def test_resume_from_model_checkpoint_run_into_fastckpt_checkpoint(tmp_path):
-    _cross_run(tmp_path, "model_checkpoint", "fastckpt")
 
 
 def test_missing_checkpoint_message_is_lightnings(tmp_path):
@@ -949,11 +945,13 @@ def test_trainer_saves_and_resumes_at_a_memory_url(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "memory:")
 
 
-class _RangedFiles(http.server.SimpleHTTPRequestHandler):
-    """Serves a directory, answering ``Range: bytes=a-b`` requests as object stores do."""
-
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+
+class _RangedFiles(_QuietFiles):
+    """Serves a directory, answering ``Range: bytes=a-b`` requests as object stores do."""
 
     def do_GET(self):
         wanted = self.headers.get("Range")
@@ -971,14 +969,18 @@ class _RangedFiles(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(data[start:end])
 
 
-@pytest.fixture
-def http_root(tmp_path):
-    """A directory served over HTTP on localhost: (directory, base URL)."""
+@pytest.fixture(params=["ranges", "whole files"])
+def http_root(tmp_path, request):
+    """A directory served over HTTP on localhost, by a server that answers byte ranges or by
+    one that sends whole files (Python's own): (directory, base URL)."""
     root = tmp_path / "served"
     root.mkdir()
 
     server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_RangedFiles, directory=str(root))
+        ("127.0.0.1", 0),
+        functools.partial(
+            _RangedFiles if request.param == "ranges" else _QuietFiles, directory=str(root)
+        ),
     )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -1005,3 +1007,20 @@ def test_http_checkpoint_loads_and_resumes(tmp_path, http_root):
     assert capture.start["epoch"] == 1
     with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
         FastCkptIO().load_checkpoint(f"{base}/none.ckpt")
+
+
+class _MixedModel(FastCkptLoadingMixin, TinyModel):
+    pass
+
+
+def test_loading_mixin_makes_the_class_method_read_fastckpt_files(tmp_path):
+    trainer = _trainer(tmp_path, 1, plugins=[FastCkptIO()], enable_checkpointing=False)
+    torch.manual_seed(0)
+    trainer.fit(_MixedModel(hidden=5), _loader())
+    path = str(tmp_path / "mixed.ckpt")
+    trainer.save_checkpoint(path)
+    model = _MixedModel.load_from_checkpoint(path, lr=0.5)
+    assert (model.hparams.hidden, model.hparams.lr) == (5, 0.5)
+    assert torch.equal(model.net[0].weight, trainer.lightning_module.net[0].weight)
+    with pytest.raises(pickle.UnpicklingError):  # what the class without the mixin does
+        TinyModel.load_from_checkpoint(path)
