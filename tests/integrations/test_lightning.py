@@ -1024,3 +1024,26 @@ def test_loading_mixin_makes_the_class_method_read_fastckpt_files(tmp_path):
     assert torch.equal(model.net[0].weight, trainer.lightning_module.net[0].weight)
     with pytest.raises(pickle.UnpicklingError):  # what the class without the mixin does
         TinyModel.load_from_checkpoint(path)
+
+
+@pytest.mark.filterwarnings("ignore:No seed found:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jsonargparse's, about Lightning's use
+def test_lightning_cli_configures_the_callback(tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the arguments come from args= alone
+    cli = LightningCLI(
+        TinyModel,
+        run=False,
+        args=[
+            "--trainer.logger=false",
+            "--trainer.callbacks=fastckpt.lightning.FastCkptCheckpoint",
+            "--trainer.callbacks.monitor=val_loss",
+            "--trainer.callbacks.save_top_k=2",
+            "--trainer.callbacks.asynchronous=false",
+        ],
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, FastCkptCheckpoint)]
+    assert (callback.monitor, callback.save_top_k, callback.asynchronous) == ("val_loss", 2, False)
