@@ -44,7 +44,10 @@ Loading reads fastckpt files and, for a smooth switch, also files written by
 
 Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning (the
 same objects, types included), ``fastckpt verify`` checks them, every safetensors reader
-opens them. Paths are local.
+opens them. Paths are local files or fsspec URLs (``s3://``, ``memory://``; ``https://`` to
+read). Lightning's own loaders (``MyModule.load_from_checkpoint``, a Trainer without these
+plugins) read with ``torch.load`` and cannot read them: use :func:`load_from_checkpoint`,
+:class:`FastCkptLoadingMixin` or the plugins.
 Strategies that write sharded checkpoints themselves (FSDP, DeepSpeed) bypass
 ``CheckpointIO``; these classes serve single-file strategies (single device, DDP, rank 0
 writes). The classes derive from ``lightning``'s; the plugins are also registered with the
