@@ -1047,3 +1047,23 @@ def test_lightning_cli_configures_the_callback(tmp_path, monkeypatch):
     )
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, FastCkptCheckpoint)]
     assert (callback.monitor, callback.save_top_k, callback.asynchronous) == ("val_loss", 2, False)
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_state_under_the_earlier_key_is_still_read(tmp_path):
+    """Files of earlier versions keep the callback's state under ``FastCkptCheckpoint{...}``."""
+    dirpath = tmp_path / "ckpt"
+    args = dict(dirpath=dirpath, monitor="val_loss", save_last=True, asynchronous=False)
+    first = FastCkptCheckpoint(**args)
+    _trainer(tmp_path, 1, [first]).fit(_model(), _loader(), _loader(8))
+    io, last = FastCkptIO(), str(dirpath / "last.ckpt")
+    checkpoint = io.load_checkpoint(last)
+    state = checkpoint["callbacks"].pop(first.state_key)
+    checkpoint["callbacks"][first._legacy_state_key] = state
+    io.save_checkpoint(checkpoint, last)
+    assert first._legacy_state_key.startswith("FastCkptCheckpoint{")
+
+    resumed = FastCkptCheckpoint(**args)
+    _trainer(tmp_path, 1, [resumed]).fit(_model(), _loader(), _loader(8), ckpt_path=last)
+    assert resumed.best_model_path == first.best_model_path
+    assert resumed.last_model_path == first.last_model_path
