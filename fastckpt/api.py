@@ -186,7 +186,7 @@ def save(
     local_save.save(obj, single, **options)
     # as a one-shard save does: shards and an index left by an earlier save would be read
     # instead of the new file
-    hf_shards._remove_stale(directory, {hf_shards.WEIGHTS_NAME})
+    hf_shards.retire_sharded_set(directory)
 
 
 @_routed(local_load.load, {"shards": _SHARDS})

@@ -70,6 +70,7 @@ from fastckpt.io.commit import AtomicFile
 __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
+    "retire_sharded_set",
     "ShardedReader",
     "is_sharded",
     "load_sharded",
@@ -237,6 +238,30 @@ def _final_names(count: int, referenced: Set[str]) -> list[str]:
     if not referenced:
         return [name + ".safetensors" for name in names]
     return [commit_set.fresh_name(name, ".safetensors", referenced) for name in names]
+
+
+def retire_sharded_set(directory: str) -> list[str]:
+    """After a save of one ``model.safetensors`` into ``directory``: removes the sharded set
+    an earlier save left there, the index first (readers then take the new file at once),
+    then its shards and abandoned temporaries, under the directory's publish lock.
+    Returns the names removed.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> retire_sharded_set(d)[0]
+        'model.safetensors.index.json'
+    """
+    removed = []
+    with commit_set.directory_lock(directory):
+        try:
+            os.unlink(os.path.join(directory, INDEX_NAME))
+            removed.append(INDEX_NAME)
+        except FileNotFoundError:
+            pass
+        removed += commit_set.remove_unreferenced(directory, _belongs, {WEIGHTS_NAME})
+    return removed
 
 
 def _belongs(name: str) -> bool:
