@@ -11,7 +11,7 @@ Two faces:
 
 The public names are loaded on first use, so ``import fastckpt`` (and the command line's
 ``--help``) stays light: torch is imported only when a name that needs it is touched.
-PyTorch is an optional dependency (``pip install 'fastckpt[torch]'``): without it,
+PyTorch is an optional dependency (``pip install torch``, or ``pip install '.[torch]'`` in a clone): without it,
 :mod:`fastckpt.aio` works on numpy arrays and buffers, :mod:`fastckpt.format` and
 ``fastckpt inspect`` work, and the checkpoint functions raise ``ImportError`` saying so.
 
@@ -130,7 +130,7 @@ def __getattr__(name: str) -> Any:
                 raise
             raise ImportError(
                 f"fastckpt.{name} needs PyTorch, which is not installed here: "
-                "pip install torch (or pip install 'fastckpt[torch]'); "
+                "pip install torch (or, in a clone of fastckpt, pip install '.[torch]'); "
                 "fastckpt.aio, fastckpt.format and the command line work without it"
             ) from exc
     elif name in _SUBMODULES:

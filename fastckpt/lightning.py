@@ -1,7 +1,7 @@
 """fastckpt for Lightning: ``FastCkptIO``, ``AsyncFastCkptIO``, ``FastCkptCheckpoint``,
 ``load_from_checkpoint`` and ``FastCkptLoadingMixin``.
 
-Needs ``lightning`` (or ``pytorch_lightning``): ``pip install "fastckpt[lightning]"``.
+Needs ``lightning`` (or ``pytorch_lightning``): ``pip install lightning`` (or ``pip install ".[lightning]"`` in a clone).
 See :mod:`fastckpt.integrations.lightning` for what is stored and how.
 
 Example:

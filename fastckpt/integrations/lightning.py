@@ -104,7 +104,7 @@ except ImportError:
     except ImportError as exc:
         raise ImportError(
             "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
-            "package); install it with: pip install 'fastckpt[lightning]'"
+            "package); install it with: pip install lightning (or, in a clone of fastckpt, pip install '.[lightning]')"
         ) from exc
 
 __all__ = [
