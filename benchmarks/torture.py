@@ -629,7 +629,7 @@ _SET_READER = textwrap.dedent(
                 counts["missing"] += 1  # its set was removed under it by a newer save
             else:
                 counts["errors"] += 1
-                print(type(exc).__name__, str(exc)[:300], file=sys.stderr)
+                print(type(exc).__name__, str(exc)[-300:], file=sys.stderr)  # the cause ends it
         if first:
             print("ready", flush=True)
             first = False

@@ -105,7 +105,9 @@ def _reader_for(
     allow_pickle: bool = False,
 ) -> StorageReader:
     if not metadata.storage_data or is_ours(metadata):
-        return FastCkptReader(path, storage_options=storage_options, allow_pickle=allow_pickle)
+        return FastCkptReader(
+            path, storage_options=storage_options, allow_pickle=allow_pickle, _metadata=metadata
+        )
     if remote.is_url(path):
         raise ValueError(
             f"{path} was written by DCP's FileSystemWriter; at a URL only checkpoints "

@@ -97,9 +97,13 @@ class FastCkptReader(StorageReader):
         verify: bool = True,
         allow_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        _metadata: Metadata | None = None,
         **io_options: Any,
     ):
         super().__init__()
+        # The metadata a caller already planned from (fastckpt's own conversions): read once,
+        # so the plan and the data come from one save even while the directory is re-saved.
+        self._planned_metadata = _metadata
         if "_extension_registry" in io_options:
             raise TypeError(
                 "FastCkptReader does not take _extension_registry: FastCkptWriter stores "
@@ -121,13 +125,14 @@ class FastCkptReader(StorageReader):
         """Starts a new load (from ``checkpoint_id`` when given)."""
         self.storage_data = {}
         self.bytes_read = 0
-        if checkpoint_id:
+        if checkpoint_id and location(checkpoint_id) != self.path:
             self.path = location(checkpoint_id)
+            self._planned_metadata = None
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata``; refuses checkpoints other writers made (say which reader fits)."""
-        metadata = read_dcp_metadata(
+        metadata = self._planned_metadata or read_dcp_metadata(
             self.path, storage_options=self.storage_options, allow_pickle=self.allow_pickle
         )
         if metadata.storage_data and not is_ours(metadata):
