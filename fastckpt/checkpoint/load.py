@@ -175,7 +175,7 @@ def load(
         return _read_object(f, target, pin_memory, weights_only, keys, verify, progress, mmap)
     with open_checkpoint(
         f,
-        device=target if on_cuda else "cpu",
+        device=target if isinstance(target, torch.device) and on_cuda else "cpu",
         gds=gds,
         direct_io=direct_io,
         engine=engine,

@@ -258,7 +258,7 @@ def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path |
         return [target]
     path = Path(target)
     if path.is_dir():
-        found = sorted(p for p in path.glob(pattern) if p.is_file())
+        found: list[Path | str] = sorted(p for p in path.glob(pattern) if p.is_file())
         if not found:
             raise CliError(f"no {pattern} files in directory {target}", USAGE)
         return found

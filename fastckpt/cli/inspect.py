@@ -137,7 +137,7 @@ def read_header(path: str | os.PathLike[str]) -> Any:
     from fastckpt.integrations.remote import RemoteReader, is_url
 
     if is_url(path):
-        return RemoteReader(path).header  # reads the header's bytes only
+        return RemoteReader(os.fspath(path)).header  # reads the header's bytes only
     # Non-blocking, so a FIFO does not wait for a writer; then only a regular file is read.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as f:

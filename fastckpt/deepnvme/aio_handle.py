@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
 import os
@@ -253,6 +254,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         if fd is not None:
             file: File = HeldDescriptor(fd, write=write)
         else:
+            assert not isinstance(target, int)  # as_descriptor takes every int
             file = File(target, write=write, create=write)
         try:
             aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
@@ -550,7 +552,7 @@ def _validate(op: _PendingOp) -> None:
 
         expected = op.ref.owner.detach().reshape(-1).view(torch.uint8).cpu().numpy()
     elif op.ref.nbytes:
-        raw = (np.ctypeslib.ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
+        raw = (ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
         expected = np.ctypeslib.as_array(raw)
     else:
         expected = np.empty(0, np.uint8)

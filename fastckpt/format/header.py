@@ -143,7 +143,7 @@ def _counting(limit: int, message: str) -> Any:
     so memory is bounded while decoding, not only afterwards."""
     count = 0
 
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any] | _Packed:
         nonlocal count
         count += 1
         if count > limit:
@@ -207,7 +207,8 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
     if type(raw) is _Packed:  # the three keys, in order, once each
-        return _checked_entry(where, name, *raw, data_size)
+        dtype, shape, offsets = raw
+        return _checked_entry(where, name, dtype, shape, offsets, data_size)
     if not isinstance(raw, dict):
         raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
     missing = [key for key in _ENTRY_KEYS if key not in raw]
@@ -259,9 +260,10 @@ def _checked_entry(
 def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
     """Tensors must tile the data section exactly, as the reference reader demands."""
     offset = 0
-    previous = None
+    previous: TensorEntry | None = None
     for entry in entries:
         if entry.begin < offset:
+            assert previous is not None  # offset only grows past 0 at an entry
             raise HeaderError(
                 f"tensor {short(entry.name)} at [{entry.begin}, {entry.end}] overlaps "
                 f"tensor {short(previous.name)} at [{previous.begin}, {previous.end}]"

@@ -62,7 +62,7 @@ import concurrent.futures
 import errno
 import importlib
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -74,26 +74,34 @@ from fastckpt.checkpoint.save import save as save_fastckpt
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
-try:  # the unified package first, then the standalone one
+#: The standalone package's CheckpointIO module, where the unified package is the one used.
+_OTHER_CHECKPOINT_IO: str | None
+if TYPE_CHECKING:  # checked against the unified package; the standalone one has its interface
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.callbacks import ModelCheckpoint
+else:
+    try:  # the unified package first, then the standalone one
+        import lightning.pytorch as pl
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
-except ImportError:
-    try:
-        import pytorch_lightning as pl
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-        from pytorch_lightning.callbacks import ModelCheckpoint
+        _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
+    except ImportError:
+        try:
+            import pytorch_lightning as pl
+            from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+            from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+            from pytorch_lightning.callbacks import ModelCheckpoint
 
-        _OTHER_CHECKPOINT_IO = None
-    except ImportError as exc:
-        raise ImportError(
-            "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
-            "package); install it with: pip install 'fastckpt[lightning]'"
-        ) from exc
+            _OTHER_CHECKPOINT_IO = None
+        except ImportError as exc:
+            raise ImportError(
+                "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
+                "package); install it with: pip install 'fastckpt[lightning]'"
+            ) from exc
 
 __all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
 
@@ -231,7 +239,11 @@ def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, 
     return checkpoint
 
 
-def _refuse_resolving_hparams(cls: type, checkpoint: dict[str, Any], path: str) -> None:
+def _refuse_resolving_hparams(
+    cls: type[pl.LightningModule] | type[pl.LightningDataModule],
+    checkpoint: dict[str, Any],
+    path: str,
+) -> None:
     """WeightsOnlyError when Lightning would make the saved hyper-parameters an OmegaConf
     config (``hparams_type``) and one of their strings would then call a resolver."""
     hparams_type = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_TYPE)
@@ -396,8 +408,8 @@ class AsyncFastCkptIO(FastCkptIO):
         future = async_save(flat, path, max_pending=self.max_pending, **self.save_options)
         self._latest[path] = future
         self._unsettled.append(future)
-        if future.done() and future.exception() is not None:
-            error = future.exception()
+        error = future.exception() if future.done() else None
+        if error is not None:
             self._unsettled.remove(future)
             if isinstance(error, TypeError):
                 raise _explain_refusal(error, path) from error

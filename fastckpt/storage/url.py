@@ -88,12 +88,12 @@ class url_errors:  # noqa: N801 - used as a context manager
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is None or not isinstance(exc, Exception):
-            return False
+            return
         named = _named(self.url, self.what, exc)
         if named is exc:
-            return False
+            return
         raise named from exc
 
 

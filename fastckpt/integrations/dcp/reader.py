@@ -160,7 +160,8 @@ class FastCkptReader(StorageReader):
             self._read(plan, planner)
             future.set_result(None)
         except BaseException as exc:
-            future.set_exception(exc)
+            # torch annotates the argument as the result type; it takes an exception
+            future.set_exception(exc)  # type: ignore[arg-type]
         return future
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -293,7 +294,8 @@ def _region_of(data: torch.Tensor, info: TensorInfo, offsets: Any, lengths: Any)
     if data.data_ptr() % info.dtype.itemsize:
         data = data.clone()  # files from other writers may not align tensors to their dtype
     elements = data.view(info.dtype)
-    strides, stride = [], 1
+    strides: list[int] = []
+    stride = 1
     for size in reversed(info.shape):
         strides.insert(0, stride)
         stride *= size
