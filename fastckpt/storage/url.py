@@ -35,8 +35,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.io import parallel_io
 from fastckpt.io.parallel_io import Span
@@ -136,6 +134,8 @@ class _Parts:
 
     def cut(self, pieces: Iterator[Any]) -> Iterator[tuple[bytearray, int]]:
         """Yields ``(buffer, used bytes)``; the consumer gives each buffer back when done."""
+        import torch  # uploads only: the storage layer is importable without torch
+
         buf, used = None, 0
         for piece in pieces:
             if isinstance(piece, bytes):

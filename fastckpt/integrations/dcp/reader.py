@@ -25,7 +25,6 @@ from torch.futures import Future
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.errors import ChecksumError, FastCkptError, HeaderError
-from fastckpt.format import parse_header, parse_header_length, split_metadata
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
 from fastckpt.integrations.dcp._paths import location
@@ -396,13 +395,7 @@ def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, int] | Non
     without checksums)."""
     with open_checkpoint(path) as reader:
         infos = {name: reader.info(name) for name in reader.keys()}
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            header = parse_header(f.read(parse_header_length(f.read(8), size)), size)
-        except HeaderError as exc:
-            raise HeaderError(f"{path}: {exc}") from None
-    return infos, split_metadata(header.metadata).crcs
+        return infos, reader.meta.crcs
 
 
 def _fits_whole(info: TensorInfo, req: ReadItem, target: torch.Tensor) -> bool:
