@@ -7,6 +7,10 @@ A 2 GiB page-locked tensor (``aio_handle.new_cpu_locked_tensor``) is written wit
 when installed; its best sequential figure is the ceiling each configuration is compared to.
 Configurations are interleaved and rotated per round; medians of ``--repeats`` rounds.
 
+Every figure is in GB/s, 10**9 bytes per second (fio's unit too). DeepSpeed's ``ds_io``
+prints "GB/sec" figures that are GiB/s (2**30 bytes per second): divide these by 1.074 to
+set them beside DeepSpeed's.
+
 Run:
     python benchmarks/bench_aio.py --dir /path/on/the/disk [--size 2G] [--repeats 3]
 """
@@ -48,7 +52,7 @@ FIO_JOBS = (
 def measure(
     engine: str, parallelism: int, buffer: torch.Tensor, path: str, args: argparse.Namespace
 ) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of one configuration."""
+    """(write GB/s, read GB/s) of one configuration, GB being 10**9 bytes."""
     handle = aio_handle(
         block_size=args.block_size,
         queue_depth=args.queue_depth,
@@ -164,6 +168,7 @@ def main() -> int:
             ratio = f"{100 * table[name][rw] / fio_best[rw]:.0f}%" if fio_best[rw] else "n/a"
             cells += [f"{table[name][rw]:.2f}", f"{min(values):.2f}–{max(values):.2f}", ratio]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nGB/s: 10^9 bytes per second (DeepSpeed's ds_io prints GiB/s, 2^30 bytes, as GB/sec).")
     print()
     for rw in ("write", "read"):
         ours = {n: m[rw] for n, m in table.items() if not n.startswith("fio")}

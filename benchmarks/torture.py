@@ -1,5 +1,7 @@
 """Torture fastckpt as an attacker and as bad luck would: hostile files, bit flips, kill -9
-during saves, a full disk, concurrent savers and loaders, and huge headers.
+during saves, a full disk, concurrent savers and loaders, and huge headers; and for
+checkpoints of several files (Hugging Face shards + index, DCP rank files + .metadata):
+kill -9 during saves and during the removal of old files, two writers and a reader at once.
 
 Every risky call runs in a child process with time and memory limits. Cases are batched
 (many per child); a child reports each outcome on its own line, so when a case crashes or
@@ -8,13 +10,16 @@ hangs the child is killed, that case is recorded, and a fresh child goes on with
 Outcomes are counted by exception type. Clean: loaded, or one of HeaderError,
 ChecksumError, OSError, ValueError, KeyError, WeightsOnlyError. Bad: a crash (signal), a
 hang, MemoryError, any other exception, ``fastckpt verify`` saying OK for a file that load
-rejects, or (for bit flips) a load that succeeds with different values.
+rejects, or (for bit flips) a load that succeeds with different values. For multi-file
+sets: a load mixing two saves, a set that does not load, a lost update, a changed file
+beside the checkpoint, a planted pickle that runs, a writer that fails.
 
 Usage::
 
     python benchmarks/torture.py                       # everything, default counts
     python benchmarks/torture.py --only fuzz --cases 500
     python benchmarks/torture.py --flips 200 --kills 20 --bounds-mb 100
+    python benchmarks/torture.py --only shard-kills --only shard-concurrency --set-kills 12
 
 Exit status 0 when no bad outcome was seen, 1 otherwise.
 """
@@ -549,6 +554,308 @@ def concurrency(work: Path, seconds: float = 5.0) -> dict[str, Any]:
     return report
 
 
+# --------------------------------------------------------------------------- multi-file sets
+#
+# A sharded directory (Hugging Face shards + index) and a DCP checkpoint (rank files +
+# .metadata) are sets of files; each save writes every tensor with one value, the save's
+# generation (writer * 100000 + count), so a load that holds two values mixes two saves.
+# Counted: mixed sets (a load, or the directory after a kill, holding two saves), lost
+# updates (the directory at the end is not a writer's last successful save), writes into
+# other files (files beside the checkpoint changed), pickles run without consent (a
+# planted pickle executed by a load). Kills are random in time, or placed exactly: the
+# child SIGKILLs itself at its n-th rename or unlink of a checkpoint file.
+
+_SET_SAVER = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    kind, path, writer, seconds, kill_at = sys.argv[1:6]
+    writer, seconds = int(writer), float(seconds)
+    if kill_at != "-":
+        call, nth = kill_at.split(":")
+        real, seen = getattr(os, call), [0]
+        def dying(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == int(nth):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        setattr(os, call, dying)
+    if kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from fastckpt.dcp import FastCkptWriter
+        def save(state):
+            dcp.save(state, storage_writer=FastCkptWriter(path), no_dist=True)
+    else:
+        import fastckpt
+        def save(state):
+            fastckpt.save(state, path, max_shard_size="300KB")
+    count = 4 + writer
+    print("ready", flush=True)
+    end, generation = time.monotonic() + seconds, 0
+    while True:
+        generation += 1
+        value = float(writer * 100000 + generation)
+        save({f"layers.{i}.weight": torch.full((32768,), value) for i in range(count)})
+        print("saved", value, flush=True)
+        if time.monotonic() > end:
+            break
+    """
+)
+
+_SET_READER = textwrap.dedent(
+    """
+    import os, sys, torch
+    kind, path, stop = sys.argv[1:4]
+    if kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from fastckpt.dcp import FastCkptReader, load_full
+        def load():
+            return load_full(path)
+    else:
+        import fastckpt
+        def load():
+            return fastckpt.load(path)
+    counts = {"whole": 0, "mixed": 0, "missing": 0, "errors": 0}
+    first = True
+    while first or not os.path.exists(stop):
+        try:
+            load_once = load()
+            seen = {float(t.reshape(-1)[0]) for t in load_once.values()}
+            seen |= {float(t.reshape(-1)[-1]) for t in load_once.values()}
+            counts["whole" if len(seen) == 1 else "mixed"] += 1
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, FileNotFoundError) or "FileNotFoundError" in str(exc):
+                counts["missing"] += 1  # its set was removed under it by a newer save
+            else:
+                counts["errors"] += 1
+                print(type(exc).__name__, str(exc)[:300], file=sys.stderr)
+        if first:
+            print("ready", flush=True)
+            first = False
+    print(" ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
+    """
+)
+
+_CANARY = "pickle-canary-ran"
+
+
+def _plant_bystanders(folder: Path) -> dict[str, bytes]:
+    """Files a checkpoint directory may hold beside the checkpoint: they must stay as they
+    are. One is a pickle whose loading creates a canary file."""
+    import pickle
+
+    class Canary:
+        def __reduce__(self):  # unpickling opens (creates) the canary file
+            return (open, (str(folder / _CANARY), "w"))
+
+    files = {
+        "config.json": b'{"model_type": "llama"}\n',
+        "pytorch_model.bin": pickle.dumps(Canary()),
+        "model-00001-of-00002.safetensors.bak": b"a user's backup",
+        "notes.safetensors": b"not a checkpoint",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def _changed_bystanders(folder: Path, files: dict[str, bytes]) -> int:
+    return sum(
+        1
+        for name, data in files.items()
+        if not (folder / name).is_file() or (folder / name).read_bytes() != data
+    )
+
+
+def _set_values(kind: str, path: Path) -> set[float]:
+    """The generations a load of the set finds (one for a whole set)."""
+    if kind == "dcp":
+        from fastckpt.dcp import load_full
+
+        loaded = load_full(str(path))
+    else:
+        import fastckpt
+
+        loaded = fastckpt.load(path)
+    return {float(t.reshape(-1)[0]) for t in loaded.values()} | {
+        float(t.reshape(-1)[-1]) for t in loaded.values()
+    }
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """DCP's load error, a BaseException (not an Exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _spawn(code: str, *args: Any) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _saved(out: str) -> list[float]:
+    return [float(line.split()[1]) for line in out.splitlines() if line.startswith("saved ")]
+
+
+def set_kills(work: Path, kind: str, count: int, seed: int) -> dict[str, Any]:
+    """kill -9 during saves of a multi-file set: at random times, and at each rename and
+    unlink of a save (the publish step and the removal of the old files)."""
+    rng = random.Random(seed)
+    folder = work / f"{kind}-kills"
+    bystanders = _plant_bystanders(folder)
+    target = folder
+    first = subprocess.run(
+        [sys.executable, "-c", _SET_SAVER, kind, str(target), "1", "0", "-"],
+        capture_output=True,
+        text=True,
+    )
+    report: collections.Counter = collections.Counter()
+    if first.returncode:
+        return {"error": first.stderr[-500:]}
+    last = _saved(first.stdout)[-1]
+    for i in range(count):
+        kill_at = "-" if i % 3 == 0 else f"{'replace' if i % 3 == 1 else 'unlink'}:{1 + i // 3 % 4}"
+        child = _spawn(_SET_SAVER, kind, target, 2 + i, 0 if kill_at != "-" else 30, kill_at)
+        if kill_at == "-":
+            assert child.stdout is not None
+            child.stdout.readline()
+            time.sleep(rng.uniform(0.0, 1.0))
+            child.kill()
+        out, _ = child.communicate()
+        saved = _saved(out)
+        try:
+            found = _set_values(kind, target)
+        except (Exception, _checkpoint_exception()) as exc:  # noqa: BLE001 - counted
+            report[f"unloadable ({type(exc).__name__})"] += 1
+            continue
+        # the set published before the child, one it reported, or the next one, which it
+        # may have published before dying
+        allowed = {last, *saved, (saved[-1] if saved else (2 + i) * 100000.0) + 1}
+        if len(found) != 1:
+            report["mixed sets"] += 1
+        elif not found <= allowed:
+            report["lost updates"] += 1
+        last = max(found)
+    report = {
+        "kills": count,
+        "mixed sets": report.pop("mixed sets", 0),
+        "lost updates": report.pop("lost updates", 0),
+        **dict(report),
+        "writes into other files": _changed_bystanders(folder, bystanders),
+        "pickles run without consent": int((folder / _CANARY).exists()),
+    }
+    shutil.rmtree(folder)
+    return report
+
+
+_LOAD_PLANTED = textwrap.dedent(
+    """
+    import sys, fastckpt
+    try:
+        fastckpt.load(sys.argv[1])
+    except BaseException as exc:
+        print(type(exc).__name__)
+    """
+)
+
+
+def planted_pickles(work: Path) -> int:
+    """How many of ``fastckpt.load``'s paths run a pickle planted in a checkpoint directory
+    (a hostile DCP ``.metadata``, a ``pytorch_model.bin`` beside an index) without
+    ``allow_pickle``/``weights_only=False``."""
+    import pickle
+
+    import torch
+
+    import fastckpt
+
+    ran = 0
+    for case in ("dcp", "shard"):
+        folder = work / f"planted-{case}"
+        folder.mkdir()
+        canary = folder / _CANARY
+
+        class Canary:
+            def __reduce__(self, target: str = str(canary)):
+                return (open, (target, "w"))
+
+        if case == "dcp":
+            (folder / ".metadata").write_bytes(pickle.dumps(Canary()))
+        else:
+            fastckpt.save({"w": torch.ones(4), "v": torch.ones(4)}, folder, max_shard_size="16B")
+            (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Canary()))
+        subprocess.run([sys.executable, "-c", _LOAD_PLANTED, str(folder)], capture_output=True)
+        ran += canary.exists()
+        shutil.rmtree(folder)
+    return ran
+
+
+def set_concurrency(work: Path, kind: str, seconds: float) -> dict[str, Any]:
+    """Two writers re-saving one set and a reader loading it meanwhile."""
+    folder = work / f"{kind}-concurrent"
+    bystanders = _plant_bystanders(folder)
+    target = folder
+    subprocess.run(
+        [sys.executable, "-c", _SET_SAVER, kind, str(target), "9", "0", "-"],
+        check=True,
+        capture_output=True,
+    )
+    stop = work / f"{kind}-stop"
+    reader = _spawn(_SET_READER, kind, target, stop)
+    assert reader.stdout is not None
+    reader.stdout.readline()
+    writers = [_spawn(_SET_SAVER, kind, target, w, seconds, "-") for w in (1, 2)]
+    outputs = [w.communicate() for w in writers]
+    stop.touch()
+    r_out, r_err = reader.communicate()
+    counts = dict(item.split("=") for item in r_out.split()) if r_out else {}
+    lasts = {_saved(out)[-1] for out, _ in outputs if _saved(out)}
+    failed = sum(1 for w in writers if w.returncode)
+    if reader.returncode:
+        counts["errors"] = int(counts.get("errors", 0)) + 1  # the reader itself died
+    try:
+        found = _set_values(kind, target)
+        final_mixed, lost = int(len(found) != 1), int(len(found) == 1 and not found <= lasts)
+    except (Exception, _checkpoint_exception()):  # noqa: BLE001 - counted as a broken set
+        final_mixed, lost = 1, 0
+    report = {
+        "saves": sum(len(_saved(out)) for out, _ in outputs),
+        "failed writers": failed,
+        "loads": sum(int(counts.get(k, 0)) for k in ("whole", "mixed", "missing")),
+        "loads that lost their set to a newer save (FileNotFoundError)": int(
+            counts.get("missing", 0)
+        ),
+        "mixed sets": int(counts.get("mixed", 0)) + final_mixed,
+        "other load errors": int(counts.get("errors", 0)),
+        "lost updates": lost,
+        "writes into other files": _changed_bystanders(folder, bystanders),
+        "pickles run without consent": int((folder / _CANARY).exists()),
+    }
+    if failed or report["other load errors"]:
+        report["reader stderr"] = r_err[:1500]
+        report["writer stderr"] = "".join(err for _, err in outputs)[-400:]
+    shutil.rmtree(folder)
+    return report
+
+
+def _set_bad(report: dict[str, Any]) -> int:
+    keys = ("mixed sets", "lost updates", "writes into other files", "pickles run without consent")
+    return (
+        sum(report.get(k, 0) for k in keys)
+        + sum(v for k, v in report.items() if k.startswith("unloadable"))
+        + report.get("failed writers", 0)
+        + report.get("other load errors", 0)
+        + int("error" in report)
+    )
+
+
 # --------------------------------------------------------------------------- huge headers
 
 _PARSER = textwrap.dedent(
@@ -654,6 +961,21 @@ def bounds(work: Path, megabytes: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
+PARTS = [
+    "fuzz",
+    "flips",
+    "kills",
+    "enospc",
+    "concurrency",
+    "shard-kills",
+    "shard-concurrency",
+    "dcp-kills",
+    "dcp-concurrency",
+    "planted-pickles",
+    "bounds",
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=5000, help="hostile files (default 5000)")
@@ -665,14 +987,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="concurrency run length")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--set-kills", type=int, default=12, help="kill -9 per multi-file kind (default 12)"
+    )
+    parser.add_argument(
         "--only",
         action="append",
-        choices=["fuzz", "flips", "kills", "enospc", "concurrency", "bounds"],
+        choices=PARTS,
         help="run only these parts (repeatable)",
     )
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
     args = parser.parse_args(argv)
-    parts = args.only or ["fuzz", "flips", "kills", "enospc", "concurrency", "bounds"]
+    parts = args.only or PARTS
     work = Path(tempfile.mkdtemp(prefix="fastckpt-torture-", dir=args.dir))
     bad = 0
     try:
@@ -691,6 +1016,15 @@ def main(argv: list[str] | None = None) -> int:
                 report = enospc(work)
                 bad += sum(v for k, v in report.get("outcomes", {}).items() if k != "ENOSPC")
                 bad += report.get("files left after the failed saves", 0)
+            elif part in ("shard-kills", "dcp-kills"):
+                report = set_kills(work, part.split("-")[0], args.set_kills, args.seed)
+                bad += _set_bad(report)
+            elif part == "planted-pickles":
+                report = {"pickles run without consent": planted_pickles(work)}
+                bad += report["pickles run without consent"]
+            elif part in ("shard-concurrency", "dcp-concurrency"):
+                report = set_concurrency(work, part.split("-")[0], args.seconds)
+                bad += _set_bad(report)
             elif part == "concurrency":
                 report = concurrency(work, args.seconds)
                 bad += report["torn or mixed loads"] + report["temp files left"]

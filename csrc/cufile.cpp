@@ -15,9 +15,10 @@
 #include <exception>
 #include <mutex>
 #include <optional>
-#include <thread>
 
+#include "alignment.h"
 #include "io_error.h"
+#include "thread_pool.h"
 
 namespace py = pybind11;
 
@@ -393,7 +394,7 @@ void cufile_transfer(uintptr_t handle, uintptr_t base, uint64_t nbytes, uint64_t
 
   // Parts start on page multiples of the file (the first excepted) and are at least
   // kMinPart long, so small transfers stay on the calling thread.
-  constexpr uint64_t kPage = 4096, kMinPart = uint64_t{1} << 20;
+  constexpr uint64_t kPage = kDirectIoAlignment, kMinPart = uint64_t{1} << 20;
   const uint64_t parts =
       std::max<uint64_t>(1, std::min<uint64_t>(threads, (nbytes + kMinPart - 1) / kMinPart));
   std::vector<uint64_t> cuts{0};
@@ -416,9 +417,7 @@ void cufile_transfer(uintptr_t handle, uintptr_t base, uint64_t nbytes, uint64_t
   if (d.ctx_get_current && d.ctx_set_current && d.ctx_get_current(&ctx) != 0) ctx = nullptr;
 
   std::vector<std::exception_ptr> errors(cuts.size() - 1);
-  std::vector<std::thread> workers;
-  workers.reserve(cuts.size() - 2);
-  auto run = [&](size_t i) {
+  run_parts(static_cast<unsigned>(cuts.size() - 1), [&](unsigned i) {
     try {
       if (ctx) d.ctx_set_current(ctx);
       const uint64_t lo = cuts[i], hi = cuts[i + 1];
@@ -426,16 +425,7 @@ void cufile_transfer(uintptr_t handle, uintptr_t base, uint64_t nbytes, uint64_t
     } catch (...) {
       errors[i] = std::current_exception();
     }
-  };
-  for (size_t i = 1; i + 1 < cuts.size(); ++i) {
-    try {
-      workers.emplace_back(run, i);
-    } catch (...) {  // no thread to be had: do that part here
-      run(i);
-    }
-  }
-  run(0);
-  for (auto& w : workers) w.join();
+  });
   // Every part has finished before anything is raised: none still touches the memory.
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);

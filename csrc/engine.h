@@ -43,7 +43,9 @@ class Engine {
   virtual void reap(size_t min_complete, std::vector<Completion>& out) = 0;
 };
 
-enum class EngineKind { io_uring, libaio, threads };
+// `failing` is for tests only: the threads engine whose reap() always fails, as a kernel
+// interface gone bad would (requests stay in flight, never returned). Named "_failing".
+enum class EngineKind { io_uring, libaio, threads, failing };
 
 struct EngineStatus {
   bool available;
@@ -55,9 +57,9 @@ EngineStatus probe_libaio();
 std::unique_ptr<Engine> make_io_uring(unsigned depth);
 std::unique_ptr<Engine> make_libaio(unsigned depth);
 std::unique_ptr<Engine> make_threads(unsigned depth);
+std::unique_ptr<Engine> make_failing(unsigned depth);
 
 EngineKind parse_engine_kind(const std::string& name);  // throws std::invalid_argument
-const char* engine_kind_name(EngineKind kind);
 std::unique_ptr<Engine> make_engine(EngineKind kind, unsigned depth);
 
 }  // namespace fastckpt

@@ -114,23 +114,33 @@ std::unique_ptr<Engine> make_threads(unsigned depth) {
   return std::make_unique<ThreadsEngine>(depth);
 }
 
+namespace {
+
+class FailingEngine final : public Engine {
+ public:
+  explicit FailingEngine(unsigned depth) : inner_(depth) {}
+  void prepare(Request* r) override { inner_.prepare(r); }
+  void flush() override { inner_.flush(); }
+  void reap(size_t, std::vector<Completion>&) override {
+    throw IoError(EIO, "reaping completions (an engine failure injected for tests)");
+  }
+
+ private:
+  ThreadsEngine inner_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_failing(unsigned depth) {
+  return std::make_unique<FailingEngine>(depth);
+}
+
 EngineKind parse_engine_kind(const std::string& name) {
   if (name == "io_uring") return EngineKind::io_uring;
   if (name == "libaio") return EngineKind::libaio;
   if (name == "threads") return EngineKind::threads;
+  if (name == "_failing") return EngineKind::failing;
   throw std::invalid_argument("unknown engine '" + name + "' (io_uring, libaio, threads)");
-}
-
-const char* engine_kind_name(EngineKind kind) {
-  switch (kind) {
-    case EngineKind::io_uring:
-      return "io_uring";
-    case EngineKind::libaio:
-      return "libaio";
-    case EngineKind::threads:
-      return "threads";
-  }
-  return "?";
 }
 
 std::unique_ptr<Engine> make_engine(EngineKind kind, unsigned depth) {
@@ -141,6 +151,8 @@ std::unique_ptr<Engine> make_engine(EngineKind kind, unsigned depth) {
       return make_libaio(depth);
     case EngineKind::threads:
       return make_threads(depth);
+    case EngineKind::failing:
+      return make_failing(depth);
   }
   throw std::invalid_argument("bad engine kind");
 }

@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -41,7 +42,6 @@ class UringEngine final : public Engine {
     std::memset(&p, 0, sizeof(p));
     fd_ = sys_setup(depth, &p);
     if (fd_ < 0) throw IoError(errno, "io_uring_setup");
-    sq_entries_ = p.sq_entries;
     sq_len_ = p.sq_off.array + p.sq_entries * sizeof(unsigned);
     cq_len_ = p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe);
     single_mmap_ = (p.features & IORING_FEAT_SINGLE_MMAP) != 0;
@@ -174,7 +174,6 @@ class UringEngine final : public Engine {
   }
 
   int fd_ = -1;
-  unsigned sq_entries_ = 0;
   size_t sq_len_ = 0, cq_len_ = 0, sqes_len_ = 0;
   bool single_mmap_ = false;
   void* sq_ring_ = nullptr;

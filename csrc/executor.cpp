@@ -5,8 +5,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <system_error>
 
+#include "alignment.h"
 #include "io_error.h"
 
 namespace fastckpt {
@@ -31,6 +34,9 @@ namespace {
 constexpr unsigned kMaxBounceSlots = 8;
 // A request answered EINTR/EAGAIN this many times in a row fails with that errno.
 constexpr unsigned kMaxRetries = 64;
+// An engine whose flush/reap fails this many rounds in a row (about 2 s of backoff) is
+// given up: the op fails with the engine's errno instead of waiting forever.
+constexpr unsigned kMaxFailedRounds = 24;
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
@@ -106,7 +112,7 @@ Executor::~Executor() {
 uint64_t Executor::submit(const OpSpec& spec) {
   auto op = std::make_shared<Op>();
   op->spec = spec;
-  const uint64_t a = spec.alignment ? spec.alignment : 4096;
+  const uint64_t a = spec.alignment ? spec.alignment : kDirectIoAlignment;
   op->spec.alignment = a;
   // Every file offset of the op, rounded up to the alignment, must fit an off_t; so must
   // the memory range. Checked here so the arithmetic below cannot wrap.
@@ -166,7 +172,10 @@ void Executor::wait(uint64_t id) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = ops_.find(id);
-    if (it == ops_.end()) return;  // already collected
+    if (it == ops_.end()) {
+      throw std::invalid_argument("no pending op with id " + std::to_string(id) +
+                                  " (never submitted, or already waited for)");
+    }
     op = it->second;
     done_cv_.wait(lock, [&] { return op->done; });
     // Another thread may have collected the op (wait(id), wait_all()) while this one slept,
@@ -196,13 +205,42 @@ size_t Executor::wait_all() {
   return finished.size();
 }
 
+bool Executor::cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ops_.find(id);
+  if (it == ops_.end()) return false;
+  const std::shared_ptr<Op> op = it->second;
+  unsigned dropped = 0;
+  for (auto t = tasks_.begin(); t != tasks_.end();) {
+    if (t->op == op) {
+      t = tasks_.erase(t);
+      ++dropped;
+    } else {
+      ++t;
+    }
+  }
+  if (dropped == 0) return false;
+  if (!op->err) op->err = ECANCELED;  // err_what stays empty: strerror says it
+  op->parts_left -= dropped;
+  if (op->parts_left == 0) {
+    op->done = true;
+    done_cv_.notify_all();
+  }
+  return true;
+}
+
+bool Executor::is_pending(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ops_.count(id) != 0;
+}
+
 size_t Executor::pending() {
   std::lock_guard<std::mutex> lock(mu_);
   return ops_.size();
 }
 
 void Executor::worker_main(unsigned index) {
-  Engine& engine = *engines_[index];
+  int broken = 0;  // errno of an engine given up and not replaced: every later part fails
   for (;;) {
     Task task;
     {
@@ -215,8 +253,10 @@ void Executor::worker_main(unsigned index) {
     // Nothing here may throw: the part must be counted finished, or wait() never returns.
     int err = 0;
     std::string what;
+    bool engine_lost = false;
     try {
-      run_task(engine, task);
+      if (broken) throw IoError(broken, "the I/O engine of this worker failed earlier");
+      run_task(*engines_[index], task, engine_lost);
     } catch (const IoError& e) {
       err = e.err();
       what = message_or_empty([&] { return e.message(); });
@@ -233,6 +273,15 @@ void Executor::worker_main(unsigned index) {
         task.op->err_what = std::move(what);  // wait() throws a new IoError: it adds strerror
       }
     }
+    if (engine_lost) {
+      // Requests it never returned may still complete into it: never destroy it.
+      (void)engines_[index].release();
+      try {
+        engines_[index] = make_engine(config_.engine, config_.queue_depth);
+      } catch (...) {
+        broken = err ? err : EIO;
+      }
+    }
     finish_part(task.op);
   }
 }
@@ -245,7 +294,7 @@ void Executor::finish_part(const std::shared_ptr<Op>& op) {
   }
 }
 
-void Executor::run_task(Engine& engine, Task& task) {
+void Executor::run_task(Engine& engine, Task& task, bool& engine_lost) {
   Op& op = *task.op;
   const OpSpec& s = op.spec;
   const uint64_t a = s.alignment;
@@ -394,16 +443,26 @@ void Executor::run_task(Engine& engine, Task& task) {
       in_flight -= static_cast<unsigned>(completions.size());
       for (const Completion& c : completions) complete(c);
       failed_rounds = 0;
+      continue;
     } catch (const IoError& e) {
       fail_in_handler(e.err(), e.message().c_str());
-      backoff(++failed_rounds, in_flight);
     } catch (const std::bad_alloc&) {
       fail_in_handler(ENOMEM, "out of memory");
-      backoff(++failed_rounds, in_flight);
     } catch (const std::exception& e) {
       fail_in_handler(EIO, e.what());
-      backoff(++failed_rounds, in_flight);
     }
+    if (in_flight == 0) break;
+    if (++failed_rounds > kMaxFailedRounds) {
+      // The engine keeps failing with requests in flight: they cannot be collected, so the
+      // slots (their requests and bounce buffers) and the engine are kept for the process's
+      // life, and the op fails with the engine's errno rather than wait() hanging. (Moving
+      // the vector keeps every slot's address; the guard then frees nothing.)
+      if (new (std::nothrow) std::vector<Slot>(std::move(slots)) != nullptr) {
+        engine_lost = true;
+        break;
+      }
+    }
+    backoff(failed_rounds, in_flight);
   }
   if (err) throw IoError(err, err_what, s.path);
 }

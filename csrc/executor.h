@@ -14,6 +14,9 @@
 // - A part that fails (an I/O error, no memory for a bounce buffer, an engine call that
 //   throws) starts nothing more and collects every request it has in flight before it
 //   returns: those requests write into its slots and bounce buffers and the caller's memory.
+//   Only an engine that keeps failing to return them (flush/reap failing round after round)
+//   is given up after a bounded backoff: the op fails with its errno, and the engine and
+//   slots are kept alive for good instead of freed under requests still in the kernel.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -25,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "alignment.h"
 #include "engine.h"
 
 namespace fastckpt {
@@ -36,9 +40,9 @@ struct OpSpec {
   uint64_t len = 0;
   uint64_t offset = 0;
   bool write = false;
-  std::string path;           // for error messages
-  uint64_t alignment = 4096;  // O_DIRECT granularity of offsets, lengths and memory
-  unsigned max_parts = 0;     // 0: the executor's parallelism
+  std::string path;                         // for error messages
+  uint64_t alignment = kDirectIoAlignment;  // O_DIRECT granularity of offsets, lengths, memory
+  unsigned max_parts = 0;                   // 0: the executor's parallelism
 };
 
 struct ExecutorConfig {
@@ -59,8 +63,15 @@ class Executor {
 
   // Queues an op; returns its id. Never blocks on I/O.
   uint64_t submit(const OpSpec& spec);
-  // Blocks until op `id` has finished; throws IoError if it failed.
+  // Blocks until op `id` has finished; throws IoError if it failed, std::invalid_argument if
+  // `id` is not pending (never submitted, or already collected).
   void wait(uint64_t id);
+  // Drops the parts of op `id` that no worker has started (they never touch the memory);
+  // the op then fails with ECANCELED once the parts already running finish, and must still
+  // be collected by wait(). Returns whether any part was dropped.
+  bool cancel(uint64_t id);
+  // Whether op `id` was submitted and is not yet collected by wait()/wait_all().
+  bool is_pending(uint64_t id);
   // Blocks until every op submitted so far has finished; returns how many finished since
   // the last wait_all(); throws the first failed op's error (in submission order).
   size_t wait_all();
@@ -73,7 +84,7 @@ class Executor {
   struct Op;
   struct Task;
   void worker_main(unsigned index);
-  void run_task(Engine& engine, Task& task);
+  void run_task(Engine& engine, Task& task, bool& engine_lost);
   void finish_part(const std::shared_ptr<Op>& op);
 
   ExecutorConfig config_;

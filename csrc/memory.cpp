@@ -15,10 +15,10 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "io_error.h"
+#include "thread_pool.h"
 
 namespace fastckpt {
 namespace {
@@ -149,7 +149,7 @@ void copy_block(char* dst, const char* src, size_t n) {
 void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
   auto* out = static_cast<char*>(dst);
   const auto* in = static_cast<const char*>(src);
-  // Below a few MiB, thread start-up costs more than it saves.
+  // Below a few MiB, handing parts to other threads costs more than it saves.
   constexpr size_t kMinPerThread = 4u << 20;
   threads =
       static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
@@ -158,21 +158,10 @@ void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
     return;
   }
   const size_t share = (n + threads - 1) / threads / 64 * 64 + 64;
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (unsigned i = 1; i < threads; ++i) {
+  run_parts(threads, [=](unsigned i) {
     const size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
-    if (begin >= end) continue;
-    try {
-      pool.emplace_back([=] { copy_block(out + begin, in + begin, end - begin); });
-    } catch (const std::exception&) {
-      // No thread to be had (thread or memory limits): this part is copied here instead.
-      // Throwing would destroy the running threads unjoined, which terminates the process.
-      copy_block(out + begin, in + begin, end - begin);
-    }
-  }
-  copy_block(out, in, std::min(n, share));
-  for (auto& t : pool) t.join();
+    if (begin < end) copy_block(out + begin, in + begin, end - begin);
+  });
 }
 
 std::pair<uint32_t, uint32_t> dio_alignment(int fd) {

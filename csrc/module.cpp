@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "alignment.h"
 #include "crc32c.h"
 #include "cufile.h"
 #include "engine.h"
@@ -30,6 +31,7 @@ std::pair<bool, std::string> engine_status(const std::string& name) {
       st = probe_libaio();
       break;
     case EngineKind::threads:
+    case EngineKind::failing:
       break;
   }
   return {st.available, st.reason};
@@ -39,6 +41,7 @@ std::pair<bool, std::string> engine_status(const std::string& name) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastckpt's private native I/O core (no torch, no CUDA headers).";
+  m.attr("DIRECT_IO_ALIGNMENT") = kDirectIoAlignment;
 
   // IoError -> OSError(errno, message, filename): Python picks the errno's subclass
   // (FileNotFoundError, PermissionError, ...).
@@ -91,9 +94,11 @@ PYBIND11_MODULE(_C, m) {
             return ex.submit(s);
           },
           py::arg("fd_direct"), py::arg("fd_buffered"), py::arg("address"), py::arg("nbytes"),
-          py::arg("offset"), py::arg("write"), py::arg("path"), py::arg("alignment") = 4096,
-          py::arg("max_parts") = 0)
+          py::arg("offset"), py::arg("write"), py::arg("path"),
+          py::arg("alignment") = kDirectIoAlignment, py::arg("max_parts") = 0)
       .def("wait", &Executor::wait, py::arg("op_id"), py::call_guard<py::gil_scoped_release>())
+      .def("is_pending", &Executor::is_pending, py::arg("op_id"))
+      .def("cancel", &Executor::cancel, py::arg("op_id"))
       .def("wait_all", &Executor::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("pending", &Executor::pending);
 

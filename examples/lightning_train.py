@@ -1,6 +1,6 @@
 """Train a tiny Lightning model with FastCkptCheckpoint, then resume it from its last checkpoint.
 
-Needs Lightning: pip install "fastckpt[lightning]".
+Needs Lightning: pip install lightning (or pip install ".[lightning]" in the clone).
 Run: python examples/lightning_train.py [DIRECTORY]
 """
 

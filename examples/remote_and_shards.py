@@ -1,7 +1,7 @@
 """Checkpoints at URLs and in Hugging Face shards.
 
-A URL goes through fsspec: ``memory://`` here, ``s3://bucket/key`` with ``pip install
-'fastckpt[s3]'`` (credentials and endpoint in ``storage_options=`` or the environment).
+A URL goes through fsspec: ``memory://`` here, ``s3://bucket/key`` with ``pip install s3fs``
+(or ``pip install '.[s3]'`` in the clone) (credentials and endpoint in ``storage_options=`` or the environment).
 A directory with ``max_shard_size=`` gets ``model-0000i-of-0000N.safetensors`` shards plus
 ``model.safetensors.index.json``, which transformers' ``from_pretrained`` also reads.
 

@@ -11,7 +11,7 @@ Two faces:
 
 The public names are loaded on first use, so ``import fastckpt`` (and the command line's
 ``--help``) stays light: torch is imported only when a name that needs it is touched.
-PyTorch is an optional dependency (``pip install 'fastckpt[torch]'``): without it,
+PyTorch is an optional dependency (``pip install torch``, or ``pip install '.[torch]'`` in a clone): without it,
 :mod:`fastckpt.aio` works on numpy arrays and buffers, :mod:`fastckpt.format` and
 ``fastckpt inspect`` work, and the checkpoint functions raise ``ImportError`` saying so.
 
@@ -34,6 +34,9 @@ _PUBLIC = {
     "load": ("fastckpt.api", "load"),
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
+    "load_into": ("fastckpt.api", "load_into"),
+    "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
+    "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
     "SaveFuture": ("fastckpt.checkpoint.asynchronous", "SaveFuture"),
     "LoadFuture": ("fastckpt.checkpoint.asynchronous", "LoadFuture"),
@@ -51,6 +54,7 @@ _PUBLIC = {
     "EngineUnavailableError": ("fastckpt.errors", "EngineUnavailableError"),
     "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
     "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
+    "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -61,6 +65,9 @@ __all__ = [
     "load",
     "open",
     "async_save",
+    "load_into",
+    "save_bytes",
+    "load_bytes",
     "async_load",
     "SaveFuture",
     "LoadFuture",
@@ -79,12 +86,13 @@ __all__ = [
     "EngineUnavailableError",
     "WeightsOnlyError",
     "UnsafePickleError",
+    "NoChecksumsError",
     "CuFileError",
 ]
 
 if TYPE_CHECKING:
     from fastckpt import aio
-    from fastckpt.api import async_save, load, open, save  # noqa: A004
+    from fastckpt.api import async_save, load, load_into, open, save  # noqa: A004
     from fastckpt.checkpoint.asynchronous import (
         LoadFuture,
         SaveFuture,
@@ -94,13 +102,16 @@ if TYPE_CHECKING:
         wait_all,
     )
     from fastckpt.checkpoint.header_view import TensorInfo
+    from fastckpt.checkpoint.load import load_bytes
     from fastckpt.checkpoint.read import CheckpointReader
     from fastckpt.checkpoint.reader import Reader
+    from fastckpt.checkpoint.stream_save import save_bytes
     from fastckpt.errors import (
         ChecksumError,
         EngineUnavailableError,
         FastCkptError,
         HeaderError,
+        NoChecksumsError,
         UnsafePickleError,
         WeightsOnlyError,
     )
@@ -119,7 +130,7 @@ def __getattr__(name: str) -> Any:
                 raise
             raise ImportError(
                 f"fastckpt.{name} needs PyTorch, which is not installed here: "
-                "pip install torch (or pip install 'fastckpt[torch]'); "
+                "pip install torch (or, in a clone of fastckpt, pip install '.[torch]'); "
                 "fastckpt.aio, fastckpt.format and the command line work without it"
             ) from exc
     elif name in _SUBMODULES:

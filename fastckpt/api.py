@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from fastckpt import storage
-from fastckpt.checkpoint import asynchronous, read
+from fastckpt.checkpoint import asynchronous, read, stream_save
 from fastckpt.checkpoint import load as local_load
 from fastckpt.checkpoint import save as local_save
+from fastckpt.checkpoint.load_into import IncompatibleKeys, read_into
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.integrations import hf_shards, remote
+from fastckpt.storage.file_object import is_file_object
 
-__all__ = ["save", "load", "open", "async_save", "Reader"]
+__all__ = ["save", "load", "open", "async_save", "load_into", "Reader", "weights_file"]
 
 _STORAGE_OPTIONS = """storage_options: for a URL, passed to its fsspec file system (default: the
             JSON object in ``FASTCKPT_STORAGE_OPTIONS``). ``f`` may also be an fsspec URL
@@ -58,6 +61,59 @@ _NATIVE_ONLY = (
 def _for_url(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options that apply to a save to a URL (the native engine's settings do not)."""
     return {k: v for k, v in options.items() if k not in _NATIVE_ONLY}
+
+
+# What a save into a file object can honour: the file's contents, not how a disk is written.
+_STREAM_OPTIONS = ("metadata", "alignment", "checksum", "allow_pickle", "piece_size", "progress")
+
+
+def _save_to_file_object(obj: Any, f: Any, options: Mapping[str, Any]) -> None:
+    for name, value in options.items():
+        if name not in _STREAM_OPTIONS and value is not None:
+            raise TypeError(f"f is a file object: {name}= applies to files on disk or at URLs only")
+    chosen = {k: v for k, v in options.items() if k in _STREAM_OPTIONS and k != "progress"}
+    stream_save.save_to_stream(obj, f, **chosen)
+
+
+def weights_file(
+    f: Any, *, for_save: bool = False, storage_options: Mapping[str, Any] | None = None
+) -> str | None:
+    """The single-file checkpoint that a directory ``f`` stands for, Hugging Face's way:
+    ``f/model.safetensors``. None when ``f`` is not such a directory.
+
+    For a save, ``f`` is a directory when it ends with ``/`` or names an existing local
+    directory. For a load, when it is a local directory (or a URL ending with ``/``) that
+    holds ``model.safetensors`` and no ``model.safetensors.index.json`` (a sharded
+    directory, which is read through its index).
+
+    Example:
+        >>> weights_file("out/", for_save=True), weights_file("out.safetensors", for_save=True)
+        ('out/model.safetensors', None)
+    """
+    if not isinstance(f, (str, os.PathLike)):
+        return None
+    text = os.fspath(f)
+    if not isinstance(text, str):
+        return None
+    if storage.is_url(text):
+        if not text.endswith("/"):
+            return None
+        single = storage.join(text, hf_shards.WEIGHTS_NAME)
+        if for_save:
+            return single
+        index = storage.join(text, hf_shards.INDEX_NAME)
+        if storage.exists(index, storage_options):
+            return None
+        return single if storage.exists(single, storage_options) else None
+    local = storage.to_local(text)
+    if local is None:
+        return None
+    single = os.path.join(local, hf_shards.WEIGHTS_NAME)
+    if for_save:
+        return single if local.endswith(("/", os.sep)) or os.path.isdir(local) else None
+    if not os.path.isdir(local) or os.path.exists(os.path.join(local, hf_shards.INDEX_NAME)):
+        return None
+    return single if os.path.isfile(single) else None
 
 
 def _local(f: Any) -> Any:
@@ -108,6 +164,10 @@ def _routed(
 def save(
     obj: Any, f: Any, *, storage_options: Any = None, max_shard_size: Any = None, **options: Any
 ) -> None:
+    if is_file_object(f):
+        if max_shard_size is not None or storage_options is not None:
+            raise TypeError("f is a file object: max_shard_size and storage_options need a path")
+        return _save_to_file_object(obj, f, options)
     if max_shard_size is not None:
         return hf_shards.save_sharded(
             obj,
@@ -116,13 +176,26 @@ def save(
             storage_options=storage_options,
             **(_for_url(options) if storage.is_url(f) else options),
         )
+    single = weights_file(f, for_save=True)
+    if single is not None and storage.is_url(single):
+        return remote.save(obj, single, storage_options=storage_options, **_for_url(options))
     if storage.is_url(f):
         return remote.save(obj, f, storage_options=storage_options, **_for_url(options))
-    return local_save.save(obj, _local(f), **options)
+    if single is None:
+        return local_save.save(obj, _local(f), **options)
+    directory = os.path.dirname(single)
+    os.makedirs(directory, exist_ok=True)
+    local_save.save(obj, single, **options)
+    # as a one-shard save does: shards and an index left by an earlier save would be read
+    # instead of the new file
+    hf_shards.retire_sharded_set(directory)
 
 
 @_routed(local_load.load, {"shards": _SHARDS})
 def load(f: Any, map_location: Any = None, **options: Any) -> Any:
+    single = weights_file(f, storage_options=options.get("storage_options"))
+    if single is not None:
+        return load(single, map_location, **options)
     if hf_shards.is_sharded(f):
         return hf_shards.load_sharded(f, map_location, **options)
     try:
@@ -136,6 +209,9 @@ def load(f: Any, map_location: Any = None, **options: Any) -> Any:
 
 @_routed(read.open_checkpoint, {"shards": _SHARDS})
 def open(f: Any, **options: Any) -> Reader:  # noqa: A001
+    single = weights_file(f, storage_options=options.get("storage_options"))
+    if single is not None:
+        return open(single, **options)
     if hf_shards.is_sharded(f):
         return hf_shards.open_sharded(f, **options)
     try:
@@ -148,6 +224,50 @@ def open(f: Any, **options: Any) -> Reader:  # noqa: A001
 
 @_routed(asynchronous.async_save, {"storage_options": _STORAGE_OPTIONS})
 def async_save(obj: Any, f: Any, *, storage_options: Any = None, **options: Any) -> Any:
+    single = weights_file(f, for_save=True)
+    if single is not None:
+        if not storage.is_url(single):
+            os.makedirs(os.path.dirname(single), exist_ok=True)
+        f = single
     if storage.is_url(f):
         return remote.async_save(obj, f, storage_options=storage_options, **_for_url(options))
     return asynchronous.async_save(obj, _local(f), **options)
+
+
+def load_into(
+    model_or_state_dict: Any,
+    f: Any,
+    *,
+    strict: bool = True,
+    verify: bool | None = None,
+    **options: Any,
+) -> IncompatibleKeys:
+    """Reads a checkpoint straight into a model's parameters and buffers, or into a state
+    dict's tensors: each tensor's bytes land in the destination's own memory, with no
+    intermediate arena (the memory of a load is the model's). Like
+    ``model.load_state_dict(fastckpt.load(f), strict=strict)``, without the second copy.
+
+    Args:
+        model_or_state_dict: a ``torch.nn.Module`` or a dict of tensors to fill in place.
+        f: a file, directory or URL, as :func:`fastckpt.open` takes; a checkpoint of a flat
+            state dict (``fastckpt.save(model.state_dict(), f)``, any safetensors file).
+        strict: raise ``RuntimeError`` when keys differ (as ``load_state_dict`` does);
+            with ``strict=False`` the matching tensors are filled.
+        verify: check CRC32Cs (default: when the file has them).
+        options: :func:`fastckpt.open`'s (``storage_options``, ``direct_io``, ...).
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``, a named tuple as ``load_state_dict`` returns.
+
+    A destination of another dtype, a strided view or a GPU tensor is read into host memory
+    and copied with ``copy_`` (converting the dtype); shapes must match.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save(torch.nn.Linear(4, 2).state_dict(), "/tmp/fastckpt-load-into.safetensors")
+        >>> model = torch.nn.Linear(4, 2)
+        >>> fastckpt.load_into(model, "/tmp/fastckpt-load-into.safetensors")
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+    """
+    with open(f, **options) as reader:
+        return read_into(model_or_state_dict, reader, strict=strict, verify=verify)

@@ -20,7 +20,10 @@ file to open) and ``FASTCKPT_CONFIG`` (the tuned-configuration file).
 
 The tuned configurations live in one JSON file, ``$XDG_CONFIG_HOME/fastckpt/tuned.json``
 (``~/.config/fastckpt/tuned.json`` without ``XDG_CONFIG_HOME``); ``FASTCKPT_CONFIG`` names
-another file.
+another file. It is read once and re-read only when it changes (its modification time,
+size or inode), and the file system of each directory is looked up once per device
+(the mount table is not re-read on every load); :func:`reload` drops both caches,
+and saving a tuned configuration does so itself.
 
 Example:
     >>> import fastckpt.config as cfg
@@ -32,13 +35,17 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
+
+from fastckpt.mounts import mount_of
 
 __all__ = [
     "IOConfig",
@@ -58,6 +65,7 @@ __all__ = [
     "progress_hidden",
     "cufile_library",
     "async_staging_bytes",
+    "reload",
 ]
 
 
@@ -220,21 +228,31 @@ def tuned_config_path() -> Path:
     return Path(base) / "fastckpt" / "tuned.json"
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    """(mount point, file system type, source) of every mount, from /proc/self/mountinfo."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    mounts = []
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and len(tail) >= 2:
-            mount_point = fields[4].replace("\\040", " ")
-            mounts.append((mount_point, tail[0], tail[1]))
-    return mounts
+_cache_lock = threading.Lock()
+_tuned_cache: tuple[tuple[Any, ...], dict[str, dict[str, Any]]] | None = None
+_filesystem_keys: dict[tuple[str, int], str] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _cache_lock
+    _cache_lock = threading.Lock()  # another thread may have held it at fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def reload() -> None:
+    """Forgets the cached tuned configuration and file-system lookups: the next use reads
+    the tuned file and the mount table again (after a mount, say).
+
+    Example:
+        >>> reload()
+    """
+    global _tuned_cache
+    with _cache_lock:
+        _tuned_cache = None
+        _filesystem_keys.clear()
 
 
 def filesystem_key(path: str | os.PathLike[str]) -> str:
@@ -248,17 +266,55 @@ def filesystem_key(path: str | os.PathLike[str]) -> str:
     while not p.exists() and p != p.parent:
         p = p.parent
     real = os.path.realpath(p)
-    best = ("/", "unknown", "unknown")
-    for mount_point, fs_type, source in _mounts():
-        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best[0]):
-            best = (mount_point, fs_type, source)
-    return f"{best[1]}:{best[2]}:{best[0]}"
+    try:
+        # A mount over a directory changes its device: the cached answer then no longer fits.
+        cache_key: tuple[str, int] | None = (real, os.stat(real).st_dev)
+    except OSError:
+        cache_key = None
+    if cache_key is not None:
+        with _cache_lock:
+            known = _filesystem_keys.get(cache_key)
+        if known is not None:
+            return known
+    mount = mount_of(real)
+    key = f"{mount.fs_type}:{mount.source}:{mount.mount_point}"
+    if cache_key is not None:
+        with _cache_lock:
+            _filesystem_keys[cache_key] = key
+    return key
+
+
+def _tuned_stamp(path: Path) -> tuple[Any, ...]:
+    """What identifies one version of the tuned file (a changed file gets another)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (str(path), None)
+    except OSError:
+        return (str(path), "unreadable", time.monotonic())  # never matches: read (and warn)
+    return (str(path), st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+def _tuned_entries() -> dict[str, dict[str, Any]]:
+    """The tuned configurations, read again only when the file changed; not to be mutated."""
+    global _tuned_cache
+    path = tuned_config_path()
+    stamp = _tuned_stamp(path)
+    with _cache_lock:
+        if _tuned_cache is not None and _tuned_cache[0] == stamp:
+            return _tuned_cache[1]
+    entries = _read_tuned(path)
+    with _cache_lock:
+        _tuned_cache = (stamp, entries)
+    return entries
 
 
 def load_tuned() -> dict[str, dict[str, Any]]:
     """Every tuned configuration, keyed by :func:`filesystem_key`; empty when none is saved."""
-    path = tuned_config_path()
+    return copy.deepcopy(_tuned_entries())
+
+
+def _read_tuned(path: Path) -> dict[str, dict[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -266,7 +322,7 @@ def load_tuned() -> dict[str, dict[str, Any]]:
     except (OSError, ValueError) as exc:
         # A damaged or unreadable cache of measurements must not stop any I/O: say so, go on.
         warnings.warn(
-            f"ignoring the tuned configuration {path}: {exc}", RuntimeWarning, stacklevel=2
+            f"ignoring the tuned configuration {path}: {exc}", RuntimeWarning, stacklevel=4
         )
         return {}
     entries = data.get("filesystems", {}) if isinstance(data, dict) else {}
@@ -303,6 +359,7 @@ def _write_tuned(entries: Mapping[str, Any]) -> Path:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"filesystems": entries}, indent=2), encoding="utf-8")
     os.replace(tmp, path)
+    reload()  # what tune measured applies from the next call on
     return path
 
 
@@ -317,7 +374,7 @@ def gds_preferred(path: str | os.PathLike[str]) -> bool:
         >>> gds_preferred("/nonexistent/x.safetensors")
         False
     """
-    entry = load_tuned().get(filesystem_key(path), {})
+    entry = _tuned_entries().get(filesystem_key(path), {})
     gds, measured = entry.get("gds", {}), entry.get("measured", {})
     try:
         return bool(measured.get("gpu")) and float(gds["read_gbps"]) > float(measured["read_gbps"])
@@ -333,7 +390,7 @@ def tuned_for(
     With ``any_filesystem`` (used where no path is known yet, as by ``aio_handle()``), the
     newest entry stands in when that file system was never tuned.
     """
-    entries = load_tuned()
+    entries = _tuned_entries()
     if not entries:
         return {}
     if path is not None and filesystem_key(path) in entries:

@@ -24,6 +24,7 @@ __all__ = [
     "EngineUnavailableError",
     "WeightsOnlyError",
     "UnsafePickleError",
+    "NoChecksumsError",
     "checksum_mismatch",
 ]
 
@@ -47,6 +48,21 @@ class ChecksumError(FastCkptError):
     def __init__(self, message: str, *, tensor: str | None = None, filename: str | None = None):
         super().__init__(message)
         self.tensor = tensor
+        self.filename = filename
+
+
+class NoChecksumsError(FastCkptError, ValueError):
+    """``verify=True`` was asked of a checkpoint that records no checksums (written with
+    ``checksum=False``, or by another safetensors writer). Nothing is damaged: the file
+    simply cannot be verified. ``verify=None`` (the default of ``load``) verifies when
+    checksums are present and reads without checking otherwise.
+
+    Attributes:
+        filename: the file (or directory) that has no checksums.
+    """
+
+    def __init__(self, message: str, *, filename: str | None = None):
+        super().__init__(message)
         self.filename = filename
 
 

@@ -1,7 +1,7 @@
-"""fastckpt for Lightning: ``FastCkptIO``, ``AsyncFastCkptIO``, ``FastCkptCheckpoint`` and
-``load_from_checkpoint``.
+"""fastckpt for Lightning: ``FastCkptIO``, ``AsyncFastCkptIO``, ``FastCkptCheckpoint``,
+``load_from_checkpoint`` and ``FastCkptLoadingMixin``.
 
-Needs ``lightning`` (or ``pytorch_lightning``): ``pip install "fastckpt[lightning]"``.
+Needs ``lightning`` (or ``pytorch_lightning``): ``pip install lightning`` (or ``pip install ".[lightning]"`` in a clone).
 See :mod:`fastckpt.integrations.lightning` for what is stored and how.
 
 Example:
@@ -11,9 +11,18 @@ Example:
 
 from fastckpt.integrations.lightning import (
     AsyncFastCkptIO,
+    CheckpointNotFoundError,
     FastCkptCheckpoint,
     FastCkptIO,
+    FastCkptLoadingMixin,
     load_from_checkpoint,
 )
 
-__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
+__all__ = [
+    "FastCkptIO",
+    "AsyncFastCkptIO",
+    "FastCkptCheckpoint",
+    "FastCkptLoadingMixin",
+    "CheckpointNotFoundError",
+    "load_from_checkpoint",
+]

@@ -104,3 +104,67 @@ def test_only_config_reads_fastckpt_environment():
         if p.name != "config.py" and reads.search(p.read_text())
     ]
     assert readers == []
+
+
+# -- caching of the tuned file and the mount table -----------------------------------------------
+
+
+class _OpenCounter:
+    """Counts the files this process opens (an audit hook: hooks cannot be removed, so it
+    counts only while ``active``)."""
+
+    def __init__(self):
+        import sys
+
+        self.active = False
+        self.paths: list[str] = []
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event, args):
+        if self.active and event == "open" and args and isinstance(args[0], (str, bytes)):
+            self.paths.append(str(args[0]))
+
+
+_opens = _OpenCounter()
+
+
+def _record_gds(fs_key, read_gbps):
+    config.save_tuned(fs_key, {"queue_depth": 8}, {"read_gbps": 1.0, "gpu": True})
+    config.save_tuned_gds(fs_key, {"read_gbps": read_gbps})
+
+
+def test_gds_preference_is_cached_not_reread(tmp_path):
+    path = tmp_path / "x.safetensors"
+    _record_gds(config.filesystem_key(tmp_path), 5.0)
+    assert config.gds_preferred(path)
+    _opens.paths.clear()
+    _opens.active = True
+    try:
+        for _ in range(20):
+            assert config.gds_preferred(path)
+            config.resolve_io(path, {})
+    finally:
+        _opens.active = False
+    read = [p for p in _opens.paths if "mountinfo" in p or p.endswith("tuned.json")]
+    assert not read, f"re-read on every call: {read[:4]}"
+
+
+def test_gds_preference_follows_changes_to_the_tuned_file(tmp_path):
+    import json
+
+    path = tmp_path / "x.safetensors"
+    key = config.filesystem_key(tmp_path)
+    _record_gds(key, 5.0)
+    assert config.gds_preferred(path)
+    config.save_tuned_gds(key, {"read_gbps": 0.5})  # what `fastckpt tune --gds` does
+    assert not config.gds_preferred(path)
+    # Edited by another process: the file's stamp changes, the cache follows.
+    tuned = config.tuned_config_path()
+    data = json.loads(tuned.read_text())
+    data["filesystems"][key]["gds"]["read_gbps"] = 9.0
+    tuned.write_text(json.dumps(data) + " " * 16)
+    assert config.gds_preferred(path)
+    tuned.unlink()
+    assert not config.gds_preferred(path)
+    config.reload()
+    assert config.filesystem_key(tmp_path) == key

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TORTURE = Path(__file__).resolve().parent.parent / "benchmarks" / "torture.py"
 
 
@@ -26,4 +28,29 @@ def test_torture_smoke(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert '"cases tried": 48' in out.stdout and '"changed values undetected": 0' in out.stdout
+    assert "bad outcomes in total: 0" in out.stdout
+
+
+@pytest.mark.slow
+def test_torture_smoke_multi_file_sets(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TORTURE),
+            "--only=shard-kills",
+            "--only=shard-concurrency",
+            "--only=dcp-kills",
+            "--only=planted-pickles",
+            "--set-kills=3",
+            "--seconds=2",
+            f"--dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for count in ("mixed sets", "lost updates", "writes into other files"):
+        assert f'"{count}": 0' in out.stdout
+    assert '"pickles run without consent": 0' in out.stdout
     assert "bad outcomes in total: 0" in out.stdout

@@ -13,16 +13,23 @@ buffers instead of failing or growing. :func:`release_staging` frees idle buffer
 
 Errors are never lost: ``result()`` re-raises them; a failed save whose error nobody
 retrieved is logged (logger ``"fastckpt"``) when its future is garbage-collected or at
-exit; and the interpreter does not exit before pending saves have committed.
+exit; and the interpreter does not exit before pending saves have committed. Ctrl-C is
+never eaten: during the call it is raised by the call; while exit waits for pending saves
+it cancels them (each removes its temporary file), and a second one quits at once.
+
+Order: saves to one path take effect in call order. Asynchronous saves commit in call
+order, and ``fastckpt.save`` to a path waits for the asynchronous saves to that path still
+pending (it does not supersede them), so the last call's checkpoint is the one left there.
 
 Example:
-    >>> import torch, fastckpt
+    >>> import os, tempfile, torch, fastckpt
+    >>> path = os.path.join(tempfile.mkdtemp(), "async.safetensors")
     >>> state = {"w": torch.randn(100)}
-    >>> future = fastckpt.async_save(state, "/tmp/fastckpt-async.safetensors")
+    >>> future = fastckpt.async_save(state, path)
     >>> state["w"].zero_()  # safe: the snapshot is already taken
     tensor(...)
     >>> future.result()
-    >>> float(fastckpt.load("/tmp/fastckpt-async.safetensors")["w"].abs().sum()) > 0
+    >>> float(fastckpt.load(path)["w"].abs().sum()) > 0
     True
 """
 
@@ -38,8 +45,15 @@ import weakref
 from typing import Any, Callable
 
 from fastckpt import config
-from fastckpt.checkpoint.save import StreamWriter, executor_for_destination, plan_save
-from fastckpt.format import DEFAULT_ALIGNMENT
+from fastckpt.checkpoint import save_order
+from fastckpt.checkpoint.save import (
+    StreamWriter,
+    _through_page_cache,
+    _write_from_tensors,
+    executor_for_destination,
+    plan_save,
+)
+from fastckpt.format import DEFAULT_ALIGNMENT, DEFAULT_PIECE_SIZE
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.staging_pool import StagingPool
 
@@ -142,6 +156,7 @@ _last_commit: SaveFuture | None = None  # commits happen in call order
 _in_flight = 0
 _in_flight_cond = threading.Condition(_state_lock)
 _pool: StagingPool | None = None
+_cancel_at_exit = threading.Event()  # set by a Ctrl-C while exit waits for pending saves
 
 
 def _async_pool(budget: int | None, needed: int) -> StagingPool:
@@ -165,6 +180,7 @@ def _after_fork_in_child() -> None:
     _pool, _last_commit, _in_flight = None, None, 0
     _pending = weakref.WeakSet()
     _strong_pending.clear()
+    _cancel_at_exit.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -207,8 +223,9 @@ def wait_all(timeout: float | None = None) -> None:
     already retrieved with ``result()``/``exception()`` (that error then counts as retrieved).
 
     Example:
-        >>> import torch, fastckpt
-        >>> _ = fastckpt.async_save({"x": torch.ones(1)}, "/tmp/fastckpt-wait.safetensors")
+        >>> import os, tempfile, torch, fastckpt
+        >>> path = os.path.join(tempfile.mkdtemp(), "wait.safetensors")
+        >>> _ = fastckpt.async_save({"x": torch.ones(1)}, path)
         >>> fastckpt.wait_all()
     """
     with _state_lock:
@@ -257,6 +274,9 @@ def async_save(
     alignment: int = DEFAULT_ALIGNMENT,
     checksum: bool = True,
     allow_pickle: bool = False,
+    piece_size: int = DEFAULT_PIECE_SIZE,
+    progress: bool | None = None,
+    direct_io: bool | None = None,
     engine: str | None = None,
     block_size: int | None = None,
     queue_depth: int | None = None,
@@ -271,15 +291,31 @@ def async_save(
             done, or the file may hold a mix of old and new values (DeepNVMe's contract).
         max_pending: at most this many saves in flight; a further call waits for the oldest.
         staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size).
+        piece_size: bytes per checksummed piece, as :func:`fastckpt.save`'s.
+        progress: show a progress bar while snapshotting (with ``snapshot=False``, while
+            writing), as :func:`fastckpt.save`'s (default: on a terminal).
+        direct_io: as :func:`fastckpt.save`'s: ``True`` writes the staging buffers with
+            O_DIRECT (where the file system takes it), ``False`` through the page cache
+            (with ``snapshot=False`` and CPU tensors, straight from the tensors' memory on
+            every core, with no staging copy). Default: with ``snapshot=False`` chosen as
+            :func:`fastckpt.save` chooses; with a snapshot, O_DIRECT where taken.
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
         A :class:`SaveFuture`; every error (an unsupported object, an unwritable directory,
-        a full disk) is raised by its ``result()``. Back-to-back saves commit in call order.
+        a full disk) is raised by its ``result()``. Back-to-back saves commit in call order,
+        and a later :func:`fastckpt.save` to the same path waits for this one to commit
+        first: the last call's checkpoint is the one left at the path.
+
+    Raises:
+        KeyboardInterrupt, SystemExit: raised while the call itself runs (during the
+            snapshot, say): the save is abandoned, its temporary file removed, and the
+            interrupt raised here, not handed to the future.
 
     Example:
-        >>> import torch, fastckpt
-        >>> futures = [fastckpt.async_save({"step": torch.tensor(i)}, f"/tmp/fastckpt-s{i}.safetensors")
+        >>> import os, tempfile, torch, fastckpt
+        >>> d = tempfile.mkdtemp()
+        >>> futures = [fastckpt.async_save({"step": torch.tensor(i)}, os.path.join(d, f"s{i}.safetensors"))
         ...            for i in range(3)]
         >>> [f.result() for f in futures]
         [None, None, None]
@@ -297,6 +333,7 @@ def async_save(
             alignment=alignment,
             checksum=checksum,
             allow_pickle=allow_pickle,
+            piece_size=piece_size,
         )
         executor = executor_for_destination(
             path,
@@ -306,25 +343,39 @@ def async_save(
             intra_op_parallelism=intra_op_parallelism,
         )
         pool = _async_pool(staging_bytes, plan.data_size)
-        out = AtomicFile(path)
+        out = AtomicFile(path, direct=direct_io is not False)
     except BaseException as exc:  # reported through the future, like every later error
-        _fail_early(future, exc)
-        return future
+        return _fail_early(future, exc)
     try:
         out.reserve(plan.file_size)
+        from_tensors = not snapshot and _through_page_cache(plan, out, direct_io)
     except BaseException as exc:
         out.abort()
-        _fail_early(future, exc)
-        return future
-    writer = StreamWriter(plan, out.file, executor, pool, progress=False, defer_writes=snapshot)
-    if snapshot:
+        return _fail_early(future, exc)
+    writer = StreamWriter(
+        plan,
+        out.file,
+        executor,
+        pool,
+        progress=progress if snapshot else False,
+        defer_writes=snapshot,
+        cancel=_cancel_at_exit,
+    )
+    work: Callable[[], None]
+    if from_tensors:
+
+        def work() -> None:
+            _write_from_tensors(plan, out.file, progress=progress)
+
+    elif snapshot:
         try:
             writer.fill()  # returns once every byte is in staging memory or on disk
         except BaseException as exc:
-            writer.abort()
-            out.abort()
-            _fail_early(future, exc)
-            return future
+            try:
+                writer.abort()  # collects the writes started; may raise a second interrupt
+            finally:
+                out.abort()
+            return _fail_early(future, exc)
         work = writer.finish
     else:
 
@@ -334,13 +385,23 @@ def async_save(
 
     with _state_lock:
         previous, _last_commit = _last_commit, future
-    thread = threading.Thread(
-        target=_finish_in_order,
-        args=(future, previous, work, writer, out),
-        name=f"fastckpt-save:{os.path.basename(path)}",
-        daemon=False,
-    )
-    thread.start()
+    order = save_order.register(path)
+    try:
+        threading.Thread(
+            target=_finish_in_order,
+            args=(future, previous, work, writer, out, order),
+            name=f"fastckpt-save:{os.path.basename(path)}",
+            daemon=True,  # waited for at exit by _finish_at_exit, which can also cancel it
+        ).start()
+    except Exception as exc:  # no thread to be had: nothing runs, nothing may wait for it
+        # (An interrupt during start() is not caught: the thread may be running by then,
+        # and finishes the save; the interrupt goes on to the caller.)
+        save_order.finish(order)
+        try:
+            writer.abort()
+        finally:
+            out.abort()
+        return _fail_early(future, exc)
     return future
 
 
@@ -375,15 +436,22 @@ def run_pending(
             future._set(None)
 
     try:
-        threading.Thread(target=run, name=name, daemon=False).start()
+        # A daemon thread, waited for at exit by _finish_at_exit.
+        threading.Thread(target=run, name=name, daemon=True).start()
     except BaseException as exc:  # no thread: the save fails, it takes no place
         _fail_early(future, exc)
 
 
-def _fail_early(future: SaveFuture, error: BaseException) -> None:
-    """Settles a save that failed before anything was queued (it takes no place in the order)."""
+def _fail_early(future: SaveFuture, error: BaseException) -> SaveFuture:
+    """Settles a save that failed before anything was queued (it takes no place in the
+    order) and returns its future; an interrupt (Ctrl-C, ``SystemExit``) is raised to the
+    caller instead, whose training loop must stop, not go on without its checkpoint."""
     _end(future)
     future._set(None, error)
+    if not isinstance(error, Exception):
+        future._retrieved = True  # the caller gets it raised: not reported as lost
+        raise error
+    return future
 
 
 def _finish_in_order(
@@ -392,6 +460,7 @@ def _finish_in_order(
     work: Callable[[], None],
     writer: StreamWriter,
     out: AtomicFile,
+    order: tuple[str, object],
 ) -> None:
     """Runs the rest of a save, commits after the previous save, settles the future."""
     error: BaseException | None = None
@@ -402,15 +471,21 @@ def _finish_in_order(
             error = exc
         if previous is not None:
             previous.wait()  # commit in call order: never rename before an earlier save
+        if error is None and _cancel_at_exit.is_set():
+            error = KeyboardInterrupt(f"save to {out.path} cancelled at exit")
         if error is None:
             try:
                 out.commit()
             except BaseException as exc:
                 error = exc
         if error is not None:
-            writer.abort()
+            try:
+                writer.abort()
+            except BaseException:  # noqa: BLE001 - the save's own error is the one to report
+                pass
             out.abort()
     finally:
+        save_order.finish(order)  # a save to the same path waiting for this one goes on
         _end(future)
         future._set(None, error)
 
@@ -422,9 +497,10 @@ def async_load(f: str | os.PathLike[str], **load_options: Any) -> LoadFuture:
     while computing.
 
     Example:
-        >>> import torch, fastckpt
-        >>> fastckpt.save({"x": torch.arange(3)}, "/tmp/fastckpt-al.safetensors")
-        >>> fastckpt.async_load("/tmp/fastckpt-al.safetensors").result()["x"].tolist()
+        >>> import os, tempfile, torch, fastckpt
+        >>> path = os.path.join(tempfile.mkdtemp(), "al.safetensors")
+        >>> fastckpt.save({"x": torch.arange(3)}, path)
+        >>> fastckpt.async_load(path).result()["x"].tolist()
         [0, 1, 2]
     """
     from fastckpt.checkpoint.load import load
@@ -443,15 +519,48 @@ def async_load(f: str | os.PathLike[str], **load_options: Any) -> LoadFuture:
     return future
 
 
-def _report_at_exit() -> None:
-    """At exit (after pending save threads have finished), report errors nobody retrieved."""
+def _finish_at_exit() -> None:
+    """At exit, waits for the pending saves, then reports errors nobody retrieved.
+
+    Ctrl-C while waiting cancels them: each stops at its next buffer, collects the writes
+    it has in flight and removes its temporary file. A further Ctrl-C ends the process at
+    once (``os._exit``); the temporary file left then is removed by the next save to that
+    path (its writer's lock died with the process). Either way no save thread is still
+    inside native code when the interpreter finalizes.
+    """
+    cancelling = False
+    while True:
+        with _state_lock:
+            futures = list(_strong_pending)
+        try:
+            if futures and not cancelling:
+                _log.warning(
+                    "waiting for %d pending checkpoint save(s) to finish (Ctrl-C cancels them)",
+                    len(futures),
+                )
+            for f in futures:
+                f.wait()
+            with _state_lock:
+                if not _strong_pending:
+                    break
+        except KeyboardInterrupt:
+            if cancelling:
+                _log.warning("pending checkpoint saves abandoned")
+                os._exit(130)
+            cancelling = True
+            _cancel_at_exit.set()
+            _log.warning("cancelling pending checkpoint saves (Ctrl-C again to quit at once)")
     with _state_lock:
         futures = list(_pending)
     for f in futures:
-        if f.done() and not f._retrieved and f._future.exception() is not None:
+        error = f._future.exception() if f.done() and not f._retrieved else None
+        if error is not None:
             f._retrieved = True
-            _report_lost(f, f._future.exception())
+            if not (cancelling and isinstance(error, KeyboardInterrupt)):
+                _report_lost(f, error)
 
 
-# atexit handlers run after the interpreter has joined the (non-daemon) save threads.
-atexit.register(_report_at_exit)
+# Save threads are daemon threads waited for here, rather than joined by the interpreter: a
+# Ctrl-C that interrupts the interpreter's own join lets it finalize under threads still in
+# native code, which then die mid-call ("terminate called without an active exception").
+atexit.register(_finish_at_exit)

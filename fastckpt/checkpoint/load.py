@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, BinaryIO, Callable, Mapping, Sequence, Union
 
 import torch
 
 from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.reader import Reader
+from fastckpt.storage.file_object import FileObjectStorage
 
-__all__ = ["check_target", "load", "resolve_device"]
+__all__ = ["check_target", "load", "load_bytes", "resolve_device"]
 
 MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., Any]]
 
@@ -93,7 +94,7 @@ def check_target(
 
 
 def load(
-    f: str | os.PathLike[str] | Reader,
+    f: str | os.PathLike[str] | Reader | BinaryIO | FileObjectStorage,
     map_location: MapLocation = None,
     *,
     device: str | torch.device | None = None,
@@ -116,7 +117,8 @@ def load(
     """Loads what :func:`fastckpt.save` saved, or any safetensors file (as a flat dict).
 
     The data section is read on every core into one page-aligned arena (page-locked with
-    ``pin_memory=True``); the returned tensors are views into it. Bytes already in memory (a
+    ``pin_memory=True``); the returned tensors lie in it, each with a storage of its own at
+    offset 0 as ``torch.load``'s have (no copy). Bytes already in memory (a
     hot page cache, tmpfs) are read through the page cache at memory speed, others with
     O_DIRECT at the device's speed (see :attr:`fastckpt.CheckpointReader.read_mode`).
 
@@ -152,7 +154,9 @@ def load(
         part_size: for a URL, bytes per ranged read.
         parallel: for a URL, ranged reads in flight.
 
-    ``f`` may also be an open :class:`~fastckpt.Reader` (opened on the target's device),
+    ``f`` may also be a readable binary file object (``open(path, "rb")``, ``io.BytesIO``;
+    read with ``seek``/``readinto`` from its current position, or whole when it cannot seek,
+    and left open), or an open :class:`~fastckpt.Reader` (opened on the target's device),
     read here and left open: every storage loads through this one function.
 
     Raises:
@@ -237,3 +241,22 @@ def _warn_unpinned(tensors: Mapping[str, torch.Tensor], path: str) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def load_bytes(
+    data: bytes | bytearray | memoryview, map_location: MapLocation = None, **options: Any
+) -> Any:
+    """Loads a checkpoint held in memory (what :func:`fastckpt.save_bytes` returns, or
+    ``safetensors.torch.save``'s bytes), like ``safetensors.torch.load``; the options are
+    :func:`load`'s. The tensors are copied out of ``data`` once, into memory of their own.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> data = fastckpt.save_bytes({"w": torch.ones(2), "step": 3})
+        >>> back = fastckpt.load_bytes(data)
+        >>> back["w"].tolist(), back["step"]
+        ([1.0, 1.0], 3)
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, bytearray or memoryview, got {type(data).__name__}")
+    return load(FileObjectStorage(data, argname="data"), map_location, **options)

@@ -26,7 +26,7 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
-from fastckpt.checkpoint.tensor_runs import placed
+from fastckpt.checkpoint.tensor_runs import own_bytes, placed
 from fastckpt.errors import ChecksumError, checksum_mismatch
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
 from fastckpt.io.checksums import crc32c_combine
@@ -139,7 +139,7 @@ def read_byte_range(
         arena = aligned_tensor(first + hi - lo)
         for region in regions:
             region.address = arena.data_ptr() + first + (region.lo - lo)
-        result = arena[first + (start - lo) : first + (stop - lo)]
+        result = own_bytes(arena, first + (start - lo), stop - start)
         bounce = None
         keep: Any = arena
     else:

@@ -4,8 +4,9 @@ path that ``fastckpt.load`` uses.
 One implementation over the storage interface (:mod:`fastckpt.storage`): range planning,
 verification and prefetch are written once, for local files and fsspec URLs alike. Reads go
 straight from storage into one page-aligned arena, split into spans that every core (or
-every connection) works on; the tensors returned are views into the arena, so nothing is
-copied after the read. Each byte range is placed in the arena at the same offset modulo the
+every connection) works on; the tensors returned lie in the arena, so nothing is copied
+after the read (on the CPU each has a storage of its own over its bytes, see
+:func:`~fastckpt.checkpoint.tensor_runs.own_bytes`). Each byte range is placed in the arena at the same offset modulo the
 page size as in the file, which keeps direct I/O possible even for files whose data is not
 aligned.
 
@@ -40,13 +41,20 @@ from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.checkpoint.tensor_crcs import TensorCrcs, check_crcs, damaged
-from fastckpt.checkpoint.tensor_runs import Run, place_runs, tensor_runs, tensor_view
+from fastckpt.checkpoint.tensor_runs import (
+    Run,
+    arena_exporter,
+    place_runs,
+    tensor_runs,
+    tensor_view,
+)
 from fastckpt.config import staging_bytes
 from fastckpt.io import device_copy, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
 from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 from fastckpt.storage import Storage, open_storage, to_local
+from fastckpt.storage.file_object import FileObjectStorage, is_file_object
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo", "TensorSlice"]
 
@@ -73,7 +81,7 @@ class CheckpointReader(HeaderView, Reader):
     """A fastckpt/safetensors file opened for lazy reading (a :class:`~fastckpt.Reader`).
 
     Use :func:`fastckpt.open` to create one; ``f`` is a path, a ``file://`` URL, an fsspec
-    URL or an open :class:`~fastckpt.storage.Storage`.
+    URL, a readable binary file object or an open :class:`~fastckpt.storage.Storage`.
 
     Example:
         >>> import torch, fastckpt
@@ -94,6 +102,8 @@ class CheckpointReader(HeaderView, Reader):
     ):
         self.device = _check_device(device)
         self.gds = gds
+        if is_file_object(f):
+            f = FileObjectStorage(f)
         if isinstance(f, Storage):
             self._storage = f
         else:
@@ -232,8 +242,8 @@ class CheckpointReader(HeaderView, Reader):
         Raises:
             ValueError: the range is not within the tensor, or ``out`` does not fit it.
             ChecksumError: a piece read does not match its CRC32C (the message names the
-                file, the tensor and the piece's byte range), or the file has no checksums
-                and ``verify=True``.
+                file, the tensor and the piece's byte range).
+            NoChecksumsError: the file has no checksums and ``verify=True``.
 
         Example:
             >>> import torch, fastckpt
@@ -379,7 +389,8 @@ class CheckpointReader(HeaderView, Reader):
                 )
                 actual = _tensor_crcs(entries.values(), labels, parallel_io.checksum_memory(spans))
                 check_crcs(entries.values(), actual, self.meta.crcs or {}, self.path)
-        return {name: tensor_view(data, e.begin, e) for name, e in entries.items()}
+        exporter = arena_exporter(data)
+        return {name: tensor_view(data, e.begin, e, exporter) for name, e in entries.items()}
 
     def _mapping(self) -> torch.Tensor:
         """The data section as a uint8 tensor over a private (copy-on-write) file mapping."""
@@ -519,7 +530,7 @@ class CheckpointReader(HeaderView, Reader):
         """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
 
         Raises:
-            ChecksumError: the file has no checksums (it cannot be verified).
+            NoChecksumsError: the file has no checksums (it cannot be verified).
 
         Example:
             >>> import torch, fastckpt
@@ -564,8 +575,10 @@ class CheckpointReader(HeaderView, Reader):
 
 
 def _views(arena: torch.Tensor, runs: list[Run]) -> dict[str, torch.Tensor]:
+    """The tensors of ``runs``; on the CPU each with a storage of its own over the arena."""
+    exporter = arena_exporter(arena)
     return {
-        e.name: tensor_view(arena, run.arena_pos + (e.begin - run.begin), e)
+        e.name: tensor_view(arena, run.arena_pos + (e.begin - run.begin), e, exporter)
         for run in runs
         for e in run.entries
     }
@@ -719,7 +732,9 @@ def open_checkpoint(
     """Opens a checkpoint file for lazy reading (exported as ``fastckpt.open``).
 
     Args:
-        f: the file's path, a ``file://`` URL, or an fsspec URL (``s3://``, ``memory://``, ...).
+        f: the file's path, a ``file://`` URL, an fsspec URL (``s3://``, ``memory://``, ...),
+            or a readable binary file object (``open(path, "rb")``, ``io.BytesIO``), read with
+            ``seek``/``readinto`` and left open.
         device: where :meth:`~CheckpointReader.get_tensor` puts tensors: ``"cpu"`` or
             ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
         gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or

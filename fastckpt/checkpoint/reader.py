@@ -23,7 +23,7 @@ import torch
 
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.range_read import TensorSlice
-from fastckpt.errors import ChecksumError
+from fastckpt.errors import NoChecksumsError
 
 __all__ = ["Reader"]
 
@@ -67,20 +67,26 @@ class Reader(abc.ABC):
         """Refuses to verify (``verify=True``) a file that records no checksums.
 
         Raises:
-            ChecksumError: naming the file.
+            NoChecksumsError: naming the file (a ``ValueError``: nothing is damaged).
 
         Example:
             >>> import torch, fastckpt
             >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-nosum.safetensors", checksum=False)
             >>> with fastckpt.open("/tmp/fastckpt-nosum.safetensors") as r:
             ...     r.require_checksums(verify=False)  # nothing to check, nothing asked
-            ...     r.require_checksums()
-            Traceback (most recent call last):
-            ...
-            fastckpt.errors.ChecksumError: /tmp/fastckpt-nosum.safetensors has no checksums to verify
+            ...     try:
+            ...         r.require_checksums()
+            ...     except fastckpt.NoChecksumsError as e:  # also a ValueError
+            ...         print(str(e)[:70])
+            /tmp/fastckpt-nosum.safetensors records no checksums (saved with check
         """
         if verify and not self.has_checksums:
-            raise ChecksumError(f"{self.path} has no checksums to verify", filename=self.path)
+            raise NoChecksumsError(
+                f"{self.path} records no checksums (saved with checksum=False or by another "
+                "safetensors writer), so verify=True cannot check it; nothing is known to be "
+                "damaged. Pass verify=None to verify only checkpoints that have checksums",
+                filename=self.path,
+            )
 
     # -- reading ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -105,8 +111,8 @@ class Reader(abc.ABC):
         """Reads several tensors in one batch of parallel reads; ``name -> tensor``.
 
         Raises:
-            ChecksumError: ``verify=True`` and a tensor is damaged, or nothing records
-                checksums.
+            ChecksumError: ``verify=True`` and a tensor is damaged.
+            NoChecksumsError: ``verify=True`` and nothing records checksums.
         """
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
@@ -146,7 +152,7 @@ class Reader(abc.ABC):
         """Checks stored CRC32Cs; the names of damaged tensors (empty when intact).
 
         Raises:
-            ChecksumError: nothing records checksums (the checkpoint cannot be verified).
+            NoChecksumsError: nothing records checksums (the checkpoint cannot be verified).
         """
 
     @abc.abstractmethod

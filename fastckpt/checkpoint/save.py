@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, tree
+from fastckpt.checkpoint import dtypes, save_order, tree
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
@@ -40,6 +40,8 @@ __all__ = [
     "plan_save",
     "StreamWriter",
     "executor_for_destination",
+    "save_into",
+    "write_into",
     "write_plan",
 ]
 
@@ -86,7 +88,7 @@ class SavePlan:
         recorded = self.checksum and crcs is not None
         metadata = format.build_metadata(
             self.user_metadata,
-            crcs=dict(crcs) if recorded else None,
+            crcs=dict(crcs) if recorded and crcs is not None else None,
             aliases=self.aliases or None,
             tree=self.tree,
             pieces=pieces if recorded and self.piece_size else None,
@@ -107,6 +109,14 @@ class SavePlan:
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if type(t) is not torch.Tensor and type(t.detach()) is not torch.Tensor:
+        # DTensor, FakeTensor, wrapper subclasses: their bytes are not in one local storage
+        # (nn.Parameter passes: detach() gives its plain tensor).
+        raise TypeError(
+            f"tensor {name!r} is a {type(t).__name__}, a tensor subclass whose bytes fastckpt "
+            "cannot read directly: save a plain tensor (for a DTensor, .full_tensor() or "
+            ".to_local()), or save a distributed state dict through fastckpt.dcp"
+        )
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"tensor {name!r} is on device {t.device}, which fastckpt cannot save")
 
@@ -209,6 +219,11 @@ class StreamWriter:
     :meth:`fill` while free buffers remain, so the snapshot does not compete with disk
     writes for memory bandwidth and CPU; :meth:`finish` starts them. When the pool runs
     out, deferred buffers are written and recycled as usual.
+
+    Interrupts: :meth:`abort` collects every write in flight before it returns (or raises
+    a Ctrl-C that came meanwhile), so neither the file nor a buffer goes while the engine
+    still uses it. Once ``cancel`` (an event) is set, the next buffer or wait raises
+    ``KeyboardInterrupt``: how pending asynchronous saves stop at exit.
     """
 
     def __init__(
@@ -220,8 +235,10 @@ class StreamWriter:
         *,
         progress: bool | None = None,
         defer_writes: bool = False,
+        cancel: threading.Event | None = None,
     ):
         self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
+        self._cancel = cancel  # once set, the next buffer or wait raises KeyboardInterrupt
         self._defer = defer_writes
         # full buffers not yet written: (buffer, bytes to write, segments)
         self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
@@ -236,6 +253,7 @@ class StreamWriter:
 
     # -- buffers ----------------------------------------------------------------------------
     def _next_buffer(self) -> StagingBuffer:
+        self._check_cancelled()
         buf = self.pool.try_acquire()
         if buf is not None:
             return buf
@@ -246,9 +264,16 @@ class StreamWriter:
 
     def _retire_oldest(self, *, release: bool) -> StagingBuffer:
         """Waits for the oldest write, checksums its buffer, then releases or returns it."""
-        op_id, buf, segments = self._inflight.popleft()
+        self._check_cancelled()
+        op_id, buf, segments = self._inflight[0]
         try:
             self.executor.wait(op_id)
+        finally:
+            # Dropped only once collected: an interrupt raised before the wait began leaves
+            # the write running, and abort() must still find it.
+            if not self.executor.is_pending(op_id):
+                self._inflight.popleft()
+        try:
             if self.plan.checksum:
                 for name, at, n in segments:
                     self.sums[name].update(buf.address + at, n)
@@ -258,6 +283,10 @@ class StreamWriter:
         if release:
             self.pool.release(buf)
         return buf
+
+    def _check_cancelled(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise KeyboardInterrupt(f"save to {self.file.path} cancelled")
 
     def _write_deferred(self) -> None:
         while self._deferred:
@@ -352,18 +381,22 @@ class StreamWriter:
             self.file.truncate(self.plan.file_size)
 
     def abort(self) -> None:
-        """Waits for in-flight writes, ignoring their errors, and returns the buffers."""
+        """Waits for in-flight writes, ignoring their errors, and returns the buffers.
+
+        An interrupt (Ctrl-C) while waiting does not cut the wait short: every write is
+        collected first (none may outlive the file or the buffers), then it is raised.
+        """
         for buf, _, _ in self._deferred:
             self.pool.release(buf)
         self._deferred.clear()
+        interrupt = None
+        if self._inflight:  # (a writer that never wrote may have no executor yet)
+            ops = [op_id for op_id, _, _ in self._inflight]
+            interrupt = self.executor.drain(ops, cancel=True)  # unstarted writes: dropped
         while self._inflight:
-            op_id, buf, _ = self._inflight.popleft()
-            try:
-                self.executor.wait(op_id)
-            except OSError:
-                pass
-            finally:
-                self.pool.release(buf)
+            self.pool.release(self._inflight.popleft()[1])
+        if interrupt is not None:
+            raise interrupt
 
 
 def save(
@@ -382,6 +415,7 @@ def save(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    overwrite_readonly: bool = False,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -393,6 +427,10 @@ def save(
 
     The write is atomic and durable: a temporary file in the same directory is fsynced and
     renamed over ``f``; on any error it is removed and an existing file at ``f`` is untouched.
+    An ``async_save`` to the same path still pending is waited for first, so this save's
+    file is the one left at ``f``.
+    The new file keeps the permission bits of the one it replaces; a read-only file at ``f``
+    is refused with ``PermissionError`` unless ``overwrite_readonly=True``.
 
     Args:
         metadata: str -> str pairs stored in the header's ``__metadata__``.
@@ -413,6 +451,7 @@ def save(
             is refused, ``True`` elsewhere (the device's speed, no page-cache pollution).
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
+        overwrite_readonly: replace a file at ``f`` that has no write permission.
 
     Example:
         >>> import torch, fastckpt
@@ -438,7 +477,61 @@ def save(
         intra_op_parallelism=intra_op_parallelism,
     )
     write_plan(
-        plan, path, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
+        plan,
+        path,
+        executor,
+        default_pool(staging_bytes),
+        progress=progress,
+        direct_io=direct_io,
+        overwrite_readonly=overwrite_readonly,
+    )
+
+
+def save_into(
+    obj: Any,
+    out: AtomicFile,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    alignment: int = format.DEFAULT_ALIGNMENT,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+    piece_size: int = format.DEFAULT_PIECE_SIZE,
+    progress: bool | None = None,
+    staging_bytes: int | None = None,
+    direct_io: bool | None = None,
+    engine: str | None = None,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
+    intra_op_parallelism: int | None = None,
+) -> None:
+    """:func:`save` into a staged file that the caller commits or aborts (a file of a
+    multi-file checkpoint, :class:`fastckpt.io.commit_set.CommitSet`); same options.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> target = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+        >>> with AtomicFile(target) as out:
+        ...     save_into({"w": torch.ones(2)}, out)
+        >>> os.path.exists(target)
+        True
+    """
+    plan = plan_save(
+        obj,
+        metadata=metadata,
+        alignment=alignment,
+        checksum=checksum,
+        allow_pickle=allow_pickle,
+        piece_size=piece_size,
+    )
+    executor = executor_for_destination(
+        out.path,
+        engine=engine,
+        block_size=block_size,
+        queue_depth=queue_depth,
+        intra_op_parallelism=intra_op_parallelism,
+    )
+    write_into(
+        plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
     )
 
 
@@ -456,22 +549,41 @@ def write_plan(
     *,
     progress: bool | None = None,
     direct_io: bool | None = None,
+    overwrite_readonly: bool = False,
 ) -> None:
     """Writes a planned checkpoint to ``path`` with the atomic commit protocol: from the
     tensors' own memory through the page cache where that is the faster path (see
-    :func:`save`'s ``direct_io``), else through staging buffers with O_DIRECT."""
-    with AtomicFile(path) as out:
-        out.reserve(plan.file_size)
-        if _through_page_cache(plan, out, direct_io):
-            _write_from_tensors(plan, out.file, progress=progress)
-            return
-        writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
-        try:
-            writer.fill()
-            writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
+    :func:`save`'s ``direct_io``), else through staging buffers with O_DIRECT.
+
+    Asynchronous saves to the same path still pending are waited for first, so none of
+    them commits after (and over) this one."""
+    save_order.wait_for_earlier(path)
+    with AtomicFile(path, overwrite_readonly=overwrite_readonly) as out:
+        write_into(plan, out, executor, pool, progress=progress, direct_io=direct_io)
+
+
+def write_into(
+    plan: SavePlan,
+    out: AtomicFile,
+    executor: Executor,
+    pool: StagingPool,
+    *,
+    progress: bool | None = None,
+    direct_io: bool | None = None,
+) -> None:
+    """Writes a planned checkpoint into ``out``'s temporary file; the caller commits it
+    (one file of a multi-file checkpoint, :mod:`fastckpt.io.commit_set`) or aborts it."""
+    out.reserve(plan.file_size)
+    if _through_page_cache(plan, out, direct_io):
+        _write_from_tensors(plan, out.file, progress=progress)
+        return
+    writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
+    try:
+        writer.fill()
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
@@ -526,10 +638,12 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
             acc = sums[e.name]
             for chunk in _byte_chunks(plan.tensors[e.name], 64 << 20):
                 n = chunk.numel()
-                cuts = list(piece_cuts(at, n, acc.piece_size))
+                piece_ends = list(piece_cuts(at, n, acc.piece_size))
                 offset = plan.header_size + e.begin + at
-                values = _C.pwrite_crc(file.fd, chunk.data_ptr(), n, offset, cuts, True, file.path)
-                _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(cuts)), values)
+                values = _C.pwrite_crc(
+                    file.fd, chunk.data_ptr(), n, offset, piece_ends, True, file.path
+                )
+                _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(piece_ends)), values)
                 at += n
                 advance(n)
     del keep

@@ -1,6 +1,12 @@
 """Runs of adjacent tensors, read as one byte range each, and tensors viewed out of the
 memory the bytes land in. Shared by every reader (local files, URLs).
 
+A CPU tensor taken out of an arena gets a storage of its own that starts at its first byte
+and ends at its last (:func:`own_bytes`), over the arena's memory: no copy, and yet it
+behaves as ``torch.load``'s tensors do (``storage_offset() == 0``, ``torch.save`` of it
+writes its own bytes, ``torch.set_rng_state`` takes it). The arena lives until its last
+tensor dies.
+
 Example:
     >>> from fastckpt.format import TensorEntry
     >>> runs = tensor_runs([TensorEntry("b", "F32", (1,), 4, 8), TensorEntry("a", "F32", (1,), 0, 4)])
@@ -11,14 +17,22 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import dtypes
 
-__all__ = ["Run", "place_runs", "placed", "tensor_runs", "tensor_view"]
+__all__ = [
+    "Run",
+    "arena_exporter",
+    "own_bytes",
+    "place_runs",
+    "placed",
+    "tensor_runs",
+    "tensor_view",
+]
 
 
 @dataclasses.dataclass
@@ -73,13 +87,43 @@ def place_runs(runs: list[Run], base: int, alignment: int) -> int:
     return pos
 
 
-def tensor_view(arena: torch.Tensor, start: int, e: format.TensorEntry) -> torch.Tensor:
-    """The tensor of ``e`` whose bytes start at ``arena[start]``, as a view where possible."""
+def arena_exporter(arena: torch.Tensor) -> Any:
+    """A buffer-protocol object over a CPU ``arena`` that keeps it alive, for
+    :func:`own_bytes` (made once per arena, shared by its tensors)."""
+    return arena.numpy() if arena.device.type == "cpu" else None
+
+
+def own_bytes(arena: torch.Tensor, start: int, nbytes: int, exporter: Any = None) -> torch.Tensor:
+    """Bytes ``arena[start : start + nbytes]`` as a uint8 tensor with a storage of its own
+    over the same memory (CPU), so ``storage_offset()`` is 0 and ``untyped_storage()`` holds
+    only these bytes; the arena is freed when the last such tensor dies. Device arenas give
+    a plain view.
+
+    Example:
+        >>> arena = torch.arange(16, dtype=torch.uint8)
+        >>> part = own_bytes(arena, 4, 8)
+        >>> part.storage_offset(), part.untyped_storage().nbytes(), part.data_ptr() - arena.data_ptr()
+        (0, 8, 4)
+    """
+    if arena.device.type != "cpu" or nbytes == 0:
+        return arena[start : start + nbytes]
+    if exporter is None:
+        exporter = arena_exporter(arena)
+    # frombuffer holds the exporter (a numpy array holding the arena) until the storage dies
+    return torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def tensor_view(
+    arena: torch.Tensor, start: int, e: format.TensorEntry, exporter: Any = None
+) -> torch.Tensor:
+    """The tensor of ``e`` whose bytes start at ``arena[start]``: on the CPU over the arena's
+    memory with a storage of its own (see :func:`own_bytes`), on a device a view."""
     dtype = dtypes.to_torch(e.dtype)
     shape = dtypes.torch_shape(e.dtype, e.shape, tensor=e.name)
     if e.nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=arena.device)
-    raw = arena[start : start + e.nbytes]
-    if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
-        raw = raw.clone()  # files from other writers may not align tensors to their dtype
-    return raw.view(dtype).view(shape)
+    address = arena.data_ptr() + start
+    if address % torch.empty(0, dtype=dtype).element_size():
+        # files from other writers may not align tensors to their dtype
+        return arena[start : start + e.nbytes].clone().view(dtype).view(shape)
+    return own_bytes(arena, start, e.nbytes, exporter).view(dtype).view(shape)

@@ -390,6 +390,14 @@ class _Flattener:
         what = "dict key" if in_key else "object"
         kind = _qualname(type(value))
         if not self.allow_pickle:
+            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+                # torch.save(model) habit: the state dict is what a checkpoint should hold
+                raise TypeError(
+                    f"cannot save a whole {kind} at {_format_path(path)}: save its "
+                    "state dict instead, e.g. fastckpt.save(obj.state_dict(), path), and "
+                    "restore it with obj.load_state_dict(fastckpt.load(path)); "
+                    "allow_pickle=True would pickle the object, code and all"
+                )
             raise TypeError(
                 f"unsupported {what} of type {kind} at {_format_path(path)}; "
                 "pass allow_pickle=True to store it with pickle"

@@ -2,14 +2,16 @@
 
 Raw mode takes the options of DeepSpeed's ``ds_io`` (same names): it writes (or with
 ``--read`` reads) ``--io_size`` bytes in ``--folder`` through an ``aio_handle``, ``--loops``
-times, and prints GB/s per loop and the median. Options left out come from the tuned
+times, and prints the throughput per loop and the median in GB/s (10**9 bytes per second)
+and, beside it, in GiB/s (2**30 bytes per second): the unit of the figures ``ds_io`` prints
+as "GB/sec", so the two compare directly. Options left out come from the tuned
 configuration of that file system (``fastckpt tune``), else the defaults.
 
 ``--checkpoint SIZE`` saves and loads a synthetic LLM-like state dict of SIZE with
 fastckpt, ``torch.save``/``torch.load`` and safetensors in one run, on the same file
 system: saves timed until the data is durable (fsync), loads from a cold cache and until
-every tensor has been touched. It prints a table of GB/s, CPU seconds and how many times
-faster fastckpt is.
+every tensor has been touched. It prints a table of GB/s (10**9 bytes per second), CPU
+seconds and how many times faster fastckpt is.
 
 Cold reads drop the machine's page cache before each read when running as root;
 ``--no-drop-caches`` leaves it alone (the output then says the figures may not be cold).
@@ -37,7 +39,7 @@ import os
 import shutil
 from typing import Any
 
-from fastckpt.bench.units import format_bytes, gbps, median
+from fastckpt.bench.units import GiB, format_bytes, gbps, gibps, median
 from fastckpt.cli._common import (
     ENGINE_CHOICES,
     FAILURE,
@@ -64,8 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="measure one I/O configuration, or checkpoint save/load against torch and safetensors",
         description=(
             "Raw mode (the options of DeepSpeed's ds_io): write, or with --read read, --io_size "
-            "bytes in --folder with one aio_handle configuration and print GB/s per loop and the "
-            "median. Settings left out come from `fastckpt tune`'s result for that file system. "
+            "bytes in --folder with one aio_handle configuration and print GB/s (10^9 bytes/s) per "
+            "loop and the median, with GiB/s (2^30 bytes/s, the unit of ds_io's 'GB/sec') beside "
+            "them. Settings left out come from `fastckpt tune`'s result for that file system. "
             "--checkpoint SIZE instead saves and loads a synthetic LLM-like state dict with "
             "fastckpt, torch and safetensors and prints a comparison table; --regime memory "
             "makes it a memory-speed comparison (files in tmpfs or the page cache) with more peers."
@@ -279,7 +282,11 @@ def run_raw(args: argparse.Namespace) -> int:
             else:
                 seconds = timed_write(handle, buffer, [path])
             rates.append(gbps(args.io_size, seconds))
-            print(f"Loop {loop}: {op} {rates[-1]:.3g} GB/s ({seconds:.3f} s)", flush=True)
+            print(
+                f"Loop {loop}: {op} {rates[-1]:.3g} GB/s = "
+                f"{gibps(args.io_size, seconds):.3g} GiB/s ({seconds:.3f} s)",
+                flush=True,
+            )
             if args.validate:
                 where = check_pattern(buffer) if args.read else check_file(path)
                 if where >= 0:
@@ -292,7 +299,9 @@ def run_raw(args: argparse.Namespace) -> int:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    print(f"Median {op}: {median(rates):.3g} GB/s")
+    middle = median(rates)
+    print(f"Median {op}: {middle:.3g} GB/s = {middle * 1e9 / GiB:.3g} GiB/s")
+    print("GB/s: 10^9 bytes per second. GiB/s: 2^30 bytes per second, what ds_io prints as GB/sec.")
     return 0
 
 

@@ -43,10 +43,11 @@ from typing import Any, Callable, Union
 
 from fastckpt import _C
 from fastckpt.config import IOConfig, resolve_io
+from fastckpt.deepnvme import locked_memory
 from fastckpt.deepnvme.descriptors import HeldDescriptor, as_descriptor
 from fastckpt.errors import ChecksumError
 from fastckpt.io import device_copy, parallel_io
-from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, aligned_tensor, buffer_ref
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, buffer_ref
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
 
@@ -68,6 +69,13 @@ _DEEPSPEED_DEFAULTS = IOConfig(
     engine="auto",
 )
 _UNSET: Any = object()
+
+# DeepSpeed's O_DIRECT granularity: get_alignment() is this times intra_op_parallelism.
+_DEEPSPEED_SECTOR = 512
+
+# Files the handles create are private to their owner, as DeepSpeed's are: swapped tensors
+# (optimizer state, activations) are nobody else's to read.
+_CREATE_MODE = 0o600
 
 # Where DeepSpeed takes a file name, a path or an open file descriptor.
 FileTarget = Union[str, "os.PathLike[str]", int]
@@ -194,7 +202,6 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         self._executor = Executor(self._config)
         self._lock = threading.Lock()
         self._pending: list[_PendingOp] = []
-        self._locked: dict[int, Any] = {}
 
     # -- settings -------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -213,8 +220,19 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         return self._config.intra_op_parallelism
 
     def get_alignment(self) -> int:
-        """The O_DIRECT granularity assumed for offsets, lengths and memory (bytes)."""
-        return BUFFER_ALIGNMENT
+        """DeepSpeed's value: 512 bytes (a sector) times ``intra_op_parallelism``.
+
+        DeepSpeed's helpers (its ``FastFileWriter`` and I/O buffers) size buffers and place
+        file offsets in multiples of it, so that each of the op's threads gets whole sectors.
+        fastckpt needs no alignment at all: what is aligned to the file's logical block
+        (often 4096 bytes) goes through O_DIRECT, unaligned heads and tails through the page
+        cache.
+
+        Example:
+            >>> aio_handle(intra_op_parallelism=4).get_alignment()
+            2048
+        """
+        return _DEEPSPEED_SECTOR * self._config.intra_op_parallelism
 
     def get_engine(self) -> str:
         """The engine this handle runs on (``"auto"`` resolved)."""
@@ -253,9 +271,11 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         fd = as_descriptor(target)
         if fd is not None:
             file: File = HeldDescriptor(fd, write=write)
+        elif write:
+            file = _create_private(target)
         else:
             assert not isinstance(target, int)  # as_descriptor takes every int
-            file = File(target, write=write, create=write)
+            file = File(target)
         try:
             aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
             # (a range past the largest file offset is left for the engine to refuse)
@@ -503,24 +523,37 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         example_tensor = _example_arg(example_tensor, kwargs, "new_cpu_locked_tensor")
         if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
             raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
-        dtype = example_tensor.dtype
-        nbytes = num_elem * example_tensor.element_size()
-        tensor = aligned_tensor(nbytes, dtype, lock=True, strict=True)
-        self._locked[tensor.data_ptr()] = tensor
-        return tensor
+        return locked_memory.allocate(num_elem, example_tensor.dtype)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Releases a tensor from :meth:`new_cpu_locked_tensor`; returns False for any other tensor.
+        """Releases a tensor from :meth:`new_cpu_locked_tensor` of any handle (as DeepSpeed's
+        handles share one manager); returns False for any other tensor.
 
         The memory is unlocked and returned to the system once no tensor views it any more
         (freeing it under a live view would leave that view dangling).
+
+        Example:
+            >>> import torch
+            >>> t = aio_handle().new_cpu_locked_tensor(8, torch.empty(0))
+            >>> aio_handle().free_cpu_locked_tensor(t), aio_handle().free_cpu_locked_tensor(t)
+            (True, False)
         """
-        return self._locked.pop(tensor.data_ptr(), None) is not None
+        return locked_memory.release(tensor)
 
     def is_pinned(self, buffer: Any = _UNSET, *, tensor: Any = _UNSET) -> bool:
         """Whether the buffer's memory is page-locked (CUDA-pinned or from this library).
 
-        ``buffer`` is DeepSpeed's argument name; ``tensor=`` is kept for older fastckpt code.
+        As DeepSpeed checks, the whole byte range must lie within one locked allocation: a
+        view that starts in a tensor from :meth:`new_cpu_locked_tensor` but runs past its end
+        is not pinned. ``buffer`` is DeepSpeed's argument name; ``tensor=`` is kept for older
+        fastckpt code.
+
+        Example:
+            >>> import torch
+            >>> h = aio_handle()
+            >>> t = h.new_cpu_locked_tensor(1024, torch.empty(0))
+            >>> h.is_pinned(t), h.is_pinned(t[512:]), h.is_pinned(torch.empty(4))
+            (True, True, False)
         """
         if (buffer is _UNSET) == (tensor is _UNSET):
             raise TypeError("is_pinned() takes one tensor: 'buffer' (or 'tensor')")
@@ -532,7 +565,15 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                 return True
         except RuntimeError:  # CPU-only builds of torch may refuse the question
             pass
-        return _C.is_locked(tensor.data_ptr())
+        if tensor.device.type != "cpu":
+            return False
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        extent = locked_memory.extent_of(start)
+        if extent is not None:
+            return end <= extent[0] + extent[1]
+        # Memory fastckpt locked elsewhere (staging pools, pinned loads): both ends locked.
+        return _C.is_locked(start) and _C.is_locked(end - 1)
 
     def __del__(self) -> None:
         # Never leave kernel I/O pointing at memory Python may free.
@@ -541,6 +582,18 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                 self.wait()
         except Exception:  # noqa: BLE001 - nothing to report to from a finalizer
             pass
+
+
+def _create_private(path: Any) -> File:
+    """``path`` opened for writing, created with mode 0600 when missing (as DeepSpeed does);
+    an existing file keeps its mode and contents."""
+    # fastckpt's File creates with 0644; creating the file here first keeps it private. The
+    # flags are File's own (O_RDWR, no O_TRUNC), so this open fails or blocks only where it would.
+    created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _CREATE_MODE)
+    try:
+        return File(path, write=True, create=True)
+    finally:
+        os.close(created)
 
 
 def _validate(op: _PendingOp) -> None:

@@ -78,8 +78,8 @@ class HeldDescriptor(File):
                 f"fd {fd} ({path}) is opened with O_APPEND: the kernel would append each "
                 "block instead of writing it at its file_offset"
             )
+        self._init_holds()  # File's bookkeeping of operations that keep it open
         self.path = path
-        self.direct_fd = -1
         self._owns_fd = True
         self.fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
         if _O_DIRECT and flags & _O_DIRECT:

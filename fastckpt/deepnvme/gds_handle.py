@@ -13,12 +13,14 @@ Example (needs a CUDA GPU and cuFile)::
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from typing import Any, Callable
 
 from fastckpt.deepnvme.aio_handle import _UNSET, _example_arg, aio_handle
 from fastckpt.io import cufile
 from fastckpt.io.aligned_memory import BufferRef
 from fastckpt.io.files import File
+from fastckpt.io.interrupts import result_when_done
 
 __all__ = ["gds_handle"]
 
@@ -86,7 +88,9 @@ class gds_handle(aio_handle):
         future = self._pool.submit(
             cufile.transfer_range, file, ref, file_offset, write=write, threads=threads, ready=ready
         )
-        return future.result
+        # Ctrl-C during the wait is raised once the transfer is over: never while it still
+        # uses the file and the buffer.
+        return functools.partial(result_when_done, future)
 
     # -- pinned device memory (DeepSpeed's GDS-specific API) ---------------------------------
     def new_pinned_device_tensor(

@@ -18,8 +18,11 @@ from fastckpt.format.schema import (
     DTYPES,
     HEADER_LIMIT,
     KEY_HEADER_CRC,
+    MAX_TENSORS,
     META_PREFIX,
     METADATA_KEY,
+    MIN_BYTES_PER_TENSOR,
+    SMALL_TENSOR_COUNT,
     TensorEntry,
     canonical_crc,
     element_bits,
@@ -164,6 +167,11 @@ def encode_header(
         (64, b'{"x":{"dtype":"U8","shape":[5],"')
     """
     _check_alignment(alignment)
+    if len(entries) > MAX_TENSORS:
+        raise ValueError(
+            f"{len(entries)} tensors: more than MAX_TENSORS ({MAX_TENSORS}), the most one "
+            "file may hold (readers refuse more); save them as several files (max_shard_size=)"
+        )
     _check_contiguous(entries)
     document: dict[str, Any] = {}
     if metadata:
@@ -187,7 +195,10 @@ def encode_header(
         encoded = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"header holds a string that is not valid Unicode: {exc}") from None
-    padded = -(-(8 + len(encoded)) // alignment) * alignment
+    # Readers allow one tensor per MIN_BYTES_PER_TENSOR header bytes beyond a small count
+    # (their guard against hostile headers): short entries get padding so the file passes.
+    needed = len(entries) * MIN_BYTES_PER_TENSOR if len(entries) > SMALL_TENSOR_COUNT else 0
+    padded = -(-(8 + max(len(encoded), needed)) // alignment) * alignment
     length = padded - 8
     if length > HEADER_LIMIT:
         raise ValueError(f"header of {length} bytes exceeds the limit of {HEADER_LIMIT} bytes")

@@ -103,8 +103,11 @@ MIN_BYTES_PER_TENSOR = 64
 #: So many tensors are always allowed, whatever the header's size.
 SMALL_TENSOR_COUNT = 1 << 16
 #: Most tensors one file may hold: parsing and loading cost time per tensor, and real files
-#: hold far fewer (a whole 671B-parameter MoE model has ~92k tensors).
-MAX_TENSORS = 1 << 18
+#: hold far fewer (a whole 671B-parameter MoE model has ~92k tensors; with its optimizer
+#: state ~280k). Writers refuse more (:func:`~fastckpt.format.encode_header`); at
+#: MIN_BYTES_PER_TENSOR bytes each the header still fits HEADER_LIMIT, and parsing stays
+#: within ~10x the header's size.
+MAX_TENSORS = 1 << 20
 _CRC_PATTERN = re.compile(r"[0-9a-f]{8}")
 _CRC_SLICE = 4096
 

@@ -17,9 +17,13 @@ one would overflow the limit; a tensor larger than the limit gets a shard of its
 tensors sharing storage (tied weights) go to one shard, where the file stores the bytes once.
 
 Each shard is a fastckpt file (aligned for direct I/O, with checksums), written in parallel
-and committed on its own; the index is written last, once every shard is durable, so a
-reader that finds the index finds every shard complete. Shards of an earlier save into the
-same directory that the new index does not name are then removed.
+under a temporary name; once every shard is durable the set is published in one atomic step
+(:mod:`fastckpt.io.commit_set`): the index, written last, or the rename of a lone
+``model.safetensors``. A reader finds the old set or the new one, never a mix, and a failed
+save leaves the old set unchanged. Into a directory that holds no checkpoint the shards get
+Hugging Face's names; over an existing one they get names its index does not reference
+(``model-00001-of-00003-<8 hex>.safetensors``; every reader follows the index). Files of
+the earlier set are removed after the publish step.
 
 ``fastckpt.load(directory)`` (or the index file's path) returns one flat dict of the tensors
 the index names, each read from the shard the index names, shards in parallel;
@@ -42,10 +46,11 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -59,10 +64,13 @@ from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
+from fastckpt.io import commit_set
+from fastckpt.io.commit import AtomicFile
 
 __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
+    "retire_sharded_set",
     "ShardedReader",
     "is_sharded",
     "load_sharded",
@@ -74,7 +82,8 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: Shard names a sharded save writes: Hugging Face's, and those with a set's random tag.
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
 _UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -202,6 +211,13 @@ def _check_state_dict(state_dict: Any) -> None:
                 f"a sharded save takes a flat str -> Tensor dict; entry {name!r} holds "
                 f"{type(t).__name__}"
             )
+        if type(t) is not torch.Tensor and type(t.detach()) is not torch.Tensor:
+            # DTensor and other wrapper subclasses have no local storage to shard by
+            raise TypeError(
+                f"entry {name!r} is a {type(t).__name__}, a tensor subclass that a sharded "
+                "save cannot store: pass plain tensors (for a DTensor, .full_tensor() on "
+                "every rank), or save the distributed state dict through fastckpt.dcp"
+            )
 
 
 def _shard_names(count: int) -> list[str]:
@@ -210,20 +226,172 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _save_one(state: dict[str, torch.Tensor], target: str, options: dict[str, Any]) -> None:
-    if remote.is_url(target):
-        remote.save(state, target, **options)
-    else:
-        options = {k: v for k, v in options.items() if k != "storage_options"}
-        checkpoint_save.save(state, target, **options)
+def _final_names(count: int, referenced: Set[str]) -> list[str]:
+    """The shards' names: Hugging Face's own into a directory with no published set; else
+    names the published set does not reference (``model-00001-of-00003-<8 hex>.safetensors``),
+    so no file a reader may be following is written (see :mod:`fastckpt.io.commit_set`).
+    One shard is ``model.safetensors`` (its rename publishes it), unless the published index
+    names that file: then it gets a fresh name and an index."""
+    if count == 1 and not (INDEX_NAME in referenced and WEIGHTS_NAME in referenced):
+        return [WEIGHTS_NAME]
+    names = [f"model-{i:05d}-of-{count:05d}" for i in range(1, count + 1)]
+    if not referenced:
+        return [name + ".safetensors" for name in names]
+    return [commit_set.fresh_name(name, ".safetensors", referenced) for name in names]
 
 
-def _remove_stale(directory: str, keep: set[str]) -> None:
-    """Deletes shards of an earlier save that the new index does not name."""
-    for name in os.listdir(directory):
-        stale = _SHARD_PATTERN.fullmatch(name) or name in (WEIGHTS_NAME, INDEX_NAME)
-        if stale and name not in keep:
-            os.unlink(os.path.join(directory, name))
+def retire_sharded_set(directory: str) -> list[str]:
+    """After a save of one ``model.safetensors`` into ``directory``: removes the sharded set
+    an earlier save left there, the index first (readers then take the new file at once),
+    then its shards and abandoned temporaries, under the directory's publish lock.
+    Returns the names removed.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> retire_sharded_set(d)[0]
+        'model.safetensors.index.json'
+    """
+    removed = []
+    with commit_set.directory_lock(directory):
+        try:
+            os.unlink(os.path.join(directory, INDEX_NAME))
+            removed.append(INDEX_NAME)
+        except FileNotFoundError:
+            pass
+        removed += commit_set.remove_unreferenced(directory, _belongs, {WEIGHTS_NAME})
+    return removed
+
+
+def _belongs(name: str) -> bool:
+    """Whether a file of a sharded directory is one that a sharded save writes."""
+    return name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_PATTERN.fullmatch(name) is not None
+
+
+def _referenced_by(index: bytes | None, weights_exists: bool) -> set[str]:
+    """The files the published set names: the index and its shards, else the weights file."""
+    if index is None:
+        return {WEIGHTS_NAME} if weights_exists else set()
+    try:
+        weight_map = json.loads(index).get("weight_map")
+        shards = {v for v in weight_map.values() if isinstance(v, str)}
+    except (ValueError, AttributeError, TypeError):
+        shards = set()  # a damaged index: nothing of it is kept but itself
+    return {INDEX_NAME} | shards
+
+
+def _published_local(directory: str) -> set[str]:
+    try:
+        with open(os.path.join(directory, INDEX_NAME), "rb") as f:
+            index = f.read()
+    except FileNotFoundError:
+        index = None
+    return _referenced_by(index, os.path.isfile(os.path.join(directory, WEIGHTS_NAME)))
+
+
+def _published_remote(directory: str, storage_options: Mapping[str, Any] | None) -> set[str]:
+    fs, inner = remote.url_to_fs(directory, storage_options)
+    index_path = inner.rstrip("/") + "/" + INDEX_NAME
+    index = fs.cat_file(index_path) if fs.isfile(index_path) else None
+    return _referenced_by(index, fs.isfile(inner.rstrip("/") + "/" + WEIGHTS_NAME))
+
+
+def _index_bytes(
+    stored: list[dict[str, torch.Tensor]], names: list[str], metadata: Mapping[str, str] | None
+) -> bytes:
+    total = sum(t.numel() * t.element_size() for tensors in stored for t in tensors.values())
+    index = {
+        "metadata": {**dict(metadata or {}), "total_size": total},
+        "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
+    }
+    return (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
+
+
+def _save_one(state: dict[str, torch.Tensor], out: AtomicFile, options: dict[str, Any]) -> None:
+    """Writes one shard into a staged file (committed with the others by the commit set)."""
+    local = {k: v for k, v in options.items() if k not in ("storage_options", "overwrite_readonly")}
+    checkpoint_save.save_into(state, out, **local)
+
+
+def _save_local(
+    shards: list[dict[str, torch.Tensor]],
+    stored: list[dict[str, torch.Tensor]],
+    directory: str,
+    options: dict[str, Any],
+    parallel: int,
+) -> None:
+    with commit_set.CommitSet(
+        directory, overwrite_readonly=bool(options.get("overwrite_readonly"))
+    ) as files:
+        staged = [files.stage(name) for name in _shard_names(len(shards))]
+        with concurrent.futures.ThreadPoolExecutor(min(parallel, len(shards))) as pool:
+            work = [
+                pool.submit(_save_one, shards[i], staged[i], options) for i in range(len(shards))
+            ]
+            for f in work:
+                f.result()  # the first failure is raised; the commit set removes every file
+
+        def publish(names: list[str]) -> None:
+            index = os.path.join(directory, INDEX_NAME)
+            if names == [WEIGHTS_NAME]:  # renamed in place; an index would still win: remove it
+                if os.path.exists(index):
+                    os.unlink(index)
+                    commit_set.fsync_directory(directory)
+                return
+            data = _index_bytes(stored, names, options.get("metadata"))
+            # read-only files of the old set were refused (or allowed) by the commit set
+            commit_set.write_atomically(index, data, overwrite_readonly=True)
+
+        files.publish(
+            lambda referenced: _final_names(len(shards), referenced),
+            publish,
+            lambda: _published_local(directory),
+            _belongs,
+        )
+
+
+def _save_remote(
+    shards: list[dict[str, torch.Tensor]],
+    stored: list[dict[str, torch.Tensor]],
+    directory: str,
+    options: dict[str, Any],
+    parallel: int,
+) -> None:
+    """The same protocol on an object store: new objects under names the published index
+    does not reference, the index PUT (or the old index's deletion) publishes, then the old
+    objects are deleted. Not serialized between writers (see :mod:`fastckpt.io.commit_set`)."""
+    storage_options = options.get("storage_options")
+    referenced = _published_remote(directory, storage_options)
+    names = _final_names(len(shards), referenced)
+    url_options = {k: v for k, v in options.items() if k != "overwrite_readonly"}
+    fs, inner = remote.url_to_fs(directory, storage_options)
+
+    def path_of(name: str) -> str:
+        return inner.rstrip("/") + "/" + name
+
+    def write(i: int) -> None:
+        remote.save(shards[i], remote.join(directory, names[i]), **url_options)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(min(parallel, len(shards))) as pool:
+            for f in [pool.submit(write, i) for i in range(len(shards))]:
+                f.result()
+        if names == [WEIGHTS_NAME]:
+            if INDEX_NAME in referenced:
+                fs.rm_file(path_of(INDEX_NAME))
+        else:
+            data = _index_bytes(stored, names, options.get("metadata"))
+            remote.write_bytes(remote.join(directory, INDEX_NAME), data, storage_options)
+    except BaseException:
+        for name in set(names) - referenced:  # ours, never published
+            with contextlib.suppress(OSError):
+                fs.rm_file(path_of(name))
+        raise
+    keep = set(names) | ({INDEX_NAME} if names != [WEIGHTS_NAME] else set())
+    for name in referenced - keep:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path_of(name))
 
 
 def save_sharded(
@@ -238,6 +406,12 @@ def save_sharded(
 ) -> None:
     """Writes ``state_dict`` as Hugging Face shards plus index into ``directory``.
 
+    The directory goes from the old set of shards to the new one in one atomic step (the
+    index, written last, or the rename of ``model.safetensors``), by the protocol of
+    :mod:`fastckpt.io.commit_set`: a reader loads the old set or the new one, never a mix;
+    a failed save leaves the old set as it was. Concurrent saves into one directory take
+    turns at that step: each returns success and the later one's set is what remains.
+
     Args:
         state_dict: a flat ``str -> Tensor`` dict.
         directory: a local directory (created if missing) or a URL.
@@ -245,7 +419,8 @@ def save_sharded(
         metadata: str -> str stored in every shard's header and in the index's ``metadata``.
         storage_options: for a URL, passed to the fsspec file system.
         parallel: shards written at the same time.
-        save_options: as :func:`fastckpt.save` (``checksum``, ``engine``, ...).
+        save_options: as :func:`fastckpt.save` (``checksum``, ``engine``,
+            ``overwrite_readonly``, ...).
 
     Example:
         >>> import tempfile, torch
@@ -263,36 +438,16 @@ def save_sharded(
     if local is not None:
         os.makedirs(local, exist_ok=True)
         directory = local
-    groups = plan_shards(state_dict, max_shard_size)
-    if not groups:
-        groups = [[]]
-    names = _shard_names(len(groups))
+    groups = plan_shards(state_dict, max_shard_size) or [[]]
     options = dict(save_options, metadata=metadata, storage_options=storage_options)
     shards = [{n: state_dict[n] for n in group} for group in groups]
     # A tied tensor is stored once per shard; its other names live in that shard's header
     # (fastckpt.load restores them) and, as in transformers' own indexes, not in the weight map.
     stored = [tree.flatten(shard).tensors for shard in shards]
-
-    def write(i: int) -> None:
-        _save_one(shards[i], remote.join(directory, names[i]), options)
-
-    with concurrent.futures.ThreadPoolExecutor(min(parallel, len(groups))) as pool:
-        for f in [pool.submit(write, i) for i in range(len(groups))]:
-            f.result()  # the first failure is raised; no index is written then
-    if len(groups) == 1:
-        if local is not None:
-            _remove_stale(local, {WEIGHTS_NAME})
-        return
-    total = sum(t.numel() * t.element_size() for tensors in stored for t in tensors.values())
-    index = {
-        "metadata": {**dict(metadata or {}), "total_size": total},
-        "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
-    }
-    data = (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
-    # the index appears whole or not at all, after every shard is durable
-    remote.write_bytes(remote.join(local or directory, INDEX_NAME), data, storage_options)
     if local is not None:
-        _remove_stale(local, set(names) | {INDEX_NAME})
+        _save_local(shards, stored, local, options, parallel)
+    else:
+        _save_remote(shards, stored, directory, options, parallel)
 
 
 # --------------------------------------------------------------------------- load
@@ -414,6 +569,10 @@ def load_sharded(
     return result
 
 
+#: How often a sharded reader opens a set again when a newer save removed a shard of the
+#: set it was opening (see :class:`ShardedReader`).
+_REPUBLISHED_RETRIES = 2
+
 #: Options of ``fastckpt.load`` that say how shards are opened (the rest, how they are read).
 _OPEN_OPTIONS = (
     "gds",
@@ -462,6 +621,28 @@ class ShardedReader(Reader):
         self._closed = False
         self._owner: dict[str, CheckpointReader] = {}  # stored name -> its shard's reader
         self._aliases: dict[str, str] = {}
+        # A save that publishes a new set removes the old set's shards once its index is in
+        # place: a shard named by the index just read can vanish before it is opened. The
+        # new index then names shards that exist, so the set is opened again from it.
+        for attempt in range(_REPUBLISHED_RETRIES + 1):
+            try:
+                self._open_set(text, storage_options, parallel, only, open_options)
+                return
+            except FileNotFoundError:
+                self._readers, self._owner, self._aliases = {}, {}, {}
+                if attempt == _REPUBLISHED_RETRIES:
+                    self._closed = True
+                    raise
+
+    def _open_set(
+        self,
+        text: str,
+        storage_options: Mapping[str, Any] | None,
+        parallel: int,
+        only: Sequence[str] | None,
+        open_options: dict[str, Any],
+    ) -> None:
+        """Reads the index and opens every shard it names (those ``only`` needs)."""
         directory, index, single = _resolve(text, storage_options)
         if index is not None:
             weight_map, self._metadata = _read_index_document(index, storage_options)
@@ -501,7 +682,8 @@ class ShardedReader(Reader):
                     if self._owner.get(stored) is reader and alias not in weight_map:
                         self._aliases[alias] = stored
         except BaseException:
-            self.close()
+            for reader in self._readers.values():
+                reader.close()
             raise
 
     # -- what the index and headers say ----------------------------------------------------

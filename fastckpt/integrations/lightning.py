@@ -44,7 +44,10 @@ Loading reads fastckpt files and, for a smooth switch, also files written by
 
 Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning (the
 same objects, types included), ``fastckpt verify`` checks them, every safetensors reader
-opens them. Paths are local.
+opens them. Paths are local files or fsspec URLs (``s3://``, ``memory://``; ``https://`` to
+read). Lightning's own loaders (``MyModule.load_from_checkpoint``, a Trainer without these
+plugins) read with ``torch.load`` and cannot read them: use :func:`load_from_checkpoint`,
+:class:`FastCkptLoadingMixin` or the plugins.
 Strategies that write sharded checkpoints themselves (FSDP, DeepSpeed) bypass
 ``CheckpointIO``; these classes serve single-file strategies (single device, DDP, rank 0
 writes). The classes derive from ``lightning``'s; the plugins are also registered with the
@@ -61,7 +64,12 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import importlib
+import inspect
 import os
+import sys
+import tempfile
+import threading
+import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -73,6 +81,11 @@ from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.save import save as save_fastckpt
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
+from fastckpt.integrations import remote
+from fastckpt.storage import exists as storage_exists
+from fastckpt.storage import open_storage
+from fastckpt.storage.locations import is_url, url_to_fs
+from fastckpt.storage.url import url_errors
 
 #: The standalone package's CheckpointIO module, where the unified package is the one used.
 _OTHER_CHECKPOINT_IO: str | None
@@ -100,10 +113,17 @@ else:
         except ImportError as exc:
             raise ImportError(
                 "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
-                "package); install it with: pip install 'fastckpt[lightning]'"
+                "package); install it with: pip install lightning (or, in a clone of fastckpt, pip install '.[lightning]')"
             ) from exc
 
-__all__ = ["FastCkptIO", "AsyncFastCkptIO", "FastCkptCheckpoint", "load_from_checkpoint"]
+__all__ = [
+    "FastCkptIO",
+    "AsyncFastCkptIO",
+    "FastCkptCheckpoint",
+    "FastCkptLoadingMixin",
+    "CheckpointNotFoundError",
+    "load_from_checkpoint",
+]
 
 #: Where a checkpoint's tensors are named by their own keys rather than by their paths.
 _WEIGHTS = ("state_dict",)
@@ -143,11 +163,50 @@ def _is_torch_file(path: str) -> bool:
     return torch_save_format(head) is not None
 
 
+def _head_of_url(url: str) -> bytes:
+    """The first bytes of the object at ``url``, asked for as a byte range. A server that
+    ignores ranges (a plain HTTP file server) answers with the whole object: so be it, the
+    caller then has all of it."""
+    with url_errors(url, "read"):
+        fs, where = url_to_fs(url)
+        return bytes(fs.cat_file(where, start=0, end=SNIFF_BYTES))
+
+
 def _remove_file(path: str) -> None:
     try:
-        os.remove(path)
+        if is_url(path):
+            open_storage(path, create=True).delete()
+        else:
+            os.remove(path)
     except FileNotFoundError:
         pass
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A checkpoint that is not there: ``errno``/``filename`` set, and the message
+    Lightning's ``TorchCheckpointIO`` gives (``Checkpoint file not found: <path>``), which
+    code and tests written for Lightning match on.
+
+    Example:
+        >>> str(CheckpointNotFoundError("/tmp/none.ckpt"))
+        'Checkpoint file not found: /tmp/none.ckpt'
+    """
+
+    def __init__(self, path: str):
+        super().__init__(errno.ENOENT, "Checkpoint file not found", path)
+
+    def __str__(self) -> str:
+        return f"Checkpoint file not found: {self.filename}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.filename,))
+
+
+def _make_parent(path: str) -> None:
+    """Creates the local directory of ``path``; a URL's store needs none (and a local
+    ``memory:/...`` directory must not appear)."""
+    if not is_url(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
 
 def _check_storage_options(storage_options: Any, cls: type) -> None:
@@ -195,8 +254,11 @@ class FastCkptIO(CheckpointIO):
         _check_storage_options(storage_options, type(self))
         path = os.fspath(path)
         flat = _flatten(checkpoint, path, self.allow_pickle)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        save_fastckpt(flat, path, **{"progress": False, **self.save_options})
+        _make_parent(path)
+        if is_url(path):
+            remote.save(flat, path, **self.save_options)
+        else:
+            save_fastckpt(flat, path, **{"progress": False, **self.save_options})
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
@@ -216,9 +278,33 @@ class FastCkptIO(CheckpointIO):
 
 
 def _load(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", path)
-    if _is_torch_file(path):
+    if not storage_exists(path):
+        raise CheckpointNotFoundError(path)
+    if is_url(path):
+        return _load_url(path, map_location, weights_only)
+    return _load_located(path, map_location, weights_only, _is_torch_file(path))
+
+
+def _load_url(url: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+    head = _head_of_url(url)
+    if len(head) <= SNIFF_BYTES:
+        return _load_located(url, map_location, weights_only, torch_save_format(head) is not None)
+    # The server sent the whole object for a range request: it cannot serve the ranged reads
+    # of fastckpt's reader either, and the bytes are here already. Read them as a file.
+    with tempfile.TemporaryDirectory(prefix="fastckpt-url-") as directory:
+        local = os.path.join(directory, os.path.basename(url.split("?", 1)[0]) or "checkpoint")
+        with open(local, "wb") as f:
+            f.write(head)
+        try:
+            return _load_located(local, map_location, weights_only, _is_torch_file(local))
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"{exc.strerror} (read from {url})", url) from exc
+
+
+def _load_located(
+    path: str, map_location: Any, weights_only: bool | None, torch_file: bool
+) -> dict[str, Any]:
+    if torch_file:
         # Onto the CPU unless told otherwise, as TorchCheckpointIO's own default does.
         cpu = map_location if map_location is not None else (lambda storage, loc: storage)
         return TorchCheckpointIO().load_checkpoint(path, cpu, weights_only=weights_only)
@@ -331,6 +417,86 @@ def load_from_checkpoint(
     return model.to(tensors[0].device) if tensors else model
 
 
+def _trainer_save_checkpoint_codes() -> tuple[Any, ...]:
+    codes = [pl.Trainer.save_checkpoint.__code__]
+    for name in ("pytorch_lightning", "lightning.pytorch"):
+        module = sys.modules.get(name)
+        trainer = getattr(module, "Trainer", None)
+        if trainer is not None and trainer.save_checkpoint.__code__ not in codes:
+            codes.append(trainer.save_checkpoint.__code__)
+    return tuple(codes)
+
+
+def _outside_a_run() -> bool:
+    """Whether this save comes from ``Trainer.save_checkpoint`` called while the Trainer is
+    not running (no ``fit``/``validate``... whose teardown would wait for it).
+
+    The ``CheckpointIO`` interface gives no Trainer; the calling ``Trainer.save_checkpoint``
+    frame has it, a few frames up.
+    """
+    codes = _trainer_save_checkpoint_codes()
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            trainer = frame.f_locals.get("self")
+            status = getattr(getattr(trainer, "state", None), "status", None)
+            return status is not None and str(getattr(status, "value", status)) != "running"
+    return False
+
+
+class FastCkptLoadingMixin:
+    """Makes ``MyModule.load_from_checkpoint(path)`` read fastckpt files, for one class.
+
+    Lightning's ``load_from_checkpoint`` reads with ``torch.load``, which fails on a
+    safetensors file with torch's "Weights only load failed" advice (whose
+    ``weights_only=False`` would not help either). Put this class first among the bases
+    and the class method goes through :func:`load_from_checkpoint` instead, for fastckpt
+    and ``torch.save`` files alike; nothing outside the class changes.
+
+    Example:
+        >>> import torch, lightning.pytorch as pl
+        >>> from fastckpt.lightning import FastCkptIO, FastCkptLoadingMixin
+        >>> class Net(FastCkptLoadingMixin, pl.LightningModule):
+        ...     def __init__(self, width=4):
+        ...         super().__init__()
+        ...         self.save_hyperparameters()
+        ...         self.layer = torch.nn.Linear(width, 1)
+        >>> FastCkptIO().save_checkpoint(
+        ...     {"state_dict": Net(3).state_dict(), "hyper_parameters": {"width": 3}},
+        ...     "/tmp/fastckpt-mixin.ckpt")
+        >>> Net.load_from_checkpoint("/tmp/fastckpt-mixin.ckpt").hparams.width
+        3
+    """
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | os.PathLike[str],
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As ``LightningModule.load_from_checkpoint``; ``hparams_file`` is not supported."""
+        if hparams_file is not None:
+            raise TypeError(
+                "hparams_file is not supported with fastckpt files: pass the hyper-parameters "
+                "to override as keyword arguments"
+            )
+        return load_from_checkpoint(
+            cls,
+            checkpoint_path,
+            map_location=map_location,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
+        )
+
+
 class _Removal:
     """A deletion put off until the saves in flight when it was asked for have committed."""
 
@@ -380,11 +546,27 @@ class AsyncFastCkptIO(FastCkptIO):
     def __init__(self, *, allow_pickle: bool = False, max_pending: int = 2, **save_options: Any):
         super().__init__(allow_pickle=allow_pickle, **save_options)
         self.max_pending = max_pending
+        self._reset_runtime_state()
+
+    def _reset_runtime_state(self) -> None:
         self._unsettled: list[SaveFuture] = []  # not yet checked for an error
         self._latest: dict[str, SaveFuture] = {}  # path -> its latest save
         self._removals: list[_Removal] = []
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
         self._deletions: dict[str, concurrent.futures.Future] = {}  # path -> its deletion
+        self._threads: list[threading.Thread] = []  # the save threads started here
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The options only: futures, locks and threads stay with this process (a Trainer
+        is pickled after a ``ddp_spawn`` fit, its plugins with it)."""
+        state = dict(self.__dict__)
+        for name in ("_unsettled", "_latest", "_removals", "_deleter", "_deletions", "_threads"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_runtime_state()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -404,8 +586,15 @@ class AsyncFastCkptIO(FastCkptIO):
             if removal.path == path:
                 removal.cancelled = True  # this save replaces the file: do not delete it later
         flat = _flatten(checkpoint, path, self.allow_pickle)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        future = async_save(flat, path, max_pending=self.max_pending, **self.save_options)
+        _make_parent(path)
+        before = set(threading.enumerate())
+        save = remote.async_save if is_url(path) else async_save
+        future = save(flat, path, max_pending=self.max_pending, **self.save_options)
+        self._threads.extend(
+            t
+            for t in threading.enumerate()
+            if t not in before and t.name.startswith("fastckpt-save")
+        )
         self._latest[path] = future
         self._unsettled.append(future)
         error = future.exception() if future.done() else None
@@ -414,7 +603,23 @@ class AsyncFastCkptIO(FastCkptIO):
             if isinstance(error, TypeError):
                 raise _explain_refusal(error, path) from error
             raise error
+        if _outside_a_run():
+            # Trainer.save_checkpoint() after (or before) fit: nothing would wait for this
+            # save, and the caller expects the file there when the call returns.
+            future.wait()
+            self._raise_failures()
         self._reap()
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Reads a checkpoint, first waiting for a save of ``path`` still in flight here (its
+        file is not in place until that save commits)."""
+        pending = self._latest.get(os.fspath(path))
+        if pending is not None:
+            pending.wait()
+            self._raise_failures()
+        return super().load_checkpoint(path, map_location, weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Deletes ``path`` once the saves in flight now have committed (at once if none)."""
@@ -425,13 +630,17 @@ class AsyncFastCkptIO(FastCkptIO):
         self._reap()
 
     def teardown(self) -> None:
-        """Waits for every save; raises the first error not yet raised."""
+        """Waits for every save and deletion and joins their threads (none outlives the
+        call); raises the first error not yet raised."""
         for future in list(self._latest.values()):
             future.wait()
         self._reap()
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
             self._deleter = None
+        threads, self._threads = self._threads, []
+        for thread in threads:
+            thread.join()  # past its future's result: only the thread's own exit is left
         self._latest.clear()
         self._raise_failures()
 
@@ -479,6 +688,7 @@ class AsyncFastCkptIO(FastCkptIO):
 
     def _reap(self) -> None:
         """Starts the deletions whose saves have all finished."""
+        self._threads = [t for t in self._threads if t.is_alive()]
         pending: list[_Removal] = []
         for removal in self._removals:
             if not removal.ready():
@@ -546,6 +756,17 @@ class FastCkptCheckpoint(ModelCheckpoint):
         self.asynchronous = asynchronous
         self.allow_pickle = allow_pickle
 
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        # ModelCheckpoint's key, so a run started with ModelCheckpoint resumes here (best,
+        # top-k and last files) and the other way round.
+        return f"{ModelCheckpoint.__qualname__}{kwargs!r}"
+
+    @property
+    def _legacy_state_key(self) -> Any:
+        # Lightning looks a callback's state up under this key when ``state_key`` finds none:
+        # files of earlier fastckpt versions keep it under this class's own name.
+        return type(self).__qualname__ + self.state_key[len(ModelCheckpoint.__qualname__) :]
+
     def file_exists(self, filepath: Any, trainer: pl.Trainer) -> bool:
         """Whether ``filepath`` is taken: on disk, or the name of a save still in flight.
 
@@ -572,3 +793,22 @@ class FastCkptCheckpoint(ModelCheckpoint):
             )
         make: Callable[..., FastCkptIO] = AsyncFastCkptIO if self.asynchronous else FastCkptIO
         trainer.strategy.checkpoint_io = make(allow_pickle=self.allow_pickle)
+
+
+def _callback_signature() -> inspect.Signature:
+    """``ModelCheckpoint.__init__``'s parameters, then fastckpt's own (keyword-only): what
+    ``inspect.signature`` and LightningCLI report for :class:`FastCkptCheckpoint`."""
+    base = inspect.signature(ModelCheckpoint.__init__)
+    own = [
+        inspect.Parameter(
+            "asynchronous", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool
+        ),
+        inspect.Parameter(
+            "allow_pickle", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool
+        ),
+    ]
+    kept = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return base.replace(parameters=[*kept, *own])
+
+
+FastCkptCheckpoint.__init__.__signature__ = _callback_signature()  # type: ignore[attr-defined]

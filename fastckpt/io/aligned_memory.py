@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 
 from fastckpt import _C
-from fastckpt.format import DEFAULT_ALIGNMENT
 
-#: Alignment of every buffer fastckpt allocates for direct I/O: the file format's block, which
-#: is also the page size of the machines fastckpt runs on.
-BUFFER_ALIGNMENT = DEFAULT_ALIGNMENT
+#: Alignment of every buffer fastckpt allocates for direct I/O: the native core's one
+#: direct-I/O alignment (a page). The file format's default layout alignment has the same
+#: value, so every tensor of a default layout starts on it, but the two are separate
+#: constants: one is the I/O layer's, the other the format's.
+BUFFER_ALIGNMENT: int = _C.DIRECT_IO_ALIGNMENT
 
 __all__ = ["BufferRef", "buffer_ref", "aligned_tensor", "aligned_array"]
 
@@ -91,7 +92,10 @@ def aligned_array(nbytes: int, *, lock: bool = False, strict: bool = False) -> n
     """A page-aligned uint8 numpy array of ``nbytes`` (mlock()ed with ``lock``)."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=np.uint8)
+    # numpy's stub lists concrete buffer types before Python 3.12, and _C.pyi cannot declare
+    # AlignedBuffer's buffer protocol (__buffer__) on the Pythons it must import on
+    buffer = _C.AlignedBuffer(nbytes, lock=lock, strict=strict)
+    return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
 
 
 def aligned_tensor(
@@ -103,7 +107,7 @@ def aligned_tensor(
 
     Example:
         >>> t = aligned_tensor(8192)
-        >>> t.data_ptr() % 4096, t.numel()
+        >>> t.data_ptr() % BUFFER_ALIGNMENT, t.numel()
         (0, 8192)
     """
     import torch

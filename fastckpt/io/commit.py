@@ -10,6 +10,12 @@ life, and a new writer removes every ``<name>.<12 hex>.tmp`` sibling it can lock
 waiting, since the lock is free only when its writer is gone. So after any number of
 crashes at most one temporary file per live or last-crashed writer remains.
 
+Saving over an existing file keeps its permission bits (and, when run as root, its owner),
+as writing it in place would. A read-only file (no write bit, or not writable by this user)
+is refused with ``PermissionError`` naming it, as ``torch.save`` refuses it, unless
+``overwrite_readonly=True`` is given: the rename would otherwise replace it silently, even
+for root, whom permission bits do not stop.
+
 Example:
     >>> import os, tempfile
     >>> d = tempfile.mkdtemp()
@@ -37,6 +43,7 @@ __all__ = [
     "AtomicFile",
     "fsync_directory",
     "check_destination",
+    "check_writable",
     "remove_stale_temporaries",
     "write_atomically",
 ]
@@ -85,7 +92,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
         ['x.bin.0123456789ab.tmp']
     """
     directory, name = os.path.split(os.path.abspath(path))
-    removed = []
+    removed: list[str] = []
     try:
         candidates = [
             entry.name
@@ -125,17 +132,69 @@ def _check_directory(directory: str, path: str) -> None:
             return
         code = errno.ENOTDIR
     except OSError as exc:
-        code = exc.errno
+        code = exc.errno if exc.errno is not None else errno.EIO
     what = "no such directory" if code == errno.ENOENT else os.strerror(code)
     kind = {errno.ENOENT: FileNotFoundError, errno.ENOTDIR: NotADirectoryError}
     raise kind.get(code, OSError)(code, f"cannot save {path}: {what}", directory)
+
+
+def check_writable(path: str, *, overwrite_readonly: bool = False) -> None:
+    """Refuses to replace a read-only file at ``path`` (``PermissionError`` naming it).
+
+    A file is read-only when it has no write bit at all, or when this (non-root) user may
+    not write it. The mode bits are checked directly because root passes every access test.
+    A missing file, or ``overwrite_readonly=True``, passes.
+
+    Example:
+        >>> import tempfile
+        >>> target = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> open(target, "w").close(); os.chmod(target, 0o444)
+        >>> check_writable(target)
+        Traceback (most recent call last):
+        ...
+        PermissionError: [Errno 13] cannot save over a read-only file (mode 0o444); pass overwrite_readonly=True to replace it: '...x.bin'
+        >>> check_writable(target, overwrite_readonly=True)
+    """
+    if overwrite_readonly:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        return
+    no_write_bit = not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    if no_write_bit or (os.geteuid() != 0 and not os.access(path, os.W_OK)):
+        raise PermissionError(
+            errno.EACCES,
+            f"cannot save over a read-only file (mode {oct(stat.S_IMODE(mode))}); "
+            "pass overwrite_readonly=True to replace it",
+            path,
+        )
+
+
+def _carry_attributes(fd: int, path: str) -> None:
+    """Gives the new file (``fd``) the permission bits (and, as root, the owner) of the
+    file it is about to replace at ``path``; nothing when there is none."""
+    try:
+        old = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(old.st_mode):
+        return
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    if os.geteuid() == 0:
+        new = os.fstat(fd)
+        if (new.st_uid, new.st_gid) != (old.st_uid, old.st_gid):
+            os.fchown(fd, old.st_uid, old.st_gid)
 
 
 def _locked_temporary(directory: str, name: str) -> tuple[str, int]:
     """Creates ``<name>.<random>.tmp`` and takes its lifetime lock: (path, lock fd)."""
     while True:
         tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
-        fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # 0o666 less the umask, as open() gives a new file
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
         except OSError as exc:
@@ -153,14 +212,25 @@ class AtomicFile:
     """A temporary file that becomes ``path`` on :meth:`commit`, or vanishes on :meth:`abort`.
 
     Used as a context manager it commits on success and aborts on an exception.
+    ``overwrite_readonly=True`` replaces a read-only file at ``path`` (refused otherwise, see
+    :func:`check_writable`). :meth:`commit` may name another final path in the same
+    directory: a multi-file commit (:mod:`fastckpt.io.commit_set`) picks the names late.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        direct: bool = True,
+        overwrite_readonly: bool = False,
+    ):
         self.path = os.path.abspath(os.fspath(path))
+        self.overwrite_readonly = overwrite_readonly
         directory, name = os.path.split(self.path)
         if os.path.isdir(self.path):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
         _check_directory(directory, self.path)
+        check_writable(self.path, overwrite_readonly=overwrite_readonly)
         remove_stale_temporaries(self.path)
         try:
             self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
@@ -190,18 +260,33 @@ class AtomicFile:
         from, and a full disk fails here before any data is written (``OSError(ENOSPC)``)."""
         _C.preallocate(self.file.fd, nbytes, self.tmp_path)
 
-    def commit(self) -> None:
-        """fsync, rename over the final path, fsync the directory."""
-        try:
+    def make_durable(self) -> None:
+        """fsyncs and closes the temporary file; it stays locked and unnamed until
+        :meth:`commit` (or removed by :meth:`abort`)."""
+        if self.file.fd >= 0:
             self.file.fsync()
             self.file.close()
-            os.replace(self.tmp_path, self.path)
+
+    def commit(self, path: str | None = None, *, sync_directory: bool = True) -> None:
+        """fsync, rename over the final path (``path``, default the one given at creation,
+        in the same directory), fsync the directory (unless ``sync_directory=False``: the
+        caller syncs it once for several files)."""
+        target = self.path if path is None else os.path.abspath(path)
+        try:
+            if os.path.dirname(target) != os.path.dirname(self.tmp_path):
+                raise ValueError(f"{target}: not in the directory of {self.tmp_path}")
+            check_writable(target, overwrite_readonly=self.overwrite_readonly)
+            self.make_durable()
+            _carry_attributes(self._lock_fd, target)
+            os.replace(self.tmp_path, target)
         except BaseException:
             self.abort()
             raise
+        self.path = target
         self._done = True
         os.close(self._lock_fd)  # held until the rename: no cleaner removes a file in flight
-        fsync_directory(os.path.dirname(self.path))
+        if sync_directory:
+            fsync_directory(os.path.dirname(self.path))
 
     def abort(self) -> None:
         """Closes and removes the temporary file; the final path is untouched."""
@@ -221,7 +306,9 @@ class AtomicFile:
             self.abort()
 
 
-def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+def write_atomically(
+    path: str | os.PathLike[str], data: bytes, *, overwrite_readonly: bool = False
+) -> None:
     """Writes a small file (an index, a metadata file) by the commit protocol: it appears
     whole and durable at ``path``, or the old one stays.
 
@@ -232,5 +319,5 @@ def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
         >>> target.read_bytes()
         b'{}'
     """
-    with AtomicFile(path, direct=False) as out:
+    with AtomicFile(path, direct=False, overwrite_readonly=overwrite_readonly) as out:
         out.file.pwrite_all(data, 0)

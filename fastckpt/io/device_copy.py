@@ -45,6 +45,7 @@ from fastckpt.io import cufile
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
+from fastckpt.io.interrupts import result_when_done
 
 __all__ = [
     "CHUNK",
@@ -168,11 +169,12 @@ def _pinned(torch: Any, nbytes: int) -> Any:
 
 
 def _drain(executor: Executor, in_flight: dict[int, int]) -> None:
-    """Waits for every op still in flight, ignoring their errors (a first one is on its way)."""
-    for op_id in list(in_flight.values()):
-        with contextlib.suppress(BaseException):  # only the first error is reported
-            executor.wait(op_id)
+    """Waits for every op still in flight, ignoring their errors (a first one is on its way);
+    an interrupt meanwhile does not cut the wait short and is raised once all are collected."""
+    interrupt = executor.drain(in_flight.values(), cancel=True)
     in_flight.clear()
+    if interrupt is not None:
+        raise interrupt
 
 
 @contextlib.contextmanager
@@ -222,7 +224,8 @@ def _file_to_device(
             for i in range(count):
                 start(i)
             for i, (pos, n) in enumerate(pieces):
-                executor.wait(in_flight.pop(i))
+                executor.wait(in_flight[i])  # dropped once collected: _drain skips it then
+                del in_flight[i]
                 buf, lead, at = buffers[i % count], pos % align, pos - file_offset
                 with torch.cuda.stream(stream):
                     dst[at : at + n].copy_(buf[lead : lead + n], non_blocking=True)
@@ -265,7 +268,8 @@ def _device_to_file(
         try:
             for i, (pos, n) in enumerate(pieces):
                 if i >= count:
-                    executor.wait(in_flight.pop(i - count))  # its buffer is free again
+                    executor.wait(in_flight[i - count])  # its buffer is free again
+                    del in_flight[i - count]
                 buf, lead, at = buffers[i % count], pos % align, pos - file_offset
                 with torch.cuda.stream(stream):
                     buf[lead : lead + n].copy_(src[at : at + n], non_blocking=True)
@@ -275,7 +279,8 @@ def _device_to_file(
                 ref = BufferRef(buf.data_ptr() + lead, n, buf)
                 in_flight[i] = executor.submit(file, ref, pos, write=True, max_parts=max_parts)
             for i in sorted(in_flight):
-                executor.wait(in_flight.pop(i))
+                executor.wait(in_flight[i])
+                del in_flight[i]
         finally:
             _drain(executor, in_flight)
 
@@ -331,7 +336,7 @@ def submit_device_io(
     )
 
     def wait() -> None:
-        future.result()
+        result_when_done(future)  # Ctrl-C meanwhile: raised once the transfer is over
 
     return wait
 

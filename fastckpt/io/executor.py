@@ -1,14 +1,20 @@
 """The executor that moves bytes between files and memory.
 
 :class:`Executor` wraps the native executor: it submits ops, keeps their buffers and files
-alive until they complete, and raises their errors as ``OSError`` with errno and filename.
+alive (and the files' descriptors open) until they complete, and raises their errors as
+``OSError`` with errno and filename.
+
+A native wait cannot be interrupted: Ctrl-C is raised once it returns. Code that stops
+early (an error, ``KeyboardInterrupt``) must still collect every op it started before it
+lets the buffers or the file go: :meth:`Executor.drain` does that through further
+interrupts, and returns the interrupt for the caller to raise afterwards.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from fastckpt import _C
 from fastckpt.config import IOConfig
@@ -25,9 +31,11 @@ class Executor:
     Example:
         >>> from fastckpt.config import IOConfig
         >>> from fastckpt.io.aligned_memory import buffer_ref
+        >>> import os, tempfile
         >>> ex = Executor(IOConfig(engine="threads"))
         >>> from fastckpt.io.files import File
-        >>> with File("/tmp/fastckpt-doc.bin", write=True, create=True, truncate=True) as f:
+        >>> path = os.path.join(tempfile.mkdtemp(), "doc.bin")
+        >>> with File(path, write=True, create=True, truncate=True) as f:
         ...     ex.wait(ex.submit(f, buffer_ref(b"hello", writable=False), 0, write=True))
         ...     f.size()
         5
@@ -74,36 +82,100 @@ class Executor:
             raise ValueError(f"file_offset must not be negative, got {offset}")
         length = ref.nbytes if nbytes is None else nbytes
         self._check_process()
-        op_id = self._native.submit(
-            file.direct_fd,
-            file.fd,
-            ref.address,
-            length,
-            offset,
-            write,
-            file.path,
-            file.alignment,
-            max_parts,
-        )
+        file.hold()  # its descriptors stay open until the op is collected, even if closed
+        try:
+            op_id = self._native.submit(
+                file.direct_fd,
+                file.fd,
+                ref.address,
+                length,
+                offset,
+                write,
+                file.path,
+                file.alignment,
+                max_parts,
+            )
+        except BaseException:
+            file.unhold()
+            raise
         with self._lock:
             self._keepalive[op_id] = (file, ref, keep)
         return op_id
 
     def wait(self, op_id: int) -> None:
-        """Blocks (without the GIL) until op ``op_id`` is done; raises its ``OSError``."""
+        """Blocks (without the GIL) until op ``op_id`` is done; raises its ``OSError``.
+
+        Raises:
+            ValueError: ``op_id`` is not pending (never submitted, or already waited for).
+        """
         try:
             self._native.wait(op_id)
         finally:
-            with self._lock:
-                self._keepalive.pop(op_id, None)
+            # An interrupt raised before the native wait began leaves the op running: its
+            # memory and file must stay alive until a later wait (or drain) collects it.
+            if not self._native.is_pending(op_id):
+                self._forget(op_id)
+
+    def is_pending(self, op_id: int) -> bool:
+        """Whether ``op_id`` was submitted and not yet collected by a wait."""
+        return self._native.is_pending(op_id)
+
+    def cancel(self, op_id: int) -> bool:
+        """Drops the parts of ``op_id`` no worker has started; the op still has to be waited
+        for (it then fails with ``ECANCELED``). Returns whether anything was dropped."""
+        return self._native.cancel(op_id)
+
+    def drain(self, op_ids: Iterable[int], *, cancel: bool = False) -> BaseException | None:
+        """Collects every op of ``op_ids`` still pending, whatever happens meanwhile: the ops'
+        own errors are dropped (the caller is already handling an error), and an interrupt
+        (``KeyboardInterrupt``, ``SystemExit``) raised while waiting does not stop the
+        draining. With ``cancel``, the parts not yet started are dropped first, so only
+        those running are waited for. Returns the first interrupt, for the caller to raise
+        once it has released what the ops used; None if there was none.
+
+        Example:
+            >>> from fastckpt.config import IOConfig
+            >>> Executor(IOConfig(engine="threads")).drain([]) is None
+            True
+        """
+        interrupt: BaseException | None = None
+        op_ids = list(op_ids)
+        if cancel:
+            for op_id in reversed(op_ids):  # the last queued first: workers take the oldest
+                try:
+                    self._native.cancel(op_id)
+                except BaseException as exc:  # noqa: BLE001 - an interrupt: keep draining
+                    if interrupt is None:
+                        interrupt = exc
+        for op_id in op_ids:
+            while True:
+                try:
+                    if self._native.is_pending(op_id):
+                        self.wait(op_id)
+                    break
+                except (OSError, ValueError):
+                    break  # its failure, or collected meanwhile: either way over
+                except BaseException as exc:  # noqa: BLE001 - kept, raised by the caller
+                    if interrupt is None:
+                        interrupt = exc
+        return interrupt
+
+    def _forget(self, op_id: int) -> None:
+        with self._lock:
+            kept = self._keepalive.pop(op_id, None)
+        if kept is not None:
+            kept[0].unhold()
 
     def wait_all(self) -> int:
         """Blocks until every op is done; returns how many; raises the first failure."""
         try:
             return self._native.wait_all()
         finally:
-            with self._lock:
-                self._keepalive.clear()
+            if self._native.pending() == 0:  # not when interrupted before the native wait
+                with self._lock:
+                    kept, self._keepalive = self._keepalive, {}
+                for file, _, _ in kept.values():
+                    file.unhold()
 
     def pending(self) -> int:
         return self._native.pending()

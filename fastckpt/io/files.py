@@ -2,6 +2,12 @@
 
 A :class:`File` holds two descriptors of one file: an ``O_DIRECT`` one (when the file
 system takes it) for aligned blocks, and a buffered one for unaligned heads and tails.
+
+Native and worker-thread I/O take the descriptor numbers, not the object: a number closed
+while such an operation runs would be reused by the next file opened, and the operation
+would read or write that file instead. So operations :meth:`File.hold` the file while they
+run, and :meth:`File.close` of a held file closes its descriptors only once the last
+operation lets go (:meth:`File.unhold`).
 """
 
 from __future__ import annotations
@@ -9,15 +15,17 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from typing import Any
 
 from fastckpt import _C
-from fastckpt.format import DEFAULT_ALIGNMENT
 
 __all__ = ["File", "require_regular_file"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: The direct-I/O alignment assumed where the kernel reports none (a page).
+DIRECT_IO_ALIGNMENT: int = _C.DIRECT_IO_ALIGNMENT
 
 
 class File:
@@ -32,7 +40,9 @@ class File:
         direct: try O_DIRECT (falls back silently where the file system refuses it).
 
     Example:
-        >>> with File("/tmp/fastckpt-doc.bin", write=True, create=True, truncate=True) as f:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "doc.bin")
+        >>> with File(path, write=True, create=True, truncate=True) as f:
         ...     f.size()
         0
     """
@@ -48,6 +58,7 @@ class File:
         direct: bool = True,
     ):
         self.path = os.fspath(path)
+        self._init_holds()
         flags = (os.O_RDWR if write else os.O_RDONLY) | _O_CLOEXEC
         if create:
             flags |= os.O_CREAT
@@ -75,6 +86,7 @@ class File:
         if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
             raise ValueError(f"fd must be a non-negative int, got {fd!r}")
         self = cls.__new__(cls)
+        self._init_holds()
         self.path = _fd_path(fd)
         self.fd = fd
         self._owns_fd = False
@@ -88,11 +100,42 @@ class File:
         self.alignment = self._alignment()
         return self
 
+    def _init_holds(self) -> None:
+        self.fd = self.direct_fd = -1
+        self._owns_fd = False
+        self._holds = 0
+        self._close_requested = False
+        self._holds_lock = threading.Lock()
+
+    def hold(self) -> None:
+        """Keeps the descriptors open until the matching :meth:`unhold`, even if
+        :meth:`close` is called meanwhile (it then closes them at the last unhold).
+
+        Example:
+            >>> f = File("/dev/null")
+            >>> f.hold(); f.close(); f.fd >= 0
+            True
+            >>> f.unhold(); f.fd
+            -1
+        """
+        with self._holds_lock:
+            if self.fd < 0 or self._close_requested:
+                raise ValueError(f"I/O on a closed file: {self.path}")
+            self._holds += 1
+
+    def unhold(self) -> None:
+        """Ends one :meth:`hold`; closes the descriptors if :meth:`close` was called."""
+        with self._holds_lock:
+            self._holds -= 1
+            close_now = self._holds == 0 and self._close_requested
+        if close_now:
+            self._close_descriptors()
+
     def _alignment(self) -> int:
         mem, offset = _C.dio_alignment(self.direct_fd if self.direct_fd >= 0 else self.fd)
         reported = max(mem, offset)
         # The kernel does not always say (tmpfs, older kernels): a page is always enough.
-        return reported if reported and reported <= DEFAULT_ALIGNMENT else DEFAULT_ALIGNMENT
+        return reported if reported and reported <= DIRECT_IO_ALIGNMENT else DIRECT_IO_ALIGNMENT
 
     @property
     def direct(self) -> bool:
@@ -118,6 +161,15 @@ class File:
         os.ftruncate(self.fd, length)
 
     def close(self) -> None:
+        """Closes the descriptors, or, while an operation holds the file, marks them to be
+        closed when the last one lets go."""
+        with self._holds_lock:
+            if self._holds:
+                self._close_requested = True
+                return
+        self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
             self.direct_fd = -1
@@ -133,7 +185,7 @@ class File:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close_descriptors()  # no operation holds a file nobody references
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 

@@ -13,7 +13,10 @@ from), cut into checksum segments. Three transfers:
 
 Each returns, per span, the CRC32C of each of its segments (empty lists without
 ``checksum``). No call returns while a transfer it started is still running, errors
-included: the first error (in span order) is raised once every span is done.
+included: the first error (in span order) is raised once every span is done. An interrupt
+(``KeyboardInterrupt``, ``SystemExit``) that reaches the waiting thread cancels the spans
+not yet started and is raised once the ones running are over, so no worker still writes
+into the file (or into memory) the caller is about to let go.
 
 Example:
     >>> import numpy as np, tempfile, os
@@ -40,6 +43,7 @@ from fastckpt import _C
 from fastckpt.io.aligned_memory import BufferRef
 from fastckpt.io.executor import Executor
 from fastckpt.io.files import File
+from fastckpt.io.interrupts import wait_through_interrupts
 
 __all__ = [
     "Span",
@@ -120,9 +124,12 @@ def _run_all(
 ) -> list[list[int]]:
     """Runs ``work`` over every span on the worker threads; per-span results in order."""
     results: list[list[int]] = [[] for _ in spans]
+    cancelled = threading.Event()
 
     def task(indices: list[int]) -> None:
         for i in indices:
+            if cancelled.is_set():  # the caller was interrupted: start nothing more
+                return
             results[i] = work(spans[i])
             if on_progress is not None:
                 on_progress(spans[i].nbytes)
@@ -132,8 +139,15 @@ def _run_all(
         for indices in tasks:
             task(indices)
         return results
-    futures = [_workers().submit(task, indices) for indices in tasks]
-    concurrent.futures.wait(futures)  # none may still run when this returns, even on error
+    futures: list[concurrent.futures.Future[None]] = []
+    try:
+        for indices in tasks:
+            futures.append(_workers().submit(task, indices))
+        concurrent.futures.wait(futures)
+    except BaseException:  # an interrupt: let the running tasks end, then raise it
+        cancelled.set()
+        wait_through_interrupts(futures)  # a second Ctrl-C must not orphan them either
+        raise
     for future in futures:
         future.result()
     return results
@@ -179,7 +193,11 @@ def _buffered(
             file.fd, span.address, span.nbytes, span.file_offset, cuts, checksum, file.path
         )
 
-    return _run_all(spans, work, on_progress)
+    file.hold()  # the workers use the descriptor number: it must not be closed under them
+    try:
+        return _run_all(spans, work, on_progress)
+    finally:
+        file.unhold()
 
 
 def read_direct(
@@ -199,8 +217,7 @@ def read_direct(
             ref = BufferRef(span.address, span.nbytes, owner)
             ops.append(executor.submit(file, ref, span.file_offset, write=False))
     except BaseException:
-        for op in ops:  # nothing submitted may outlive this call
-            _wait_quietly(executor, op)
+        executor.drain(ops, cancel=True)  # nothing submitted may outlive this call
         raise
     op_of = {id(span): op for span, op in zip(spans, ops)}
 
@@ -209,23 +226,22 @@ def read_direct(
         return _segment_crcs(span) if checksum else []
 
     try:
-        return _run_all(spans, work, on_progress)
-    finally:
-        for op in ops:  # ops a failed task never reached are still waited for
-            _wait_quietly(executor, op)
+        crcs = _run_all(spans, work, on_progress)
+    except BaseException as failure:
+        # Reads a failed or interrupted task never reached: dropped if not started, else
+        # collected; none may write into the memory once this raises.
+        interrupt = executor.drain(ops, cancel=True)
+        if interrupt is not None:
+            raise interrupt from failure
+        raise
+    executor.drain(ops)  # every op was waited for by a task: nothing left, normally
+    return crcs
 
 
 def checksum_memory(spans: Sequence[Span]) -> list[list[int]]:
     """The CRC32C of each segment of spans already in memory (``file_offset`` is unused),
     on the worker threads."""
     return _run_all(spans, _segment_crcs, None)
-
-
-def _wait_quietly(executor: Executor, op: int) -> None:
-    try:
-        executor.wait(op)
-    except (OSError, KeyError, ValueError, RuntimeError):
-        pass
 
 
 def _segment_crcs(span: Span) -> list[int]:

@@ -82,7 +82,9 @@ class StagingPool:
 
     def __init__(self, budget: int, piece: int = DEFAULT_PIECE):
         if piece <= 0 or piece % BUFFER_ALIGNMENT:
-            raise ValueError(f"piece must be a positive multiple of 4096, got {piece}")
+            raise ValueError(
+                f"piece must be a positive multiple of {BUFFER_ALIGNMENT}, got {piece}"
+            )
         self.piece = min(
             piece, max(BUFFER_ALIGNMENT, budget // 2 // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT)
         )
@@ -150,7 +152,7 @@ class StagingPool:
         until ``nbytes`` are ready, growing the capacity if needed; returns the bytes ready.
         Later acquisitions then cost nothing."""
         self.grow_to(nbytes)
-        taken = []
+        taken: list[StagingBuffer] = []
         try:
             while sum(b.nbytes for b in taken) < nbytes:
                 buf = self.try_acquire()

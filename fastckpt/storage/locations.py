@@ -124,7 +124,7 @@ def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
         import fsspec.core
     except ImportError:
         raise ImportError(
-            f"{url}: URLs need fsspec (pip install 'fastckpt[s3]' for S3, or fsspec)"
+            f"{url}: URLs need fsspec (pip install s3fs for S3, or fsspec; in a clone of fastckpt, pip install '.[s3]')"
         ) from None
     if storage_options is None:
         storage_options = _options_from_environment()

@@ -34,14 +34,13 @@ def test_memory_filesystems_has_one_definition():
 
 
 def test_mountinfo_is_parsed_in_one_place():
-    """Only fastckpt.mounts names the mount table (config.py's copy is the one exception
-    left, until it calls fastckpt.mounts too)."""
+    """Only fastckpt.mounts reads the mount table."""
     readers = [
         str(path.relative_to(ROOT))
         for path in [*(ROOT / "fastckpt").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
         if "mountinfo" in path.read_text(encoding="utf-8")
     ]
-    assert set(readers) <= {"fastckpt/mounts.py", "fastckpt/config.py"}, readers
+    assert set(readers) <= {"fastckpt/mounts.py"}, readers
 
 
 def test_on_memory_filesystem(tmp_path):

@@ -270,3 +270,137 @@ def test_prepared_cuda_staging_is_registered_and_snapshots_device_tensors(tmp_pa
     future.result()
     assert torch.equal(fastckpt.load(tmp_path / "c.safetensors")["w"], expected)
     fastckpt.release_staging()
+
+
+# -- order of saves to one path ---------------------------------------------------------------
+
+
+def test_save_after_async_save_to_same_path_wins(tmp_path):
+    # A large async save still writing when a small sync save to the same path returns: the
+    # sync save must wait, or the background commit would rename step 1 over step 2.
+    path = tmp_path / "order.safetensors"
+    step1 = {f"w{i}": torch.full((4 << 20,), 1.0) for i in range(8)}  # 128 MiB
+    future = fastckpt.async_save(step1, path)  # returns after the snapshot, writes on
+    fastckpt.save({"w0": torch.full((4,), 2.0)}, path)
+    assert future.done()  # save() waited for it
+    future.result()
+    back = fastckpt.load(path)
+    assert list(back) == ["w0"] and float(back["w0"][0]) == 2.0
+    assert [p.name for p in tmp_path.iterdir()] == ["order.safetensors"]
+
+
+def test_async_saves_to_same_path_commit_in_call_order(tmp_path):
+    path = tmp_path / "order.safetensors"
+    first = fastckpt.async_save({"w": torch.full((8 << 20,), 1.0)}, path)
+    second = fastckpt.async_save({"w": torch.full((4,), 2.0)}, path)
+    second.result()
+    first.result()
+    assert float(fastckpt.load(path)["w"][0]) == 2.0
+
+
+# -- new options ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+@pytest.mark.parametrize("direct_io", [True, False, None])
+def test_async_save_takes_direct_io(tmp_path, snapshot, direct_io):
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32), "b": torch.arange(7)}
+    path = tmp_path / "d.safetensors"
+    fastckpt.async_save(state, path, snapshot=snapshot, direct_io=direct_io).result()
+    back = fastckpt.load(path, verify=True)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+
+
+def test_async_save_takes_piece_size(tmp_path):
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
+    path = tmp_path / "p.safetensors"
+    fastckpt.async_save(state, path, piece_size=1 << 20).result()
+    fastckpt.save(state, tmp_path / "ref.safetensors", piece_size=1 << 20)
+    ours, ref = path.read_bytes(), (tmp_path / "ref.safetensors").read_bytes()
+    assert ours == ref  # same layout, same piece checksums as save()
+    with pytest.raises(ValueError, match="piece_size"):
+        fastckpt.async_save(state, path, piece_size=1000).result()
+
+
+def test_async_save_takes_progress(tmp_path, capsys):
+    state = {"w": torch.ones(1 << 20)}
+    fastckpt.async_save(state, tmp_path / "g.safetensors", progress=False).result()
+    assert "saving" not in capsys.readouterr().err
+    fastckpt.async_save(state, tmp_path / "g.safetensors", progress=True).result()
+    assert "saving" in capsys.readouterr().err
+    assert float(fastckpt.load(tmp_path / "g.safetensors")["w"][0]) == 1.0
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_snapshot_is_raised(tmp_path):
+    # The interrupt lands in the snapshot copy; async_save must raise it (after removing its
+    # temporary file), not return a failed future while training goes on.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time, torch, fastckpt
+        state = {{f"w{{i}}": torch.full((8 << 20,), float(i)) for i in range(8)}}  # 256 MiB
+        fastckpt.prepare_staging(256 << 20)
+        main = threading.get_ident()
+
+        def interrupt_in_snapshot():
+            # Ctrl-C once the main thread is inside the snapshot copy (StreamWriter.fill).
+            while True:
+                frame = sys._current_frames().get(main)
+                while frame is not None and frame.f_code.co_name != "fill":
+                    frame = frame.f_back
+                if frame is not None:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+                time.sleep(0.0002)
+
+        threading.Thread(target=interrupt_in_snapshot, daemon=True).start()
+        try:
+            for _ in range(50):
+                future = fastckpt.async_save(state, {str(tmp_path / "c.safetensors")!r})
+                if future.done() and future.exception() is not None:
+                    print("FUTURE", repr(future.exception()))
+                    break
+                future.wait()
+            else:
+                print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            print("RAISED")
+        fastckpt.wait_all()
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RAISED", out.stdout + out.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_two_ctrl_c_at_exit_with_pending_save(tmp_path):
+    # Ctrl-C at exit cancels the pending save (it removes its temporary file); a second one
+    # quits at once, leaving a temporary file the next save removes. Never a save thread
+    # killed inside native code by the interpreter's finalization.
+    import signal
+
+    path = tmp_path / "exit.safetensors"
+    script = textwrap.dedent(f"""
+        import torch, fastckpt
+        state = {{f"w{{i}}": torch.randn(16 << 20) for i in range(8)}}  # 512 MiB
+        # snapshot=False: the save thread is in native code (copies, writes) when exit comes
+        fastckpt.async_save(state, {str(path)!r}, staging_bytes=32 << 20, snapshot=False)
+        print("exiting", flush=True)
+    """)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "exiting"
+    time.sleep(0.3)
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert "terminate called" not in err, err
+    assert child.returncode in (0, 130, -signal.SIGINT), err
+    fastckpt.save({"x": torch.ones(2)}, path)  # removes what a dead writer left
+    assert [p.name for p in tmp_path.iterdir()] == ["exit.safetensors"]

@@ -278,8 +278,8 @@ def test_metadata_errors(tmp_path):
         fastckpt.save(
             {"a": torch.ones(1)}, tmp_path / "x.safetensors", metadata={"fastckpt.x": "1"}
         )
-    with open(os.devnull, "wb") as handle, pytest.raises(TypeError, match="path"):
-        fastckpt.save({"a": torch.ones(1)}, handle)
+    with open(os.devnull, "w") as handle, pytest.raises(TypeError, match="binary"):
+        fastckpt.save({"a": torch.ones(1)}, handle)  # a file object, but a text one
 
 
 # ---- interop ------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def test_fastckpt_reads_safetensors_files(tmp_path):
         assert torch.equal(r.get_tensor("m"), sd["m"])
         got = r.get_tensors(["d", "a.first"])
         assert torch.equal(got["d"], sd["d"]) and torch.equal(got["a.first"], sd["a.first"])
-    with pytest.raises(fastckpt.ChecksumError, match="no checksums"):
+    with pytest.raises(fastckpt.NoChecksumsError, match="records no checksums"):
         fastckpt.load(path, verify=True)
 
 
@@ -374,10 +374,11 @@ def test_pin_memory_locks_the_arena(tmp_path):
     assert not _C.is_locked(plain["a"].data_ptr())
 
 
-def test_loaded_tensors_are_views_of_one_arena(tmp_path):
+def test_loaded_tensors_share_one_arena_each_with_its_own_storage(tmp_path):
     fastckpt.save({"a": torch.randn(4096), "b": torch.randn(4096)}, tmp_path / "v.safetensors")
     back = fastckpt.load(tmp_path / "v.safetensors")
-    assert back["a"].untyped_storage().data_ptr() == back["b"].untyped_storage().data_ptr()
+    assert abs(back["a"].data_ptr() - back["b"].data_ptr()) == 4096 * 4  # read side by side
+    assert back["a"].untyped_storage().data_ptr() != back["b"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("engine_name", ["io_uring", "libaio", "threads"])

@@ -339,7 +339,7 @@ def test_gds_getters_and_engine(handle):
     assert handle.get_single_submit() is False
     assert handle.get_overlap_events() is True
     assert handle.get_intra_op_parallelism() == 4
-    assert handle.get_alignment() == 4096
+    assert handle.get_alignment() == 4 * 512
     assert handle.get_engine() == "gds"
     assert gds.mode() in ("gds", "compat")
 

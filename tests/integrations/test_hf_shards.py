@@ -256,10 +256,9 @@ def test_tied_weights_round_trip_through_transformers(tmp_path, transformers):
     assert back["lm_head.weight"] is back["transformer.wte.weight"]
 
 
-def test_directory_without_max_shard_size_is_not_a_file(tmp_path):
-    with pytest.raises(IsADirectoryError):
-        fastckpt.save({"w": torch.ones(2)}, tmp_path)  # a sharded save needs max_shard_size
-    assert os.listdir(tmp_path) == []
+def test_directory_without_max_shard_size_gets_one_model_safetensors(tmp_path):
+    fastckpt.save({"w": torch.ones(2)}, tmp_path)  # shards only when max_shard_size asks
+    assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
 # --------------------------------------------------------------------------- reading follows the index
@@ -325,3 +324,35 @@ def test_opening_a_url_directory_keeps_the_read_options():
         assert len(shards) > 1
         assert {(r.storage.part_size, r.storage.parallel) for r in shards} == {(1 << 20, 3)}
         assert reader.read_mode == "ranged"
+
+
+def test_a_reader_whose_set_was_replaced_while_opening_opens_the_new_set(tmp_path, monkeypatch):
+    """A save removes the old set's shards once its own index is published; a reader that had
+    just read the old index finds a shard gone, and opens the set the new index names."""
+    first = {"a": torch.zeros(2048), "b": torch.zeros(2048)}
+    second = {"a": torch.ones(2048), "b": torch.ones(2048)}
+    fastckpt.save(first, tmp_path, max_shard_size="8KB")
+    old_index = (tmp_path / hf_shards.INDEX_NAME).read_bytes()
+    fastckpt.save(second, tmp_path, max_shard_size="8KB")  # the first set's shards are gone
+    real_read = hf_shards._read_index_document
+    calls = []
+
+    def read_old_index_first(index, storage_options):
+        calls.append(index)
+        if len(calls) == 1:  # what a reader saw just before the second save was published
+            document = json.loads(old_index)
+            return document["weight_map"], document.get("metadata", {})
+        return real_read(index, storage_options)
+
+    monkeypatch.setattr(hf_shards, "_read_index_document", read_old_index_first)
+    loaded = fastckpt.load(tmp_path)
+    assert len(calls) == 2
+    assert all(torch.equal(loaded[k], second[k]) for k in second)
+
+
+def test_a_set_missing_a_shard_still_fails_naming_it(tmp_path):
+    fastckpt.save({"a": torch.zeros(2048), "b": torch.ones(2048)}, tmp_path, max_shard_size="8KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        fastckpt.load(tmp_path)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
+import http.server
 import importlib
+import inspect
 import os
 import pickle
 import resource
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -27,6 +31,7 @@ from fastckpt.lightning import (  # noqa: E402
     AsyncFastCkptIO,
     FastCkptCheckpoint,
     FastCkptIO,
+    FastCkptLoadingMixin,
     load_from_checkpoint,
 )
 
@@ -747,3 +752,318 @@ def test_a_save_in_flight_keeps_its_name_from_the_version_counter(tmp_path):
     assert _checkpoints(dirpath) == set(names)
     epochs = [fastckpt.load(str(dirpath / name))["epoch"] for name in names]
     assert epochs == [0, 1, 2, 3]
+
+
+# -- behaving like Lightning's own classes ------------------------------------------------------
+
+
+def _big_checkpoint(mib: int = 64) -> dict:
+    return {"state_dict": {"w": torch.arange(mib * 2**18, dtype=torch.float32)}, "epoch": 3}
+
+
+def test_load_right_after_an_async_save_waits_for_it(tmp_path):
+    io = AsyncFastCkptIO()
+    path = str(tmp_path / "now.ckpt")
+    io.save_checkpoint(_big_checkpoint(), path)
+    back = io.load_checkpoint(path)
+    assert back["epoch"] == 3 and torch.equal(
+        back["state_dict"]["w"], _big_checkpoint()["state_dict"]["w"]
+    )
+    io.teardown()
+
+
+def _leftovers(dirpath) -> list:
+    return sorted(n for n in os.listdir(dirpath) if not n.endswith(".ckpt"))
+
+
+def test_trainer_save_checkpoint_outside_fit_is_complete_on_return(tmp_path):
+    io = AsyncFastCkptIO()
+    trainer = _trainer(tmp_path, 1, plugins=[io])
+    trainer.fit(_Ballast(), _loader(n=4))
+    path = tmp_path / "after" / "manual.ckpt"
+    trainer.save_checkpoint(path)
+    assert path.is_file() and not _leftovers(path.parent)  # no temporary left behind
+    assert fastckpt.load(str(path))["global_step"] == 1
+    assert not io.in_flight(path)
+
+
+def test_saves_during_fit_stay_in_the_background(tmp_path):
+    """Inside a run, Trainer.save_checkpoint returns before the file is written."""
+    seen = []
+
+    class _Probe(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            path = str(tmp_path / f"probe-{trainer.current_epoch}.ckpt")
+            trainer.save_checkpoint(path)
+            seen.append(trainer.strategy.checkpoint_io.in_flight(path))
+
+    torch.manual_seed(0)
+    _trainer(tmp_path, 2, [_Probe()], [AsyncFastCkptIO()], enable_checkpointing=False).fit(
+        _Ballast(), _loader(n=4)
+    )
+    assert any(seen)
+    assert {f"probe-{i}.ckpt" for i in range(2)} <= set(os.listdir(tmp_path))
+
+
+def _save_threads() -> list:
+    # The process-wide I/O pool (fastckpt-io) lives on by design; saves and removals do not.
+    return [
+        t for t in threading.enumerate() if t.name.startswith(("fastckpt-save", "fastckpt-remove"))
+    ]
+
+
+def test_teardown_leaves_no_thread_running(tmp_path):
+    assert not _save_threads()
+    io = AsyncFastCkptIO(max_pending=4)
+    for i in range(4):
+        io.save_checkpoint(
+            {"state_dict": {"w": torch.full((2**16,), float(i))}}, str(tmp_path / f"{i}.ckpt")
+        )
+    io.remove_checkpoint(str(tmp_path / "0.ckpt"))
+    io.teardown()
+    assert not _save_threads()
+    assert sorted(os.listdir(tmp_path)) == ["1.ckpt", "2.ckpt", "3.ckpt"]
+
+
+def test_a_used_async_plugin_pickles(tmp_path):
+    io = AsyncFastCkptIO(max_pending=3, checksum=False)
+    trainer = _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path / "ckpt")], [io])
+    trainer.fit(_model(), _loader())
+    io.save_checkpoint(_big_checkpoint(4), str(tmp_path / "pending.ckpt"))  # maybe in flight
+    torch.save(trainer, str(tmp_path / "trainer.pt"))  # as after a ddp_spawn fit
+    copy = pickle.loads(pickle.dumps(io))
+    assert (copy.max_pending, copy.save_options) == (3, {"checksum": False})
+    copy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, str(tmp_path / "copy.ckpt"))
+    copy.teardown()
+    io.teardown()
+    assert fastckpt.load(str(tmp_path / "copy.ckpt"))["state_dict"]["w"].tolist() == [1.0, 1.0]
+
+
+def test_callback_signature_is_model_checkpoints_plus_its_own():
+    ours = inspect.signature(FastCkptCheckpoint).parameters
+    theirs = inspect.signature(ModelCheckpoint).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, parameter in theirs.items():
+        assert ours[name].default == parameter.default, name
+    assert ours["asynchronous"].default is True and ours["allow_pickle"].default is False
+    callback = FastCkptCheckpoint(monitor="score", save_top_k=3, mode="max", asynchronous=False)
+    assert (callback.save_top_k, callback.asynchronous) == (3, False)
+
+
+def test_state_key_is_model_checkpoints():
+    kwargs = dict(monitor="score", mode="max", every_n_epochs=2)
+    assert FastCkptCheckpoint(**kwargs).state_key == ModelCheckpoint(**kwargs).state_key
+
+
+def _cross_run(tmp_path, first: str, second: str):
+    """Run 1 (3 epochs) with one callback, run 2 resumes from last.ckpt with the other for 3
+    more; scores rise every epoch, so the best two are run 2's last epochs."""
+    dirpath = tmp_path / "ckpt"
+    scores = [float(i) for i in range(6)]
+
+    def make(kind):
+        args = dict(dirpath=dirpath, monitor="score", mode="max", save_top_k=2, save_last=True)
+        if kind == "model_checkpoint":
+            return [ModelCheckpoint(**args)], [FastCkptIO()]
+        return [FastCkptCheckpoint(**args)], []
+
+    callbacks, plugins = make(first)
+    _trainer(tmp_path, 3, callbacks, plugins).fit(_model(scores=scores), _loader(), _loader(8))
+    callbacks, plugins = make(second)
+    _trainer(tmp_path, 6, callbacks, plugins).fit(
+        _model(scores=scores), _loader(), _loader(8), ckpt_path=str(dirpath / "last.ckpt")
+    )
+    names = _checkpoints(dirpath)
+    assert names == {"last.ckpt", "epoch=4-step=20.ckpt", "epoch=5-step=24.ckpt"}, names
+    assert callbacks[0].best_model_path.endswith("epoch=5-step=24.ckpt")
+    assert fastckpt.load(str(dirpath / "last.ckpt"))["epoch"] == 5
+
+
+@pytest.mark.parametrize(
+    "first,second", [("model_checkpoint", "fastckpt"), ("fastckpt", "model_checkpoint")]
+)
+def test_resume_across_callbacks_keeps_top_k_and_last(tmp_path, first, second):
+    _cross_run(tmp_path, first, second)
+
+
+def test_missing_checkpoint_message_is_lightnings(tmp_path):
+    missing = str(tmp_path / "none.ckpt")
+    with pytest.raises(FileNotFoundError) as reference:
+        TorchCheckpointIO().load_checkpoint(missing)
+    for io in (FastCkptIO(), AsyncFastCkptIO()):
+        with pytest.raises(FileNotFoundError) as info:
+            io.load_checkpoint(missing)
+        assert str(info.value) == str(reference.value)
+        assert info.value.errno == errno.ENOENT and info.value.filename == missing
+    with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {missing}"):
+        _trainer(tmp_path, 1, plugins=[FastCkptIO()]).fit(_model(), _loader(), ckpt_path=missing)
+
+
+def test_temporaries_are_not_checkpoints_to_model_checkpoint(tmp_path):
+    """While a save is in flight, the directory holds ``<name>.<random>.tmp``: ModelCheckpoint's
+    search for ``last`` files (``ckpt_path="last"``) passes over it."""
+    io = AsyncFastCkptIO()
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = _trainer(tmp_path, 1, [callback], [io])
+    io.save_checkpoint(_big_checkpoint(), str(tmp_path / "last.ckpt"))
+    found = callback._find_last_checkpoints(trainer)
+    assert found <= {os.path.normpath(str(tmp_path / "last.ckpt"))}
+    io.teardown()
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+# -- URLs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin", [FastCkptIO, AsyncFastCkptIO])
+def test_memory_url_round_trip_writes_nothing_locally(tmp_path, monkeypatch, plugin):
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://lightning-{plugin.__name__}/run/a.ckpt"
+    io = plugin()
+    io.save_checkpoint({"state_dict": {"w": torch.arange(3.0)}, "epoch": 1}, url)
+    back = io.load_checkpoint(url)
+    assert back["epoch"] == 1 and back["state_dict"]["w"].tolist() == [0.0, 1.0, 2.0]
+    io.remove_checkpoint(url)
+    io.teardown()
+    with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {url}"):
+        io.load_checkpoint(url)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_trainer_saves_and_resumes_at_a_memory_url(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dirpath = "memory://lightning-trainer/ckpt"
+    _trainer(
+        tmp_path, 1, [ModelCheckpoint(dirpath=dirpath, save_last=True)], [AsyncFastCkptIO()]
+    ).fit(_model(), _loader())
+    capture = _Capture()
+    _trainer(tmp_path, 2, [capture], [FastCkptIO()], enable_checkpointing=False).fit(
+        _model(), _loader(), ckpt_path=f"{dirpath}/last.ckpt"
+    )
+    assert capture.start["epoch"] == 1
+    assert not os.path.exists(tmp_path / "memory:")
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class _RangedFiles(_QuietFiles):
+    """Serves a directory, answering ``Range: bytes=a-b`` requests as object stores do."""
+
+    def do_GET(self):
+        wanted = self.headers.get("Range")
+        path = self.translate_path(self.path)
+        if not wanted or not os.path.isfile(path):
+            return super().do_GET()
+        with open(path, "rb") as f:
+            data = f.read()
+        first, _, last = wanted.removeprefix("bytes=").partition("-")
+        start, end = int(first or 0), min(int(last) + 1 if last else len(data), len(data))
+        self.send_response(206)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        self.wfile.write(data[start:end])
+
+
+@pytest.fixture(params=["ranges", "whole files"])
+def http_root(tmp_path, request):
+    """A directory served over HTTP on localhost, by a server that answers byte ranges or by
+    one that sends whole files (Python's own): (directory, base URL)."""
+    root = tmp_path / "served"
+    root.mkdir()
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0),
+        functools.partial(
+            _RangedFiles if request.param == "ranges" else _QuietFiles, directory=str(root)
+        ),
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_http_checkpoint_loads_and_resumes(tmp_path, http_root):
+    root, base = http_root
+    _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=root, filename="run")], [FastCkptIO()]).fit(
+        _model(), _loader()
+    )
+    url = f"{base}/run.ckpt"
+    assert FastCkptIO().load_checkpoint(url)["epoch"] == 0
+    back = load_from_checkpoint(TinyModel, url)
+    assert back.hparams.hidden == 8
+    capture = _Capture()
+    _trainer(tmp_path, 2, [capture], [FastCkptIO()], enable_checkpointing=False).fit(
+        _model(), _loader(), ckpt_path=url
+    )
+    assert capture.start["epoch"] == 1
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        FastCkptIO().load_checkpoint(f"{base}/none.ckpt")
+
+
+class _MixedModel(FastCkptLoadingMixin, TinyModel):
+    pass
+
+
+def test_loading_mixin_makes_the_class_method_read_fastckpt_files(tmp_path):
+    trainer = _trainer(tmp_path, 1, plugins=[FastCkptIO()], enable_checkpointing=False)
+    torch.manual_seed(0)
+    trainer.fit(_MixedModel(hidden=5), _loader())
+    path = str(tmp_path / "mixed.ckpt")
+    trainer.save_checkpoint(path)
+    model = _MixedModel.load_from_checkpoint(path, lr=0.5)
+    assert (model.hparams.hidden, model.hparams.lr) == (5, 0.5)
+    assert torch.equal(model.net[0].weight, trainer.lightning_module.net[0].weight)
+    with pytest.raises(pickle.UnpicklingError):  # what the class without the mixin does
+        TinyModel.load_from_checkpoint(path)
+
+
+@pytest.mark.filterwarnings("ignore:No seed found:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jsonargparse's, about Lightning's use
+def test_lightning_cli_configures_the_callback(tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the arguments come from args= alone
+    cli = LightningCLI(
+        TinyModel,
+        run=False,
+        args=[
+            "--trainer.logger=false",
+            "--trainer.callbacks=fastckpt.lightning.FastCkptCheckpoint",
+            "--trainer.callbacks.monitor=val_loss",
+            "--trainer.callbacks.save_top_k=2",
+            "--trainer.callbacks.asynchronous=false",
+        ],
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, FastCkptCheckpoint)]
+    assert (callback.monitor, callback.save_top_k, callback.asynchronous) == ("val_loss", 2, False)
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_state_under_the_earlier_key_is_still_read(tmp_path):
+    """Files of earlier versions keep the callback's state under ``FastCkptCheckpoint{...}``."""
+    dirpath = tmp_path / "ckpt"
+    args = dict(dirpath=dirpath, monitor="val_loss", save_last=True, asynchronous=False)
+    first = FastCkptCheckpoint(**args)
+    _trainer(tmp_path, 1, [first]).fit(_model(), _loader(), _loader(8))
+    io, last = FastCkptIO(), str(dirpath / "last.ckpt")
+    checkpoint = io.load_checkpoint(last)
+    state = checkpoint["callbacks"].pop(first.state_key)
+    checkpoint["callbacks"][first._legacy_state_key] = state
+    io.save_checkpoint(checkpoint, last)
+    assert first._legacy_state_key.startswith("FastCkptCheckpoint{")
+
+    resumed = FastCkptCheckpoint(**args)
+    _trainer(tmp_path, 1, [resumed]).fit(_model(), _loader(), _loader(8), ckpt_path=last)
+    assert resumed.best_model_path == first.best_model_path
+    assert resumed.last_model_path == first.last_model_path

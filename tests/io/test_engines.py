@@ -29,6 +29,8 @@ def _stub_names() -> dict[str, set[str]]:
             names[node.name] = set()
         elif isinstance(node, ast.ClassDef):
             names[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = set()  # a constant, e.g. DIRECT_IO_ALIGNMENT: int
     return names
 
 
@@ -196,3 +198,40 @@ def test_preallocate_errors_carry_errno_and_filename(tmp_path):
         assert info.value.errno == errno.EBADF and info.value.filename == str(path)
     finally:
         os.close(fd)
+
+
+_REUSE_CHILD = """
+import os
+import numpy as np
+from fastckpt import _C
+
+def tasks():
+    return set(os.listdir("/proc/self/task"))
+
+src = np.random.default_rng(3).integers(0, 256, 32 << 20, dtype=np.uint8)
+dst = np.zeros_like(src)
+address = (dst.__array_interface__["data"][0], src.__array_interface__["data"][0])
+before = tasks()
+_C.memcpy(*address, src.nbytes, 4)
+helpers = tasks() - before
+assert helpers, "no helper thread outlived the copy"
+for _ in range(10):
+    dst[:] = 0
+    _C.memcpy(*address, src.nbytes, 4)
+    assert np.array_equal(dst, src)
+assert tasks() - before == helpers, "new threads for later copies"
+print("ok")
+"""
+
+
+def test_parallel_memcpy_reuses_its_threads():
+    # A persistent pool, not a new thread per call: after a first parallel copy its helper
+    # threads stay, and later copies run on those same threads (a fresh process, so no
+    # earlier test has started the pool).
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _REUSE_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,6 +1,6 @@
 """``fastckpt tune --plot``: GB/s against each swept parameter, one line per engine.
 
-matplotlib is optional (``pip install 'fastckpt[plot]'``); :func:`require_matplotlib` says
+matplotlib is optional (``pip install matplotlib``, or ``pip install '.[plot]'`` in a clone); :func:`require_matplotlib` says
 so before the sweep starts rather than after it.
 """
 
@@ -23,7 +23,7 @@ def require_matplotlib() -> None:
     except ImportError:
         raise CliError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
-            "(or pip install 'fastckpt[plot]')",
+            "(or, in a clone of fastckpt, pip install '.[plot]')",
             USAGE,
         ) from None
 

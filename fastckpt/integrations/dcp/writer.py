@@ -325,8 +325,8 @@ class FastCkptWriter(StorageWriter):
             pool = self._pool
             # room for this snapshot beside buffers an earlier save still holds
             pool.grow_to(pool.in_use() * pool.piece + plan.data_size + pool.piece)
-        # TODO(lead): drop the ignore once StreamWriter takes File | None and Executor | None
-        # (no file nor executor until the deferred writes are given one)
+        # No file nor executor yet: with deferred writes they are given when the rank file is
+        # written (StreamWriter's signature does not say None, hence the ignore)
         writer = local_save.StreamWriter(plan, None, None, pool, progress=False, defer_writes=True)  # type: ignore[arg-type]
         try:
             writer.fill()
