@@ -130,7 +130,9 @@ def _routed(
     def decorate(route: Callable[..., Any]) -> Callable[..., Any]:
         returns = inspect.signature(route).return_annotation  # open() gives a Reader
         functools.update_wrapper(route, local)
-        del route.__wrapped__  # the signature below is the true one
+        # the signature below is the true one (set in the function's namespace, where
+        # update_wrapper put __wrapped__: a Callable declares neither attribute)
+        del vars(route)["__wrapped__"]
         signature = inspect.signature(local)
         added = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
@@ -140,7 +142,7 @@ def _routed(
         params = list(signature.parameters.values())
         tail = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
         head = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        route.__signature__ = signature.replace(
+        vars(route)["__signature__"] = signature.replace(
             parameters=head + added + tail,
             return_annotation=returns
             if returns is not inspect.Signature.empty

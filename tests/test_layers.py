@@ -227,3 +227,39 @@ except ImportError as exc:
     assert done.returncode == 0, done.stderr
     assert "IMPORT-ERROR fastckpt.save needs PyTorch" in done.stdout
     assert "pip install torch" in done.stdout
+
+
+def test_one_header_reader():
+    """Only the format layer decodes a header's length prefix and JSON: every reader (the
+    checkpoint core, ``fastckpt inspect``, DCP) goes through ``format.read_header_from``."""
+    decoders = {"parse_header", "parse_header_length"}
+    offenders = sorted(
+        f"{module}:{node.lineno}"
+        for module, tree in _package_modules().items()
+        if not module.startswith("fastckpt.format")
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id in decoders)
+        or (isinstance(node, ast.Attribute) and node.attr in decoders)
+        or (isinstance(node, ast.alias) and node.name in decoders)
+    )
+    assert offenders == [], offenders
+
+
+def test_inspect_reads_headers_without_torch(tmp_path):
+    """``fastckpt inspect`` of a file works where torch is not installed."""
+    from fastckpt.format import encode_header, plan_layout
+
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(encode_header(plan_layout([("w", "F32", (2,))]), {}) + bytes(8))
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if torch were not installed\n"
+        "from fastckpt.cli import main\n"
+        "sys.argv = ['fastckpt', 'inspect', '--json', sys.argv[1]]\n"
+        "sys.exit(main())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"name": "w"' in done.stdout

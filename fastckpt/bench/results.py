@@ -124,8 +124,10 @@ class Results:
         values: list[float | None] = []
         for rnd in range(rounds):
             r = next((x for x in self.pick(op, method, **tags) if x["round"] == rnd), None)
-            ok = r is not None and "error" not in r and "skipped" not in r
-            values.append(rate_of(r) if ok else None)
+            if r is None or "error" in r or "skipped" in r:
+                values.append(None)
+            else:
+                values.append(rate_of(r))
         return values
 
     def dump(self, path: str, **more: Any) -> None:

@@ -553,10 +553,11 @@ def _finish_at_exit() -> None:
     with _state_lock:
         futures = list(_pending)
     for f in futures:
-        if f.done() and not f._retrieved and f._future.exception() is not None:
+        error = f._future.exception() if f.done() and not f._retrieved else None
+        if error is not None:
             f._retrieved = True
-            if not (cancelling and isinstance(f._future.exception(), KeyboardInterrupt)):
-                _report_lost(f, f._future.exception())
+            if not (cancelling and isinstance(error, KeyboardInterrupt)):
+                _report_lost(f, error)
 
 
 # Save threads are daemon threads waited for here, rather than joined by the interpreter: a

@@ -149,6 +149,18 @@ def _short(text: str) -> str:
     return repr(text) if len(text) <= 60 else repr(text[:57] + "...")
 
 
+def _of_plain_type(name: str, data: Any, where: str) -> Any:
+    """``data``, if it is what :func:`to_plain` makes of class ``name``: a list for
+    ``ListConfig``, a dict for the others (HeaderError otherwise)."""
+    expected = list if name == "omegaconf.ListConfig" else dict
+    if type(data) is not expected:
+        raise HeaderError(
+            f"malformed {name} at {where}: expected a {expected.__name__}, "
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
 def rebuild(name: str, data: Any, *, weights_only: bool, where: str) -> Any:
     """The object of class ``name`` that :func:`to_plain` turned into ``data``.
 
@@ -173,12 +185,7 @@ whose value '${oc.env:HOME}' calls a resolver when read (oc.env reads this proce
 environment; others run code registered here); pass weights_only=False if you trust the file
     """
     cls = load_class(name, where)
-    expected = list if name == "omegaconf.ListConfig" else dict
-    if type(data) is not expected:
-        raise HeaderError(
-            f"malformed {name} at {where}: expected a {expected.__name__}, "
-            f"got {type(data).__name__}"
-        )
+    data = _of_plain_type(name, data, where)
     if name == "argparse.Namespace":
         if not all(type(key) is str for key in data):
             raise HeaderError(f"malformed argparse.Namespace at {where}: a key is not a str")

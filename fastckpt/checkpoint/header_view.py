@@ -37,7 +37,7 @@ class TensorInfo:
 
 def read_header(storage: Any) -> format.Header:
     """Reads and parses the header of the file in ``storage`` (a
-    :class:`~fastckpt.storage.Storage`): the one header reader of every storage.
+    :class:`~fastckpt.storage.Storage`) with :func:`fastckpt.format.read_header_from`.
 
     The first read takes ``storage.header_probe`` bytes: 8 for a local file (the length, then
     the header in a second read); for a URL 1 MiB, which usually holds the whole header in
@@ -46,25 +46,17 @@ def read_header(storage: Any) -> format.Header:
     Raises:
         HeaderError: not a valid safetensors file; the message names the file.
     """
-    where = storage.location
-    size = storage.size()
-    probe = max(8, storage.header_probe)
-    try:
-        first = storage.read_bytes(0, min(size, probe)) if size else b""
-        try:
-            n = format.parse_header_length(first[:8], size)
-            raw = first[8 : 8 + n] if len(first) >= 8 + n else storage.read_bytes(8, n)
-            return format.parse_header(raw, size)
-        except HeaderError as exc:
-            raise HeaderError(f"{where}: {exc}") from None
-    except EOFError:
-        raise HeaderError(f"{where}: the file ended while reading the header") from None
+    return format.read_header_from(
+        storage.read_bytes,
+        storage.size(),
+        where=storage.location,
+        probe=storage.header_probe,
+    )
 
 
 class HeaderView:
     """The header-side of a single-file reader. Subclasses set ``path`` and call
-    :meth:`_adopt_header`; they are :class:`~fastckpt.Reader` s, which give
-    ``require_checksums``."""
+    :meth:`_adopt_header`; they are :class:`~fastckpt.Reader` s."""
 
     path: str
     header: format.Header
@@ -145,7 +137,7 @@ class HeaderView:
             raise KeyError(f"no tensor named {name!r} in {self.path}") from None
 
     def _range_request(
-        self, name: str, start: int, stop: int, out: torch.Tensor | None, verify: bool
+        self, name: str, start: int, stop: int, out: torch.Tensor | None
     ) -> tuple[format.TensorEntry, torch.Tensor | None]:
         """Checks a request for bytes ``[start, stop)`` of tensor ``name``; returns its entry
         and ``out`` as the bytes to fill (None without ``out``)."""
@@ -154,7 +146,6 @@ class HeaderView:
         e = self._entry(name)
         check_byte_range(name, e.nbytes, start, stop, self.path)
         target = None if out is None else byte_view(out, stop - start)
-        self.require_checksums(verify)
         return e, target
 
     def info(self, name: str) -> TensorInfo:

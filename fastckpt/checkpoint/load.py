@@ -94,7 +94,7 @@ def check_target(
 
 
 def load(
-    f: str | os.PathLike[str] | Reader | BinaryIO,
+    f: str | os.PathLike[str] | Reader | BinaryIO | FileObjectStorage,
     map_location: MapLocation = None,
     *,
     device: str | torch.device | None = None,
@@ -179,7 +179,7 @@ def load(
         return _read_object(f, target, pin_memory, weights_only, keys, verify, progress, mmap)
     with open_checkpoint(
         f,
-        device=target if on_cuda else "cpu",
+        device=target if isinstance(target, torch.device) and on_cuda else "cpu",
         gds=gds,
         direct_io=direct_io,
         engine=engine,

@@ -314,7 +314,8 @@ class TensorSlice:
             row = first + rows if first < 0 else first
             if not 0 <= row < rows:
                 raise IndexError(f"index {first} is out of bounds for dimension 0 of size {rows}")
-            return self._rows(row, row + 1)[(0, *rest)]
+            in_row = (0, *rest)
+            return self._rows(row, row + 1)[in_row]
         if not isinstance(first, slice):
             raise TypeError(
                 f"the first index must be an int, a slice or ..., got {type(first).__name__}"
@@ -323,12 +324,14 @@ class TensorSlice:
         if step <= 0:
             raise ValueError(f"slice step must be positive, got {step}")
         if hi <= lo:
-            return self._rows(0, 0)[(slice(None), *rest)]
+            every_row = (slice(None), *rest)
+            return self._rows(0, 0)[every_row]
         last = lo + (hi - lo - 1) // step * step
         block = self._rows(lo, last + 1)
         if step == 1 and not rest:
             return block
-        return block[(slice(None, None, step), *rest)]
+        stepped = (slice(None, None, step), *rest)
+        return block[stepped]
 
     def _rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` read into memory, as a tensor (a 0-d tensor is one row)."""

@@ -254,7 +254,8 @@ class CheckpointReader(HeaderView, Reader):
             [2, 3, 4]
         """
         with self._reading():
-            e, dest = self._range_request(name, start, stop, out, verify)
+            e, dest = self._range_request(name, start, stop, out)
+            self.require_checksums(verify)
             # O_DIRECT or the page cache, by what is resident of this range (not of the file)
             mode = self._mode((self.header.data_offset + e.begin + start, stop - start))
             source = RangeSource(

@@ -88,7 +88,7 @@ class SavePlan:
         recorded = self.checksum and crcs is not None
         metadata = format.build_metadata(
             self.user_metadata,
-            crcs=dict(crcs) if recorded else None,
+            crcs=dict(crcs) if recorded and crcs is not None else None,
             aliases=self.aliases or None,
             tree=self.tree,
             pieces=pieces if recorded and self.piece_size else None,
@@ -638,10 +638,12 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
             acc = sums[e.name]
             for chunk in _byte_chunks(plan.tensors[e.name], 64 << 20):
                 n = chunk.numel()
-                cuts = list(piece_cuts(at, n, acc.piece_size))
+                piece_ends = list(piece_cuts(at, n, acc.piece_size))
                 offset = plan.header_size + e.begin + at
-                values = _C.pwrite_crc(file.fd, chunk.data_ptr(), n, offset, cuts, True, file.path)
-                _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(cuts)), values)
+                values = _C.pwrite_crc(
+                    file.fd, chunk.data_ptr(), n, offset, piece_ends, True, file.path
+                )
+                _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(piece_ends)), values)
                 at += n
                 advance(n)
     del keep

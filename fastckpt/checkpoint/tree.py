@@ -358,7 +358,7 @@ class _Flattener:
         # Other instance attributes of an OrderedDict are not kept.
         if "_metadata" in vars(value):
             step = _Attribute("_metadata")
-            node["m"] = self.node(value._metadata, (*path, step), depth + 1)
+            node["m"] = self.node(vars(value)["_metadata"], (*path, step), depth + 1)
         return node
 
     def tensor(self, tensor: torch.Tensor, path: Path) -> dict:

@@ -252,13 +252,13 @@ def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path |
         ...     print(err.status, err)
         2 no such file or directory: /no/such/path
     """
-    from fastckpt.integrations.remote import is_url
+    from fastckpt.storage.locations import is_url
 
     if is_url(target):  # one object at a URL (credentials: FASTCKPT_STORAGE_OPTIONS or AWS_*)
         return [target]
     path = Path(target)
     if path.is_dir():
-        found = sorted(p for p in path.glob(pattern) if p.is_file())
+        found: list[Path | str] = sorted(p for p in path.glob(pattern) if p.is_file())
         if not found:
             raise CliError(f"no {pattern} files in directory {target}", USAGE)
         return found

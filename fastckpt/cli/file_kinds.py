@@ -194,7 +194,7 @@ def checkpoint_targets(target: str) -> tuple[list[Path | str], DirectoryListing 
         ...     print(err.status, err)
         2 no such file or directory: /no/such/path
     """
-    from fastckpt.integrations.remote import is_url
+    from fastckpt.storage.locations import is_url
 
     if is_url(target):  # one object at a URL (credentials: FASTCKPT_STORAGE_OPTIONS or AWS_*)
         return [target], None

@@ -133,19 +133,23 @@ def read_header(path: str | os.PathLike[str]) -> Any:
         ...
         FileNotFoundError: [Errno 2] No such file or directory: '/no/such.safetensors'
     """
-    from fastckpt.format import parse_header, parse_header_length
-    from fastckpt.integrations.remote import RemoteReader, is_url
+    from fastckpt.format import read_header_from
+    from fastckpt.storage.locations import is_url
 
     if is_url(path):
-        return RemoteReader(path).header  # reads the header's bytes only
+        from fastckpt.integrations.remote import RemoteReader
+
+        return RemoteReader(os.fspath(path)).header  # reads the header's bytes only
     # Non-blocking, so a FIFO does not wait for a writer; then only a regular file is read.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as f:
+    try:
         _require_regular(fd, os.fspath(path))
         os.set_blocking(fd, True)
-        size = os.fstat(f.fileno()).st_size
-        length = parse_header_length(f.read(8), size)
-        return parse_header(f.read(length), size)
+        return read_header_from(
+            lambda offset, nbytes: os.pread(fd, nbytes, offset), os.fstat(fd).st_size
+        )
+    finally:
+        os.close(fd)
 
 
 def _require_regular(fd: int, path: str) -> None:
@@ -352,7 +356,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _torch_file_message(path: Any) -> str | None:
     """What to say of a local torch.save file, or None for any other file."""
     from fastckpt.cli.file_kinds import sniff
-    from fastckpt.integrations.remote import is_url
+    from fastckpt.storage.locations import is_url
 
     if is_url(path) or not os.path.isfile(path):
         return None
@@ -371,6 +375,10 @@ def _torch_file_message(path: Any) -> str | None:
 def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
     """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
     the other paths."""
+    from fastckpt.storage.locations import is_url
+
+    if not any(is_url(target) or os.path.isdir(target) for target in args.paths):
+        return list(args.paths)  # files are never DCP checkpoints: no need of torch for them
     from fastckpt.integrations.dcp import describe_dcp, format_dcp, is_dcp_checkpoint
 
     allow_pickle = getattr(args, "allow_pickle", False)

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
 import os
@@ -273,6 +274,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         elif write:
             file = _create_private(target)
         else:
+            assert not isinstance(target, int)  # as_descriptor takes every int
             file = File(target)
         try:
             aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
@@ -603,7 +605,7 @@ def _validate(op: _PendingOp) -> None:
 
         expected = op.ref.owner.detach().reshape(-1).view(torch.uint8).cpu().numpy()
     elif op.ref.nbytes:
-        raw = (np.ctypeslib.ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
+        raw = (ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
         expected = np.ctypeslib.as_array(raw)
     else:
         expected = np.empty(0, np.uint8)

@@ -27,7 +27,8 @@ before it existed. Parsing is bounded by the header's size: at most one JSON obj
 per :data:`MIN_BYTES_PER_NODE` bytes, at most :data:`MAX_TENSORS` tensors, and every
 dimension and element count within int64.
 
-This package is pure: no file I/O and no torch, only bytes, ints and strings.
+This package is pure: no file I/O and no torch, only bytes, ints and strings
+(:func:`read_header_from` reads through the caller's function).
 It is where hostile input is stopped: every check raises
 :class:`fastckpt.errors.HeaderError` with a message saying what is wrong and
 where, and no check allocates more than the input's size.
@@ -45,7 +46,7 @@ Example:
     (4096, ['b', 'w'])
 """
 
-from fastckpt.format.header import parse_header, parse_header_length
+from fastckpt.format.header import parse_header, parse_header_length, read_header_from
 from fastckpt.format.layout import encode_header, plan_layout
 from fastckpt.format.metadata import build_metadata, split_metadata
 from fastckpt.format.schema import (
@@ -101,5 +102,6 @@ __all__ = [
     "parse_header_length",
     "piece_count",
     "plan_layout",
+    "read_header_from",
     "split_metadata",
 ]

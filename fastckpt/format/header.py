@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, Callable
 
 from fastckpt.errors import HeaderError
 from fastckpt.format.schema import (
@@ -143,7 +143,7 @@ def _counting(limit: int, message: str) -> Any:
     so memory is bounded while decoding, not only afterwards."""
     count = 0
 
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any] | _Packed:
         nonlocal count
         count += 1
         if count > limit:
@@ -207,7 +207,8 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
     if type(raw) is _Packed:  # the three keys, in order, once each
-        return _checked_entry(where, name, *raw, data_size)
+        dtype, shape, offsets = raw
+        return _checked_entry(where, name, dtype, shape, offsets, data_size)
     if not isinstance(raw, dict):
         raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
     missing = [key for key in _ENTRY_KEYS if key not in raw]
@@ -259,9 +260,10 @@ def _checked_entry(
 def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
     """Tensors must tile the data section exactly, as the reference reader demands."""
     offset = 0
-    previous = None
+    previous: TensorEntry | None = None
     for entry in entries:
         if entry.begin < offset:
+            assert previous is not None  # offset only grows past 0 at an entry
             raise HeaderError(
                 f"tensor {short(entry.name)} at [{entry.begin}, {entry.end}] overlaps "
                 f"tensor {short(previous.name)} at [{previous.begin}, {previous.end}]"
@@ -415,3 +417,54 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
         data_offset=data_offset,
         data_size=data_size,
     )
+
+
+#: ``read_at(offset, nbytes)``: bytes ``[offset, offset + nbytes)`` of a file (fewer, or
+#: ``EOFError``, where the file ends).
+ReadAt = Callable[[int, int], bytes]
+
+
+def read_header_from(
+    read_at: ReadAt, file_size: int, *, where: str | None = None, probe: int = 8
+) -> Header:
+    """The header of a file of ``file_size`` bytes that ``read_at`` reads: the one header
+    reader of every storage (local files, descriptors, URLs). This module does no I/O of its
+    own; the caller's ``read_at`` does.
+
+    The first read takes ``probe`` bytes (at least the 8 of the length): 8 for a local file,
+    then the header in a second read; a URL reader asks for more, which usually holds the
+    whole header in one request.
+
+    Args:
+        read_at: reads bytes by offset and count.
+        file_size: the whole file's size in bytes.
+        where: the file's path or URL, put before every message (none when None).
+        probe: bytes of the first read.
+
+    Raises:
+        HeaderError: not a valid safetensors file, or it ended while reading the header.
+
+    Example:
+        >>> from fastckpt.format.layout import encode_header, plan_layout
+        >>> data = encode_header(plan_layout([("w", "F32", (2,))]), {}) + bytes(8)
+        >>> read_at = lambda offset, nbytes: data[offset : offset + nbytes]
+        >>> list(read_header_from(read_at, len(data)).entries)
+        ['w']
+        >>> read_header_from(read_at, 4, where="/tmp/short.safetensors")
+        Traceback (most recent call last):
+        ...
+        fastckpt.errors.HeaderError: /tmp/short.safetensors: not a safetensors file: \
+4 bytes, fewer than the 8-byte header length
+    """
+    prefix = "" if where is None else f"{where}: "
+    try:
+        first = read_at(0, min(file_size, max(8, probe))) if file_size else b""
+        length = parse_header_length(first[:8], file_size)
+        raw = first[8 : 8 + length] if len(first) >= 8 + length else read_at(8, length)
+        if len(raw) < length:
+            raise EOFError
+        return parse_header(raw, file_size)
+    except HeaderError as exc:
+        raise HeaderError(f"{prefix}{exc}") from None
+    except EOFError:
+        raise HeaderError(f"{prefix}the file ended while reading the header") from None

@@ -69,7 +69,8 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Any, Callable
+import types
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -86,26 +87,34 @@ from fastckpt.storage import open_storage
 from fastckpt.storage.locations import is_url, url_to_fs
 from fastckpt.storage.url import url_errors
 
-try:  # the unified package first, then the standalone one
+#: The standalone package's CheckpointIO module, where the unified package is the one used.
+_OTHER_CHECKPOINT_IO: str | None
+if TYPE_CHECKING:  # checked against the unified package; the standalone one has its interface
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.callbacks import ModelCheckpoint
+else:
+    try:  # the unified package first, then the standalone one
+        import lightning.pytorch as pl
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
-except ImportError:
-    try:
-        import pytorch_lightning as pl
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-        from pytorch_lightning.callbacks import ModelCheckpoint
+        _OTHER_CHECKPOINT_IO = "lightning_fabric.plugins.io.checkpoint_io"
+    except ImportError:
+        try:
+            import pytorch_lightning as pl
+            from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+            from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+            from pytorch_lightning.callbacks import ModelCheckpoint
 
-        _OTHER_CHECKPOINT_IO = None
-    except ImportError as exc:
-        raise ImportError(
-            "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
-            "package); install it with: pip install lightning (or, in a clone of fastckpt, pip install '.[lightning]')"
-        ) from exc
+            _OTHER_CHECKPOINT_IO = None
+        except ImportError as exc:
+            raise ImportError(
+                "fastckpt.lightning needs Lightning (the 'lightning' or 'pytorch_lightning' "
+                "package); install it with: pip install lightning (or, in a clone of fastckpt, pip install '.[lightning]')"
+            ) from exc
 
 __all__ = [
     "FastCkptIO",
@@ -316,7 +325,11 @@ def _load_located(
     return checkpoint
 
 
-def _refuse_resolving_hparams(cls: type, checkpoint: dict[str, Any], path: str) -> None:
+def _refuse_resolving_hparams(
+    cls: type[pl.LightningModule] | type[pl.LightningDataModule],
+    checkpoint: dict[str, Any],
+    path: str,
+) -> None:
     """WeightsOnlyError when Lightning would make the saved hyper-parameters an OmegaConf
     config (``hparams_type``) and one of their strings would then call a resolver."""
     hparams_type = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_TYPE)
@@ -422,9 +435,9 @@ def _outside_a_run() -> bool:
     frame has it, a few frames up.
     """
     codes = _trainer_save_checkpoint_codes()
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(8):
-        frame = frame.f_back
+        frame = frame.f_back if frame is not None else None
         if frame is None:
             return False
         if frame.f_code in codes:
@@ -584,8 +597,8 @@ class AsyncFastCkptIO(FastCkptIO):
         )
         self._latest[path] = future
         self._unsettled.append(future)
-        if future.done() and future.exception() is not None:
-            error = future.exception()
+        error = future.exception() if future.done() else None
+        if error is not None:
             self._unsettled.remove(future)
             if isinstance(error, TypeError):
                 raise _explain_refusal(error, path) from error

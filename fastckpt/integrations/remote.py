@@ -111,13 +111,21 @@ def save(
         >>> load("memory://doc/save.safetensors")["x"].tolist()
         [0, 1, 2]
     """
-    options = dict(metadata=metadata, alignment=alignment, checksum=checksum)
-    if not is_url(url):
+    local = storage.to_local(url)
+    if local is not None:
         checkpoint_save.save(
-            obj, storage.to_local(url), allow_pickle=allow_pickle, **options, **local_options
+            obj,
+            local,
+            metadata=metadata,
+            alignment=alignment,
+            checksum=checksum,
+            allow_pickle=allow_pickle,
+            **local_options,
         )
         return
-    plan = plan_save(obj, allow_pickle=allow_pickle, **options)
+    plan = plan_save(
+        obj, allow_pickle=allow_pickle, metadata=metadata, alignment=alignment, checksum=checksum
+    )
     write_plan(plan, url, storage_options=storage_options, part_size=part_size, parallel=parallel)
 
 
@@ -147,19 +155,27 @@ def async_save(
         >>> load("memory://doc/async.safetensors")["w"].tolist()
         [1.0, 1.0, 1.0]
     """
-    options = dict(metadata=metadata, alignment=alignment, checksum=checksum)
-    if not is_url(url):
+    local = storage.to_local(url)
+    if local is not None:
         return asynchronous.async_save(
             obj,
-            storage.to_local(url),
+            local,
             snapshot=snapshot,
+            metadata=metadata,
+            alignment=alignment,
+            checksum=checksum,
             allow_pickle=allow_pickle,
-            **options,
             **local_options,
         )
     future = asynchronous.SaveFuture(url)
     try:
-        plan = plan_save(obj, allow_pickle=allow_pickle, **options)
+        plan = plan_save(
+            obj,
+            allow_pickle=allow_pickle,
+            metadata=metadata,
+            alignment=alignment,
+            checksum=checksum,
+        )
         if snapshot:
             plan.tensors = {n: t.detach().to("cpu", copy=True) for n, t in plan.tensors.items()}
     except BaseException as exc:

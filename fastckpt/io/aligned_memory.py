@@ -92,7 +92,10 @@ def aligned_array(nbytes: int, *, lock: bool = False, strict: bool = False) -> n
     """A page-aligned uint8 numpy array of ``nbytes`` (mlock()ed with ``lock``)."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=np.uint8)
+    # numpy's stub lists concrete buffer types before Python 3.12, and _C.pyi cannot declare
+    # AlignedBuffer's buffer protocol (__buffer__) on the Pythons it must import on
+    buffer = _C.AlignedBuffer(nbytes, lock=lock, strict=strict)
+    return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
 
 
 def aligned_tensor(

@@ -92,7 +92,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
         ['x.bin.0123456789ab.tmp']
     """
     directory, name = os.path.split(os.path.abspath(path))
-    removed = []
+    removed: list[str] = []
     try:
         candidates = [
             entry.name
@@ -132,7 +132,7 @@ def _check_directory(directory: str, path: str) -> None:
             return
         code = errno.ENOTDIR
     except OSError as exc:
-        code = exc.errno
+        code = exc.errno if exc.errno is not None else errno.EIO
     what = "no such directory" if code == errno.ENOENT else os.strerror(code)
     kind = {errno.ENOENT: FileNotFoundError, errno.ENOTDIR: NotADirectoryError}
     raise kind.get(code, OSError)(code, f"cannot save {path}: {what}", directory)

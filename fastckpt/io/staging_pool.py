@@ -152,7 +152,7 @@ class StagingPool:
         until ``nbytes`` are ready, growing the capacity if needed; returns the bytes ready.
         Later acquisitions then cost nothing."""
         self.grow_to(nbytes)
-        taken = []
+        taken: list[StagingBuffer] = []
         try:
             while sum(b.nbytes for b in taken) < nbytes:
                 buf = self.try_acquire()

@@ -35,8 +35,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.io import parallel_io
 from fastckpt.io.parallel_io import Span
@@ -88,12 +86,12 @@ class url_errors:  # noqa: N801 - used as a context manager
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is None or not isinstance(exc, Exception):
-            return False
+            return
         named = _named(self.url, self.what, exc)
         if named is exc:
-            return False
+            return
         raise named from exc
 
 
@@ -136,6 +134,8 @@ class _Parts:
 
     def cut(self, pieces: Iterator[Any]) -> Iterator[tuple[bytearray, int]]:
         """Yields ``(buffer, used bytes)``; the consumer gives each buffer back when done."""
+        import torch  # uploads only: the storage layer is importable without torch
+
         buf, used = None, 0
         for piece in pieces:
             if isinstance(piece, bytes):

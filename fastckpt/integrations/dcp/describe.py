@@ -65,9 +65,8 @@ def describe_dcp(
             entries.append(
                 {"key": fqn, "type": "bytes", "dtype": "", "shape": [], "chunks": 1, "bytes": 0}
             )
-    files = sorted(
-        {file_of(v) for v in (metadata.storage_data or {}).values()} - {None}  # type: ignore[arg-type]
-    )
+    named = {file_of(v) for v in (metadata.storage_data or {}).values()}
+    files = sorted(name for name in named if name is not None)
     sizes = _file_sizes(path, storage_options)
     return {
         "path": path,

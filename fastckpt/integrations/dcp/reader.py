@@ -25,7 +25,6 @@ from torch.futures import Future
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.errors import ChecksumError, FastCkptError, HeaderError
-from fastckpt.format import parse_header, parse_header_length, split_metadata
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
 from fastckpt.integrations.dcp._paths import location
@@ -165,7 +164,8 @@ class FastCkptReader(StorageReader):
             self._read(plan, planner)
             future.set_result(None)
         except BaseException as exc:
-            future.set_exception(exc)
+            # torch annotates the argument as the result type; it takes an exception
+            future.set_exception(exc)  # type: ignore[arg-type]
         return future
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -298,7 +298,8 @@ def _region_of(data: torch.Tensor, info: TensorInfo, offsets: Any, lengths: Any)
     if data.data_ptr() % info.dtype.itemsize:
         data = data.clone()  # files from other writers may not align tensors to their dtype
     elements = data.view(info.dtype)
-    strides, stride = [], 1
+    strides: list[int] = []
+    stride = 1
     for size in reversed(info.shape):
         strides.insert(0, stride)
         stride *= size
@@ -399,13 +400,7 @@ def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, int] | Non
     without checksums)."""
     with open_checkpoint(path) as reader:
         infos = {name: reader.info(name) for name in reader.keys()}
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            header = parse_header(f.read(parse_header_length(f.read(8), size)), size)
-        except HeaderError as exc:
-            raise HeaderError(f"{path}: {exc}") from None
-    return infos, split_metadata(header.metadata).crcs
+        return infos, reader.meta.crcs
 
 
 def _fits_whole(info: TensorInfo, req: ReadItem, target: torch.Tensor) -> bool:

@@ -49,7 +49,18 @@ class StoredItem(NamedTuple):
         raise TypeError(WRONG_READER.format(file=self.file))
 
     # The attributes DCP's FileSystemReader reads from its own storage entries.
-    relative_path = property(_wrong_reader)
-    offset = property(_wrong_reader)
-    length = property(_wrong_reader)
-    transform_descriptors = property(_wrong_reader)
+    @property
+    def relative_path(self) -> Any:
+        return self._wrong_reader()
+
+    @property
+    def offset(self) -> Any:
+        return self._wrong_reader()
+
+    @property
+    def length(self) -> Any:
+        return self._wrong_reader()
+
+    @property
+    def transform_descriptors(self) -> Any:
+        return self._wrong_reader()

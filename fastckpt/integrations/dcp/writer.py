@@ -88,7 +88,7 @@ def _stand_in(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     if isinstance(value, DTensor):
         local = value._local_tensor.detach()
-        twin = DTensor.from_local(
+        twin: torch.Tensor = DTensor.from_local(
             local,
             value.device_mesh,
             value.placements,
@@ -232,7 +232,8 @@ class FastCkptWriter(StorageWriter):
         try:
             future.set_result(self._write(plan, planner))
         except BaseException as exc:
-            future.set_exception(exc)
+            # torch annotates the argument as the result type; it takes an exception
+            future.set_exception(exc)  # type: ignore[arg-type]
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -305,6 +306,7 @@ class FastCkptWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 flat[name] = _bytes_tensor(data)
                 continue
+            assert isinstance(data, torch.Tensor)  # DCP resolves a tensor item to a tensor
             key = id(data) if id(data) in stand_ins else id(getattr(data, "_base", None))
             source = stand_ins.get(key)
             if source is None or data.shape != source.shape:
@@ -323,7 +325,9 @@ class FastCkptWriter(StorageWriter):
             pool = self._pool
             # room for this snapshot beside buffers an earlier save still holds
             pool.grow_to(pool.in_use() * pool.piece + plan.data_size + pool.piece)
-        writer = local_save.StreamWriter(plan, None, None, pool, progress=False, defer_writes=True)
+        # No file nor executor yet: with deferred writes they are given when the rank file is
+        # written (StreamWriter's signature does not say None, hence the ignore)
+        writer = local_save.StreamWriter(plan, None, None, pool, progress=False, defer_writes=True)  # type: ignore[arg-type]
         try:
             writer.fill()
         except BaseException:
@@ -455,6 +459,7 @@ class FastCkptWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 flat[name] = _bytes_tensor(data)
             else:
+                assert isinstance(data, torch.Tensor)  # DCP resolves a tensor item to a tensor
                 tensor = data.detach()
                 if tensor.device.type not in ("cpu", "cuda"):
                     tensor = tensor.cpu()
@@ -536,7 +541,10 @@ class FastCkptWriter(StorageWriter):
             self._removal = None
 
 
-def _bytes_tensor(data: io.BytesIO) -> torch.Tensor:
+def _bytes_tensor(data: object) -> torch.Tensor:
+    """The bytes DCP resolved a bytes item to (an ``io.BytesIO``), as a uint8 tensor."""
+    if not isinstance(data, io.BytesIO):
+        raise TypeError(f"the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
     raw = bytearray(data.getbuffer())
     return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
