@@ -505,7 +505,7 @@ def test_import_error_names_the_extra(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     for name in ("fastckpt.lightning", "fastckpt.integrations.lightning"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    with pytest.raises(ImportError, match=r"fastckpt\[lightning\]"):
+    with pytest.raises(ImportError, match=r"pip install lightning .*'\.\[lightning\]'"):
         importlib.import_module("fastckpt.lightning")
 
 
