@@ -50,8 +50,7 @@ from fastckpt.checkpoint.save import (
     StreamWriter,
     _through_page_cache,
     _write_from_tensors,
-    executor_for_destination,
-    plan_save,
+    plan_and_executor,
 )
 from fastckpt.format import DEFAULT_ALIGNMENT, DEFAULT_PIECE_SIZE
 from fastckpt.io.commit import AtomicFile, check_destination
@@ -327,16 +326,14 @@ def async_save(
     _begin(future, max_pending)
     try:
         path = check_destination(f)
-        plan = plan_save(
+        plan, executor = plan_and_executor(
             obj,
+            path,
             metadata=metadata,
             alignment=alignment,
             checksum=checksum,
             allow_pickle=allow_pickle,
             piece_size=piece_size,
-        )
-        executor = executor_for_destination(
-            path,
             engine=engine,
             block_size=block_size,
             queue_depth=queue_depth,

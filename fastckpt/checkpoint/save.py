@@ -461,16 +461,14 @@ def save(
         3
     """
     path = check_destination(f)
-    plan = plan_save(
+    plan, executor = plan_and_executor(
         obj,
+        path,
         metadata=metadata,
         alignment=alignment,
         checksum=checksum,
         allow_pickle=allow_pickle,
         piece_size=piece_size,
-    )
-    executor = executor_for_destination(
-        path,
         engine=engine,
         block_size=block_size,
         queue_depth=queue_depth,
@@ -515,6 +513,40 @@ def save_into(
         >>> os.path.exists(target)
         True
     """
+    plan, executor = plan_and_executor(
+        obj,
+        out.path,
+        metadata=metadata,
+        alignment=alignment,
+        checksum=checksum,
+        allow_pickle=allow_pickle,
+        piece_size=piece_size,
+        engine=engine,
+        block_size=block_size,
+        queue_depth=queue_depth,
+        intra_op_parallelism=intra_op_parallelism,
+    )
+    write_into(
+        plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
+    )
+
+
+def plan_and_executor(
+    obj: Any,
+    path: str,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    alignment: int = format.DEFAULT_ALIGNMENT,
+    checksum: bool = True,
+    allow_pickle: bool = False,
+    piece_size: int = format.DEFAULT_PIECE_SIZE,
+    engine: str | None = None,
+    block_size: int | None = None,
+    queue_depth: int | None = None,
+    intra_op_parallelism: int | None = None,
+) -> tuple[SavePlan, Executor]:
+    """What every save of ``obj`` to ``path`` starts with: its plan (checked before any file
+    is touched) and the executor configured for ``path``'s file system."""
     plan = plan_save(
         obj,
         metadata=metadata,
@@ -524,15 +556,13 @@ def save_into(
         piece_size=piece_size,
     )
     executor = executor_for_destination(
-        out.path,
+        path,
         engine=engine,
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
     )
-    write_into(
-        plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
-    )
+    return plan, executor
 
 
 def executor_for_destination(path: str, **explicit: Any) -> Executor:
