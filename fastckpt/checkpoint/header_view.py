@@ -77,7 +77,7 @@ class HeaderView:
                     f"{self.path}: alias {alias!r} points to missing tensor {target!r}"
                 )
             if alias in entries:
-                raise HeaderError(f"{self.path}: alias {alias!r} is also a stored tensor")
+                _check_stored_copy(self.path, entries[alias], entries[target], meta.crcs)
         if meta.crcs is not None:
             unknown = set(meta.crcs) - set(entries)
             if unknown:
@@ -116,8 +116,16 @@ class HeaderView:
                 )
 
     def keys(self) -> list[str]:
-        """Every tensor name: stored tensors in file order, then aliases of tied tensors."""
-        return list(self.header.entries) + list(self.meta.aliases)
+        """Every tensor name: stored tensors in file order, then aliases of tied tensors not
+        stored as copies."""
+        entries = self.header.entries
+        return list(entries) + [a for a in self.meta.aliases if a not in entries]
+
+    def _shared_entries(self) -> dict[str, format.TensorEntry]:
+        """The entries to read for every tensor: a tied tensor's stored copy is left out,
+        since its alias gives the target's tensor (the sharing restored)."""
+        aliases = self.meta.aliases
+        return {n: e for n, e in self.header.entries.items() if n not in aliases}
 
     def metadata(self) -> dict[str, str]:
         """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys)."""
@@ -157,4 +165,25 @@ class HeaderView:
             dtypes.torch_shape(e.dtype, e.shape, tensor=name),
             e.nbytes,
             self.header.data_offset + e.begin,
+        )
+
+
+def _check_stored_copy(
+    path: str,
+    copy: format.TensorEntry,
+    target: format.TensorEntry,
+    crcs: dict[str, int] | None,
+) -> None:
+    """A tied tensor stored under its alias too (so readers that know no aliases see every
+    key) must be the same tensor: dtype, shape and, when recorded, CRC32C. Otherwise a
+    safetensors reader and fastckpt would see different values under one name."""
+    if (copy.dtype, copy.shape) != (target.dtype, target.shape):
+        raise HeaderError(
+            f"{path}: tied tensor {copy.name!r} is stored as {copy.dtype}{list(copy.shape)} "
+            f"but its alias target {target.name!r} is {target.dtype}{list(target.shape)}"
+        )
+    if crcs is not None and crcs.get(copy.name) != crcs.get(target.name):
+        raise HeaderError(
+            f"{path}: tied tensor {copy.name!r} is stored with other bytes than its alias "
+            f"target {target.name!r} (their CRC32Cs differ)"
         )

@@ -299,7 +299,7 @@ class CheckpointReader(HeaderView, Reader):
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
         if names is None:
-            return dict(self.header.entries)
+            return self._shared_entries()
         entries = {}
         for n in names:
             e = self._entry(n)

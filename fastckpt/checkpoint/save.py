@@ -52,7 +52,7 @@ class SavePlan:
 
     Attributes:
         entries: the tensors in file order, with their data-section offsets.
-        tensors: stored name -> tensor (aliases of tied tensors are not repeated).
+        tensors: stored name -> tensor (a tied tensor under its name and each alias).
         user_metadata, aliases, tree: what goes into ``__metadata__``.
         checksum: whether CRC32C values are recorded.
         alignment: the layout's alignment (bytes).
@@ -144,15 +144,19 @@ def plan_save(
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
     flat = tree.flatten(obj, allow_pickle=allow_pickle)
+    # A tied tensor is also stored under each alias: readers that know no aliases
+    # (safetensors' load_file, other languages) then see every key of a state dict, while
+    # fastckpt reads it once and gives the alias the very same tensor.
+    stored = {**flat.tensors, **{a: flat.tensors[t] for a, t in flat.aliases.items()}}
     specs = []
-    for name, t in flat.tensors.items():
+    for name, t in stored.items():
         _check_tensor(name, t)
         shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
         specs.append((name, dtypes.to_safetensors(t.dtype), shape))
     entries = format.plan_layout(specs, alignment)
     plan = SavePlan(
         entries=entries,
-        tensors=flat.tensors,
+        tensors=stored,
         user_metadata=dict(metadata) if metadata is not None else None,
         aliases=flat.aliases,
         tree=flat.tree,

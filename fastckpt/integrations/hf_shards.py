@@ -14,7 +14,8 @@ do, so each reads what the other writes. A state dict that fits in one shard is 
 
 Sharding: tensors are taken in the state dict's order and a new shard starts when the next
 one would overflow the limit; a tensor larger than the limit gets a shard of its own;
-tensors sharing storage (tied weights) go to one shard, where the file stores the bytes once.
+tensors sharing storage (tied weights) go to one shard, where the file stores them under each
+name (so safetensors readers see every key) and fastckpt reads them once, tied again.
 
 Each shard is a fastckpt file (aligned for direct I/O, with checksums), written in parallel
 under a temporary name; once every shard is durable the set is published in one atomic step
@@ -57,7 +58,6 @@ import torch
 
 from fastckpt import storage
 from fastckpt.checkpoint import save as checkpoint_save
-from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.range_read import TensorSlice
 from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
@@ -298,12 +298,14 @@ def _published_remote(directory: str, storage_options: Mapping[str, Any] | None)
 
 
 def _index_bytes(
-    stored: list[dict[str, torch.Tensor]], names: list[str], metadata: Mapping[str, str] | None
+    shards: list[dict[str, torch.Tensor]], names: list[str], metadata: Mapping[str, str] | None
 ) -> bytes:
-    total = sum(t.numel() * t.element_size() for tensors in stored for t in tensors.values())
+    """The index: every name (a tied tensor's too: its shard stores a copy under each name)
+    and the bytes the shards hold."""
+    total = sum(t.numel() * t.element_size() for tensors in shards for t in tensors.values())
     index = {
         "metadata": {**dict(metadata or {}), "total_size": total},
-        "weight_map": {n: names[i] for i, tensors in enumerate(stored) for n in tensors},
+        "weight_map": {n: names[i] for i, tensors in enumerate(shards) for n in tensors},
     }
     return (json.dumps(index, indent=2, sort_keys=False) + "\n").encode()
 
@@ -316,7 +318,6 @@ def _save_one(state: dict[str, torch.Tensor], out: AtomicFile, options: dict[str
 
 def _save_local(
     shards: list[dict[str, torch.Tensor]],
-    stored: list[dict[str, torch.Tensor]],
     directory: str,
     options: dict[str, Any],
     parallel: int,
@@ -339,7 +340,7 @@ def _save_local(
                     os.unlink(index)
                     commit_set.fsync_directory(directory)
                 return
-            data = _index_bytes(stored, names, options.get("metadata"))
+            data = _index_bytes(shards, names, options.get("metadata"))
             # read-only files of the old set were refused (or allowed) by the commit set
             commit_set.write_atomically(index, data, overwrite_readonly=True)
 
@@ -353,7 +354,6 @@ def _save_local(
 
 def _save_remote(
     shards: list[dict[str, torch.Tensor]],
-    stored: list[dict[str, torch.Tensor]],
     directory: str,
     options: dict[str, Any],
     parallel: int,
@@ -381,7 +381,7 @@ def _save_remote(
             if INDEX_NAME in referenced:
                 fs.rm_file(path_of(INDEX_NAME))
         else:
-            data = _index_bytes(stored, names, options.get("metadata"))
+            data = _index_bytes(shards, names, options.get("metadata"))
             remote.write_bytes(remote.join(directory, INDEX_NAME), data, storage_options)
     except BaseException:
         for name in set(names) - referenced:  # ours, never published
@@ -441,13 +441,10 @@ def save_sharded(
     groups = plan_shards(state_dict, max_shard_size) or [[]]
     options = dict(save_options, metadata=metadata, storage_options=storage_options)
     shards = [{n: state_dict[n] for n in group} for group in groups]
-    # A tied tensor is stored once per shard; its other names live in that shard's header
-    # (fastckpt.load restores them) and, as in transformers' own indexes, not in the weight map.
-    stored = [tree.flatten(shard).tensors for shard in shards]
     if local is not None:
-        _save_local(shards, stored, local, options, parallel)
+        _save_local(shards, local, options, parallel)
     else:
-        _save_remote(shards, stored, directory, options, parallel)
+        _save_remote(shards, directory, options, parallel)
 
 
 # --------------------------------------------------------------------------- load
@@ -661,18 +658,18 @@ class ShardedReader(Reader):
                 )
             if single is not None:
                 reader = self._readers[single]
-                self._owner = {name: reader for name in reader.header.entries}
                 self._aliases = reader.aliases
+                self._owner = {n: reader for n in reader.header.entries if n not in self._aliases}
                 self._structure = reader.structure
                 return
             self._structure = None
             for name, file_name in weight_map.items():
                 reader = self._readers[storage.join(directory, file_name)]
-                if name in reader.header.entries:
-                    self._owner[name] = reader
-                elif reader.aliases.get(name) in reader.header.entries:
+                if reader.aliases.get(name) in reader.header.entries:  # tied: read once
                     self._aliases[name] = reader.aliases[name]
                     self._owner.setdefault(reader.aliases[name], reader)
+                elif name in reader.header.entries:
+                    self._owner[name] = reader
                 else:
                     raise HeaderError(
                         f"{reader.path}: lacks tensor {name!r} that {index} maps to it"

@@ -22,8 +22,8 @@ What is stored, and how (no pickle by default):
   from the file: those classes are a fixed table. A default ``LightningModule`` saves and
   resumes with ``trainer.fit(ckpt_path=...)`` out of the box.
 - The model's weights are stored under their own ``state_dict`` keys, so
-  ``safetensors.torch.load_file(path)`` returns the ``state_dict`` (tied weights once,
-  under their first name) and, with ``save_weights_only=True``, nothing else; the rest
+  ``safetensors.torch.load_file(path)`` returns the ``state_dict`` (tied weights under
+  each of their names) and, with ``save_weights_only=True``, nothing else; the rest
   (epoch, global step, hyper-parameters...) is in the tree, in the file's metadata.
 - Anything else (a user class in the hyper-parameters, a function...) is refused with a
   ``TypeError`` that names where it sits in the checkpoint. ``allow_pickle=True`` stores
