@@ -95,4 +95,3 @@ def test_the_readme_install_lines_work_in_a_fresh_environment(tmp_path: Path) ->
     report = run_in_env(small_bench, env_dir, tmp_path).stdout
     assert re.search(r"^fastckpt\s+\d", report, re.MULTILINE), report
     assert Path(sys.executable).resolve() != python.resolve()
-

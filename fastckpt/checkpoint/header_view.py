@@ -118,6 +118,7 @@ class HeaderView:
     def keys(self) -> list[str]:
         """Every tensor name: stored tensors in file order, then aliases of tied tensors not
         stored as copies."""
+        self._check_open()
         entries = self.header.entries
         return list(entries) + [a for a in self.meta.aliases if a not in entries]
 
@@ -127,9 +128,17 @@ class HeaderView:
         aliases = self.meta.aliases
         return {n: e for n, e in self.header.entries.items() if n not in aliases}
 
-    def metadata(self) -> dict[str, str]:
-        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys)."""
+    def metadata(self) -> dict[str, str] | None:
+        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys);
+        None for a file without ``__metadata__``, as ``safe_open`` says."""
+        self._check_open()
+        if not self.header.metadata:
+            return None
         return dict(self.meta.user)
+
+    def _check_open(self) -> None:
+        """Raises ValueError naming the file once the reader is closed."""
+        raise NotImplementedError
 
     @property
     def has_checksums(self) -> bool:
@@ -158,6 +167,7 @@ class HeaderView:
 
     def info(self, name: str) -> TensorInfo:
         """dtype, shape, size and file offset of a tensor, without reading it."""
+        self._check_open()
         e = self._entry(name)
         return TensorInfo(
             name,

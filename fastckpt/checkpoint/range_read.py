@@ -305,11 +305,15 @@ class TensorSlice:
         return self.shape[0]
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        if isinstance(index, list) and not all(_is_int(i) for i in index):
+            index = tuple(index)  # as safetensors: a list of slices indexes one per dimension
         items: tuple[Any, ...] = index if isinstance(index, tuple) else (index,)
         if not self.shape or not items or items[0] is Ellipsis:
             return self._rows(0, self.shape[0] if self.shape else 1)[items]
         first, rest = items[0], items[1:]
         rows = self.shape[0]
+        if isinstance(first, (list, range)):
+            return self._gather(list(first), rest)
         if isinstance(first, int) and not isinstance(first, bool):
             row = first + rows if first < 0 else first
             if not 0 <= row < rows:
@@ -318,7 +322,8 @@ class TensorSlice:
             return self._rows(row, row + 1)[in_row]
         if not isinstance(first, slice):
             raise TypeError(
-                f"the first index must be an int, a slice or ..., got {type(first).__name__}"
+                "the first index must be an int, a slice, a list of ints or ..., got "
+                f"{type(first).__name__}"
             )
         lo, hi, step = first.indices(rows)
         if step <= 0:
@@ -333,6 +338,32 @@ class TensorSlice:
         stepped = (slice(None, None, step), *rest)
         return block[stepped]
 
+    def _gather(self, wanted: list[Any], rest: tuple[Any, ...]) -> torch.Tensor:
+        """Rows picked by a list of ints (in its order, repeats allowed), reading each run of
+        consecutive rows once; ``rest`` applies to the rows read."""
+        rows = self.shape[0]
+        picked = []
+        for i in wanted:
+            if not _is_int(i):
+                raise TypeError(f"a list index holds ints, got {type(i).__name__}")
+            if not -rows <= i < rows:
+                raise IndexError(f"index {i} is out of bounds for dimension 0 of size {rows}")
+            picked.append(i + rows if i < 0 else i)
+        every_row = (slice(None), *rest)
+        if not picked:
+            return self._rows(0, 0)[every_row]
+        distinct = sorted(set(picked))
+        runs: list[tuple[int, int]] = []  # [lo, hi) of consecutive rows
+        for row in distinct:
+            if runs and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + 1)
+            else:
+                runs.append((row, row + 1))
+        block = torch.cat([self._rows(lo, hi) for lo, hi in runs])
+        position = {row: k for k, row in enumerate(distinct)}
+        order = torch.tensor([position[row] for row in picked], dtype=torch.long)
+        return block[order][every_row]
+
     def _rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` read into memory, as a tensor (a 0-d tensor is one row)."""
         row_bytes = self._entry.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
@@ -343,3 +374,7 @@ class TensorSlice:
             raw = raw.clone()  # files from other writers may not align tensors to their dtype
         shape = (hi - lo, *self.shape[1:]) if self.shape else ()
         return raw.view(self.dtype).view(shape)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -40,8 +40,9 @@ class Reader(abc.ABC):
         """Every tensor name: stored tensors, then aliases of tied tensors."""
 
     @abc.abstractmethod
-    def metadata(self) -> dict[str, str]:
-        """The user's metadata (without fastckpt's own ``fastckpt.*`` keys)."""
+    def metadata(self) -> dict[str, str] | None:
+        """The user's metadata (without fastckpt's own ``fastckpt.*`` keys); None when the
+        checkpoint has no metadata at all (as ``safe_open`` says)."""
 
     @abc.abstractmethod
     def info(self, name: str) -> TensorInfo:

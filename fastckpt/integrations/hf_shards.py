@@ -686,11 +686,13 @@ class ShardedReader(Reader):
     # -- what the index and headers say ----------------------------------------------------
     def keys(self) -> list[str]:
         """Every tensor name the index gives (in its order), then tied names."""
+        self._live()
         return list(self._owner) + [a for a in self._aliases if a not in self._owner]
 
-    def metadata(self) -> dict[str, str]:
+    def metadata(self) -> dict[str, str] | None:
         """The index's ``metadata`` (``total_size`` and any saved metadata), as strings; for a
         directory of one ``model.safetensors``, that file's metadata."""
+        self._live()
         if self._metadata or len(self._readers) != 1:
             return dict(self._metadata)
         return next(iter(self._readers.values())).metadata()

@@ -309,7 +309,7 @@ def _load_located(
         cpu = map_location if map_location is not None else (lambda storage, loc: storage)
         return TorchCheckpointIO().load_checkpoint(path, cpu, weights_only=weights_only)
     with open_checkpoint(path) as reader:
-        earlier = sorted(set(reader.metadata()) & set(_EARLIER_LAYOUT_KEYS))
+        earlier = sorted(set(reader.metadata() or ()) & set(_EARLIER_LAYOUT_KEYS))
     if earlier:
         raise HeaderError(
             f"{path} holds Lightning metadata of an earlier fastckpt layout ({', '.join(earlier)}), "

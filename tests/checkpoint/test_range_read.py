@@ -149,7 +149,7 @@ def test_get_slice(tmp_path):
         with pytest.raises(IndexError, match="out of bounds"):
             s[50]
         with pytest.raises(TypeError, match="first index"):
-            s[[1, 2]]
+            s[{1, 2}]
 
 
 def test_read_range_rejects_bad_arguments(saved, tmp_path):
