@@ -67,6 +67,10 @@ SAVES: dict[str, tuple[str, str]] = {
 LOADS: dict[str, tuple[str, str]] = {
     "fastckpt": ("fastckpt.load", "fastckpt.safetensors"),
     "fastckpt-noverify": ("fastckpt.load(verify=False)", "fastckpt.safetensors"),
+    # every read path fastckpt can take, forced, beside the one it chose above
+    "fastckpt-direct": ("fastckpt.load, O_DIRECT reads", "fastckpt.safetensors"),
+    "fastckpt-buffered": ("fastckpt.load, buffered reads", "fastckpt.safetensors"),
+    "fastckpt-mapped": ("fastckpt.load, mapped reads", "fastckpt.safetensors"),
     "torch": ("torch.load(mmap=False)", "torch.pt"),
     "safetensors": ("safetensors load_file", "safetensors.safetensors"),
 }
@@ -206,6 +210,17 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
     )
     if fio is None:
         out += ["fio not installed: no device ceiling.", ""]
+    resident = [(m, loads[m].get("resident_max")) for m in LOADS if loads[m].get("n")]
+    known = [share for _, share in resident if share is not None]
+    if known:
+        warm = [LOADS[m][0] for m, share in resident if share is not None and share > 0.01]
+        out += [
+            f"Cold proved: the most of a file resident before any load was {max(known):.1%} "
+            "(mincore, as fincore reports)"
+            + (f"; **not cold** for {', '.join(warm)}" if warm else "")
+            + ".",
+            "",
+        ]
     out += _rounds_table(meta["rounds"])
 
     out += ["### Targets", "", "| target | measured | met |", "|---|---|:-:|"]

@@ -14,6 +14,8 @@ This module is the only reader of ``FASTCKPT_*`` variables. Besides the I/O sett
 ``FASTCKPT_GDS`` (use GPUDirect Storage for CUDA loads: 1/0, unset = as tuned),
 ``FASTCKPT_ASYNC_STAGING_BYTES`` (cap on the asynchronous staging pool),
 ``FASTCKPT_DIRECT_IO`` (1/0: force or forbid O_DIRECT; unset: chosen per file),
+``FASTCKPT_READ_MODE`` (``direct``/``buffered``/``mapped``: how cold local files are read;
+unset: as tuned, else O_DIRECT),
 ``FASTCKPT_STORAGE_OPTIONS`` (a JSON object of fsspec storage options for URLs),
 ``FASTCKPT_NO_PROGRESS`` (1 hides progress bars), ``FASTCKPT_CUFILE_LIBRARY`` (the libcufile
 file to open) and ``FASTCKPT_CONFIG`` (the tuned-configuration file).
@@ -62,6 +64,11 @@ __all__ = [
     "environment",
     "gds_choice",
     "direct_io",
+    "READ_MODES",
+    "read_mode_override",
+    "force_read_mode",
+    "save_tuned_read_mode",
+    "tuned_read_mode",
     "progress_hidden",
     "cufile_library",
     "async_staging_bytes",
@@ -175,6 +182,10 @@ def gds_choice() -> bool | None:
     return None if text is None or not text.strip() else _parse_bool("FASTCKPT_GDS", text)
 
 
+#: The ways a local file's cold bytes can come in (see :mod:`fastckpt.storage.local`).
+READ_MODES = ("direct", "buffered", "mapped")
+
+
 def direct_io() -> bool | None:
     """``FASTCKPT_DIRECT_IO``: 1 forces O_DIRECT reads, 0 forces reads through the page
     cache; None (unset) lets each read choose by what is already in memory.
@@ -185,6 +196,45 @@ def direct_io() -> bool | None:
     """
     text = environment("DIRECT_IO")
     return None if text is None or not text.strip() else _parse_bool("FASTCKPT_DIRECT_IO", text)
+
+
+_forced_read_mode: str | None = None  # force_read_mode's, over FASTCKPT_READ_MODE
+
+
+def force_read_mode(mode: str | None) -> None:
+    """Forces how this process reads cold local files (``direct``, ``buffered``,
+    ``mapped``; None: back to ``FASTCKPT_READ_MODE``, then tuning). For benchmarks and
+    ``fastckpt tune``, which time each mode.
+
+    Example:
+        >>> force_read_mode("mapped"); read_mode_override()
+        'mapped'
+        >>> force_read_mode(None)
+    """
+    global _forced_read_mode
+    if mode is not None and mode not in READ_MODES:
+        raise ValueError(f"read mode must be one of {', '.join(READ_MODES)}, got {mode!r}")
+    _forced_read_mode = mode
+
+
+def read_mode_override() -> str | None:
+    """The read mode forced for cold local files: :func:`force_read_mode`'s, else
+    ``FASTCKPT_READ_MODE`` (``direct``, ``buffered`` or ``mapped``); None when neither.
+    Bytes already in memory are still read buffered.
+
+    Example:
+        >>> read_mode_override() in (None, *READ_MODES)
+        True
+    """
+    if _forced_read_mode is not None:
+        return _forced_read_mode
+    text = environment("READ_MODE")
+    if text is None or not text.strip():
+        return None
+    mode = text.strip().lower()
+    if mode not in READ_MODES:
+        raise ValueError(f"FASTCKPT_READ_MODE must be one of {', '.join(READ_MODES)}, got {text!r}")
+    return mode
 
 
 def progress_hidden() -> bool:
@@ -351,6 +401,38 @@ def save_tuned_gds(fs_key: str, measured: Mapping[str, Any]) -> Path:
     entry["gds"] = {**dict(measured), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     entry.setdefault("time", entry["gds"]["time"])
     return _write_tuned(entries)
+
+
+def save_tuned_read_mode(fs_key: str, mode: str, gbps: Mapping[str, float]) -> Path:
+    """Records which way of reading a cold file was fastest on one file system (``mode``:
+    ``"direct"``, ``"buffered"`` or ``"mapped"``) and what each measured; returns the file."""
+    if mode not in READ_MODES:
+        raise ValueError(f"read mode must be one of {', '.join(READ_MODES)}, got {mode!r}")
+    entries = load_tuned()
+    entry = entries.setdefault(fs_key, {"config": {}, "measured": {}})
+    entry["read"] = {
+        "mode": mode,
+        "gbps": {k: round(float(v), 3) for k, v in gbps.items()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    entry.setdefault("time", entry["read"]["time"])
+    return _write_tuned(entries)
+
+
+def tuned_read_mode(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """The way of reading a cold file that ``fastckpt tune`` found fastest on the file system
+    of ``path``, and why (the figures); None when it was not measured there.
+
+    Example:
+        >>> tuned_read_mode("/nonexistent/x.safetensors") is None
+        True
+    """
+    read = _tuned_entries().get(filesystem_key(path), {}).get("read", {})
+    mode, gbps = read.get("mode"), read.get("gbps", {})
+    if mode not in READ_MODES or not isinstance(gbps, dict):
+        return None
+    figures = ", ".join(f"{k} {v} GB/s" for k, v in gbps.items())
+    return mode, f"fastckpt tune measured cold reads here: {figures}"
 
 
 def _write_tuned(entries: Mapping[str, Any]) -> Path:

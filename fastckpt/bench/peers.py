@@ -156,6 +156,20 @@ def _load_fastckpt_mmap(path: str, device: str) -> Callable[[], Any]:
     return lambda: load(path, mmap=True, progress=False)
 
 
+def _load_fastckpt_in(mode: str) -> Callable[[str, str], Callable[[], Any]]:
+    """``fastckpt.load`` with its cold reads forced to one read mode, to show every path
+    beside the one chosen."""
+
+    def setup(path: str, device: str) -> Callable[[], Any]:
+        from fastckpt.api import load
+        from fastckpt.config import force_read_mode
+
+        force_read_mode(mode)  # this benchmark child reads in this mode only
+        return lambda: load(path, map_location=device, progress=False)
+
+    return setup
+
+
 def _load_safetensors(path: str, device: str) -> Callable[[], Any]:
     _require("safetensors.torch")
     import safetensors.torch
@@ -262,6 +276,12 @@ LOADERS: dict[str, Loader] = {
     "fastckpt": Loader("fastckpt.load", "fastckpt", _load_fastckpt),
     "fastckpt-noverify": Loader("fastckpt.load(verify=False)", "fastckpt", _load_fastckpt_noverify),
     "fastckpt-mmap": Loader("fastckpt.load(mmap=True)", "fastckpt", _load_fastckpt_mmap),
+    **{
+        f"fastckpt-{mode}": Loader(
+            f"fastckpt.load, {mode} reads", "fastckpt", _load_fastckpt_in(mode)
+        )
+        for mode in ("direct", "buffered", "mapped")
+    },
     "safetensors": Loader("safetensors load_file (mmap)", "safetensors", _load_safetensors),
     "safetensors-pread": Loader(
         "safetensors load_file(backend=pread)", "safetensors", _load_safetensors_pread

@@ -55,6 +55,11 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "cpu_seconds": median([r.get("cpu_seconds") for r in ok]),
         "extra_rss": median(rss) if any(v is not None for v in rss) else None,
         "extra_rss_max": max((v for v in rss if v is not None), default=None),
+        # the largest share of the file in the page cache before a cold load (fincore)
+        "resident_max": max(
+            (r["resident_before"] for r in ok if r.get("resident_before") is not None),
+            default=None,
+        ),
         "errors": errors,
         "skipped": skipped,
     }

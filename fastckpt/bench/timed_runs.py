@@ -85,12 +85,13 @@ def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> di
         return {"skipped": str(why)}
     touch({"warm": torch.ones(1024)})  # first-op setup outside the timed section
     cache = drop_page_cache([path]) if spec.get("cold") else "hot"
+    resident = _resident_share(path)  # a "cold" figure is proved cold: fincore's check
     sampler = ThreadSampler() if spec.get("sample") else contextlib.nullcontext()
     with sampler, Measure() as m:
         loaded = run()
         touch(loaded)
         _synchronize(device)
-    result: dict[str, Any] = {**m.as_dict(), "cache": cache}
+    result: dict[str, Any] = {**m.as_dict(), "cache": cache, "resident_before": resident}
     if isinstance(sampler, ThreadSampler):
         result.update(streams=sampler.streams, streams_max=sampler.busy_max)
     whole_file = method.startswith("preadv")
@@ -113,3 +114,14 @@ def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> di
                 n for n in set(crcs) | set(want) if crcs.get(n) != want.get(n)
             )[:3]
     return result
+
+
+def _resident_share(path: str) -> float | None:
+    """The share of ``path``'s pages in the page cache (None where mincore says nothing)."""
+    from fastckpt.io.page_cache import resident_fraction
+
+    try:
+        with open(path, "rb") as f:
+            return resident_fraction(f.fileno(), 0, os.path.getsize(path))
+    except OSError:
+        return None

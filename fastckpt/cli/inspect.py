@@ -178,7 +178,8 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``name, dtype, shape, bytes, offset, alignment``), ``tensor_count``, ``total_bytes``,
     ``aligned_4096`` (tensors starting on a 4096-byte boundary), ``metadata`` (the user's),
     ``checksums`` (bool), ``checksummed`` (how many tensors), ``aliases``, ``nested``,
-    ``fastckpt_version`` (None for files other writers made).
+    ``fastckpt_version`` (None for files other writers made), ``read_mode`` (how a load
+    would read the data now and why: ``{"mode", "why"}``).
 
     Raises:
         fastckpt.HeaderError, OSError: as :func:`read_header`.
@@ -216,7 +217,20 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "aliases": meta.aliases,
         "nested": meta.tree is not None,
         "fastckpt_version": meta.version,
+        "read_mode": _read_mode(path, header.data_offset, header.data_size),
     }
+
+
+def _read_mode(path: str | os.PathLike[str], offset: int, nbytes: int) -> dict[str, str] | None:
+    """How a load would read the data section now, and why (None where it cannot say)."""
+    from fastckpt.storage.local import LocalStorage
+
+    try:
+        with LocalStorage(path) as storage:
+            mode, why = storage.choose_mode((offset, nbytes))
+    except (OSError, ValueError):
+        return None
+    return {"mode": mode, "why": why}
 
 
 def printable(text: str) -> str:
@@ -286,6 +300,8 @@ def _print_file(info: dict[str, Any]) -> None:
             "  checksums: none (`fastckpt verify` cannot check this file; "
             "`fastckpt convert` it to add them)"
         )
+    if info.get("read_mode"):
+        print(f"  read mode now: {info['read_mode']['mode']} ({info['read_mode']['why']})")
     if info["aliases"]:
         shared = ", ".join(f"{printable(a)} -> {printable(b)}" for a, b in info["aliases"].items())
         print(f"  shared tensors: {shared}")

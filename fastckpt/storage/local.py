@@ -5,8 +5,15 @@ How bytes come in is chosen per read (:meth:`LocalStorage.choose_mode`):
 - ``"buffered"``: when the bytes are already in memory (a hot page cache, tmpfs), when the
   file system refuses O_DIRECT, or with ``direct_io=False``: worker threads ``pread``
   through the page cache and checksum each step while it is still in the CPU cache.
-- ``"direct"``: otherwise the native engine reads with O_DIRECT and worker threads
-  checksum spans as they land.
+- ``"direct"``: the native engine reads with O_DIRECT and worker threads checksum spans as
+  they land.
+- ``"mapped"``: worker threads copy out of a read-only mapping of the file; the page
+  faults bring the bytes in with the kernel's readahead.
+
+For a cold file, which of the three is fastest depends on the device: O_DIRECT with a deep
+queue on local NVMe, the page cache's readahead on many virtual and network disks. So it is
+measured, not assumed: ``fastckpt tune`` times a cold read in each mode and remembers the
+winner per file system; ``FASTCKPT_READ_MODE`` forces one; without either, O_DIRECT.
 
 A file system that takes O_DIRECT at open but refuses it for reads (some memory-backed and
 network file systems) is found out by one aligned read when the file is opened, so the mode
@@ -31,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastckpt.config import direct_io as config_direct_io
-from fastckpt.config import resolve_io
+from fastckpt.config import read_mode_override, resolve_io, tuned_read_mode
 from fastckpt.io import page_cache, parallel_io
 from fastckpt.io.commit import AtomicFile
 from fastckpt.io.executor import Executor, shared_executor
@@ -157,14 +164,20 @@ class LocalStorage(Storage):
             return (
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
-        if self.file.direct_fd < 0:
-            return "buffered", "the file system refuses O_DIRECT"
+        forced = read_mode_override()  # first: a bad value is an error whatever is resident
         offset, nbytes = region
         resident = page_cache.resident_fraction(self.file.fd, offset, nbytes)
         if resident is not None and resident >= _RESIDENT_ENOUGH:
             return "buffered", f"{resident:.0%} of the data is in memory"
         known = "unknown" if resident is None else f"{resident:.0%}"
-        return "direct", f"{known} of the data is in memory"
+        if forced is not None and (forced != "direct" or self.file.direct_fd >= 0):
+            return forced, f"FASTCKPT_READ_MODE={forced}; {known} of the data is in memory"
+        tuned = tuned_read_mode(self.location)
+        if tuned is not None and (tuned[0] != "direct" or self.file.direct_fd >= 0):
+            return tuned[0], f"{known} of the data is in memory; {tuned[1]}"
+        if self.file.direct_fd < 0:
+            return "buffered", "the file system refuses O_DIRECT"
+        return "direct", f"{known} of the data is in memory; no read mode tuned here"
 
     def span_bytes(self, total: int, mode: str) -> int:
         return span_bytes(total, mode)
@@ -187,6 +200,10 @@ class LocalStorage(Storage):
                 owner=owner,
                 checksum=checksum,
                 on_progress=on_progress,
+            )
+        if mode == "mapped":
+            return parallel_io.read_mapped(
+                self.file, spans, checksum=checksum, on_progress=on_progress
             )
         return parallel_io.read_buffered(
             self.file, spans, checksum=checksum, on_progress=on_progress

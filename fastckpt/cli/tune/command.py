@@ -54,6 +54,7 @@ from fastckpt.cli._common import (
     spellings,
 )
 from fastckpt.cli.tune.plot import plot_results, require_matplotlib
+from fastckpt.cli.tune.read_modes import measure_read_modes, remember_read_modes
 from fastckpt.cli.tune.sweep import (
     QUICK_BUDGET,
     QUICK_DESCRIPTION,
@@ -290,10 +291,32 @@ def run(args: argparse.Namespace) -> int:
             replace=args.replace,
         )
     _print_outcomes(outcomes, coverage, dirs, gds=args.gds)
+    if read and not args.gds:  # beside a configuration this tune saved (not a kept one)
+        saved = [d for d, outcome in zip(dirs, _outcome_per_dir(dirs, outcomes)) if outcome.saved]
+        if saved:
+            _tune_read_modes(saved, args, cache)
     if args.plot:
         plot_results(results, sweep, args.plot, read=read, write=write)
         print(f"Plot written to {args.plot}")
     return 0
+
+
+def _outcome_per_dir(dirs: Sequence[str], outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The outcome of each directory's file system."""
+    from fastckpt.config import filesystem_key
+
+    by_key = {outcome.key: outcome for outcome in outcomes}
+    return [by_key[filesystem_key(d)] for d in dirs]
+
+
+def _tune_read_modes(dirs: Sequence[str], args: argparse.Namespace, cache: PageCache) -> None:
+    """Times cold checkpoint loads in each read mode and remembers the fastest per file
+    system (see :mod:`fastckpt.cli.tune.read_modes`)."""
+    print("Measuring cold checkpoint loads per read mode (direct, buffered, mapped)...", flush=True)
+    figures = measure_read_modes(dirs, args.io_size, cache, max(3, args.loops))
+    for one in figures:
+        print(f"  {one.describe()}")
+    remember_read_modes(figures)
 
 
 def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
