@@ -8,6 +8,9 @@ few steps. Each mode runs in its own process so peak RSS is per mode:
   (the floor a snapshot can reach);
 - ``save``: ``fastckpt.save`` (blocking);
 - ``async_save``: ``fastckpt.async_save``, waited for at the end;
+- ``async_lazy``: ``fastckpt.async_save(..., lazy=True)`` (a 256 MiB staging ring), with
+  ``future.fence()`` before the next "optimizer step"; its blocking time is the call plus
+  that fence;
 - ``torch_save``: ``torch.save`` + fsync (blocking);
 - ``torch_thread``: ``clone()`` then ``torch.save`` + fsync in a background thread (what
   Lightning's AsyncCheckpointIO does).
@@ -37,7 +40,7 @@ from fastckpt.bench.measure import Measure
 from fastckpt.bench.units import format_bytes, median
 from fastckpt.config import parse_size
 
-MODES = ("none", "copy", "save", "async_save", "torch_save", "torch_thread")
+MODES = ("none", "copy", "save", "async_save", "async_lazy", "torch_save", "torch_thread")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -62,14 +65,19 @@ def child(args: argparse.Namespace) -> None:
         torch.save(obj, where)
         make_durable(where)
 
-    if args.mode == "async_save":  # warm the staging pool like a training run's first save would
-        fastckpt.async_save(state, path).result()
+    if args.mode in ("async_save", "async_lazy"):  # warm the staging memory, as a first save
+        fastckpt.async_save(state, path, lazy=args.mode == "async_lazy").result()
     compute = 0.0
     with Measure() as m:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             for _ in range(args.matmuls_per_step):
                 (a @ b).sum()
+            if args.mode == "async_lazy" and futures and not futures[-1].done():
+                t1 = time.perf_counter()
+                futures[-1].fence()  # what fence=optimizer does before the step
+                blocked[-1] += time.perf_counter() - t1
+                compute -= time.perf_counter() - t1
             with torch.no_grad():
                 for t in state.values():  # an "optimizer step" that changes every tensor
                     t.mul_(0.999)
@@ -84,6 +92,8 @@ def child(args: argparse.Namespace) -> None:
                 fastckpt.save(state, path)
             elif args.mode == "async_save":
                 futures.append(fastckpt.async_save(state, path))
+            elif args.mode == "async_lazy":
+                futures.append(fastckpt.async_save(state, path, lazy=True))
             elif args.mode == "torch_save":
                 torch_save_durable(state, path)
             elif args.mode == "torch_thread":

@@ -55,6 +55,7 @@ _PUBLIC = {
     "WeightsOnlyError": ("fastckpt.errors", "WeightsOnlyError"),
     "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
     "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
+    "LazySaveError": ("fastckpt.errors", "LazySaveError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -87,6 +88,7 @@ __all__ = [
     "WeightsOnlyError",
     "UnsafePickleError",
     "NoChecksumsError",
+    "LazySaveError",
     "CuFileError",
 ]
 
@@ -111,6 +113,7 @@ if TYPE_CHECKING:
         EngineUnavailableError,
         FastCkptError,
         HeaderError,
+        LazySaveError,
         NoChecksumsError,
         UnsafePickleError,
         WeightsOnlyError,

@@ -25,6 +25,7 @@ __all__ = [
     "WeightsOnlyError",
     "UnsafePickleError",
     "NoChecksumsError",
+    "LazySaveError",
     "checksum_mismatch",
 ]
 
@@ -49,6 +50,12 @@ class ChecksumError(FastCkptError):
         super().__init__(message)
         self.tensor = tensor
         self.filename = filename
+
+
+class LazySaveError(FastCkptError, RuntimeError):
+    """A tensor changed while a lazy ``async_save`` was copying it (its version counter
+    moved), so the save was not committed; the message names the tensor and how to fence
+    the code that changed it."""
 
 
 class NoChecksumsError(FastCkptError, ValueError):

@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 from fastckpt import config
 from fastckpt.checkpoint import save_order
+from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.checkpoint.save import (
     StreamWriter,
     _through_page_cache,
@@ -68,6 +69,8 @@ __all__ = [
 
 _log = logging.getLogger("fastckpt")
 DEFAULT_MAX_PENDING = 2
+#: The staging ring of a lazy save when ``staging_bytes`` is not given.
+LAZY_RING_BYTES = 256 << 20
 
 
 class _CheckpointFuture:
@@ -134,6 +137,28 @@ class _CheckpointFuture:
 class SaveFuture(_CheckpointFuture):
     """The outcome of :func:`async_save`: ``result()`` returns None once the file is committed."""
 
+    _guard: LazyGuard | None = None
+    _reads_tensors = False  # snapshot=False: the tensors are read until the save is done
+
+    def fence(self) -> None:
+        """Returns once the saved tensors may be changed: for a lazy save, the tensors not
+        yet copied are snapshotted (see ``fence_bytes``) or waited for; for
+        ``snapshot=False``, the save is waited for; otherwise at once (the snapshot is
+        taken). Call it before changing the state other than through a fenced optimizer.
+
+        Example:
+            >>> import os, tempfile, torch, fastckpt
+            >>> w = torch.zeros(4)
+            >>> future = fastckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "f.safetensors"), lazy=True)
+            >>> future.fence(); _ = w.add_(1)  # an update no optimizer fence covers
+            >>> future.result(); float(fastckpt.load(future.path)["w"].sum())
+            0.0
+        """
+        if self._guard is not None:
+            self._guard.fence()
+        elif self._reads_tensors:
+            self.wait()
+
 
 class LoadFuture(_CheckpointFuture):
     """The outcome of :func:`async_load`: ``result()`` is what ``fastckpt.load`` returns."""
@@ -155,6 +180,7 @@ _last_commit: SaveFuture | None = None  # commits happen in call order
 _in_flight = 0
 _in_flight_cond = threading.Condition(_state_lock)
 _pool: StagingPool | None = None
+_ring: StagingPool | None = None  # lazy saves' staging ring
 _cancel_at_exit = threading.Event()  # set by a Ctrl-C while exit waits for pending saves
 
 
@@ -171,12 +197,25 @@ def _async_pool(budget: int | None, needed: int) -> StagingPool:
         return _pool
 
 
+def _lazy_ring(budget: int | None) -> StagingPool:
+    """The staging ring lazy saves stream through: its own pool, so that a lazy save's host
+    memory stays at the ring's size whatever snapshots grew the other pool to."""
+    global _ring
+    with _state_lock:
+        size = max(budget or LAZY_RING_BYTES, 8 << 20)
+        if _ring is None or (size != _ring.budget and _ring.in_use() == 0):
+            _ring = StagingPool(size)  # an idle ring takes the size asked for now
+        elif budget:
+            _ring.grow_to(size)  # saves are streaming through it: it only grows
+        return _ring
+
+
 def _after_fork_in_child() -> None:
     # Saves pending in the parent are the parent's: the child starts with none.
-    global _state_lock, _in_flight_cond, _pool, _last_commit, _in_flight, _pending
+    global _state_lock, _in_flight_cond, _pool, _ring, _last_commit, _in_flight, _pending
     _state_lock = threading.Lock()
     _in_flight_cond = threading.Condition(_state_lock)
-    _pool, _last_commit, _in_flight = None, None, 0
+    _pool, _ring, _last_commit, _in_flight = None, None, None, 0
     _pending = weakref.WeakSet()
     _strong_pending.clear()
     _cancel_at_exit.clear()
@@ -213,8 +252,9 @@ def release_staging() -> None:
         >>> fastckpt.release_staging()
     """
     with _state_lock:
-        if _pool is not None:
-            _pool.trim()
+        for pool in (_pool, _ring):
+            if pool is not None:
+                pool.trim()
 
 
 def wait_all(timeout: float | None = None) -> None:
@@ -267,6 +307,9 @@ def async_save(
     f: str | os.PathLike[str],
     *,
     snapshot: bool = True,
+    lazy: bool = False,
+    fence: Any = (),
+    fence_bytes: int | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
     staging_bytes: int | None = None,
     metadata: Any = None,
@@ -288,8 +331,20 @@ def async_save(
             ``snapshot=False`` nothing is copied up front and the background thread reads
             the tensors while writing: the caller must not modify them until the future is
             done, or the file may hold a mix of old and new values (DeepNVMe's contract).
+        lazy: return without copying anything; a background thread streams the tensors
+            through a ring of ``staging_bytes`` (default 256 MiB) to the file while training
+            goes on, guarded as :mod:`fastckpt.checkpoint.lazy_guard` describes: each
+            tensor's version counter is checked around its copy (a tensor changed in between
+            fails the save, naming it), and ``fence`` holds changes off. Host memory grows
+            by the ring, not by the checkpoint. Implied by ``fence``.
+        fence: an optimizer (or several) whose next ``step()`` first waits for the lazy
+            save: the tensors not yet copied are snapshotted into host memory, so the step
+            goes on at once. Other in-place updates call ``future.fence()`` first.
+        fence_bytes: cap on the host memory one fence may snapshot (default: no cap); the
+            tensors past it are waited for, at the storage's speed.
         max_pending: at most this many saves in flight; a further call waits for the oldest.
-        staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size).
+        staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size;
+            256 MiB for a lazy save).
         piece_size: bytes per checksummed piece, as :func:`fastckpt.save`'s.
         progress: show a progress bar while snapshotting (with ``snapshot=False``, while
             writing), as :func:`fastckpt.save`'s (default: on a terminal).
@@ -322,6 +377,12 @@ def async_save(
     global _last_commit
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+    optimizers = _fenced_optimizers(fence)
+    lazy = lazy or bool(optimizers)
+    if lazy and not snapshot:
+        raise ValueError("lazy=True (or fence=) and snapshot=False are two different modes")
+    if fence_bytes is not None and (isinstance(fence_bytes, bool) or fence_bytes < 0):
+        raise ValueError(f"fence_bytes must be None or a non-negative int, got {fence_bytes!r}")
     future = SaveFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
     _begin(future, max_pending)
     try:
@@ -339,13 +400,19 @@ def async_save(
             queue_depth=queue_depth,
             intra_op_parallelism=intra_op_parallelism,
         )
-        pool = _async_pool(staging_bytes, plan.data_size)
+        if lazy:
+            pool = _lazy_ring(staging_bytes)
+        else:
+            pool = _async_pool(staging_bytes, plan.data_size)
         out = AtomicFile(path, direct=direct_io is not False)
     except BaseException as exc:  # reported through the future, like every later error
         return _fail_early(future, exc)
     try:
         out.reserve(plan.file_size)
         from_tensors = not snapshot and _through_page_cache(plan, out, direct_io)
+        guard = LazyGuard(plan.tensors, fence_bytes=fence_bytes) if lazy else None
+        if guard is not None:
+            guard.fence_optimizers(optimizers)
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)
@@ -354,12 +421,23 @@ def async_save(
         out.file,
         executor,
         pool,
-        progress=progress if snapshot else False,
-        defer_writes=snapshot,
+        progress=progress if snapshot and not lazy else False,
+        defer_writes=snapshot and not lazy,
         cancel=_cancel_at_exit,
+        guard=guard,
     )
+    future._guard, future._reads_tensors = guard, not snapshot
     work: Callable[[], None]
-    if from_tensors:
+    if guard is not None:
+
+        def work() -> None:
+            try:
+                writer.fill()
+            finally:
+                guard.finish()  # fences return, hooks go: no tensor is read any more
+            writer.finish()
+
+    elif from_tensors:
 
         def work() -> None:
             _write_from_tensors(plan, out.file, progress=progress)
@@ -400,6 +478,29 @@ def async_save(
             out.abort()
         return _fail_early(future, exc)
     return future
+
+
+def _fenced_optimizers(fence: Any) -> list[Any]:
+    """``fence=`` as a list of optimizers (TypeError naming what else it got)."""
+    import torch
+
+    if fence is None:
+        return []
+    if isinstance(fence, torch.optim.Optimizer):
+        return [fence]
+    try:
+        optimizers = list(fence)
+    except TypeError:
+        raise TypeError(
+            f"fence takes a torch.optim.Optimizer or a list of them, got {type(fence).__name__}"
+        ) from None
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "fence takes a torch.optim.Optimizer or a list of them, got a "
+                f"{type(optimizer).__name__} in the list"
+            )
+    return optimizers
 
 
 def run_pending(

@@ -23,6 +23,7 @@ import torch
 
 from fastckpt import _C, config, format
 from fastckpt.checkpoint import dtypes, save_order, tree
+from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
@@ -240,8 +241,10 @@ class StreamWriter:
         progress: bool | None = None,
         defer_writes: bool = False,
         cancel: threading.Event | None = None,
+        guard: LazyGuard | None = None,
     ):
         self.plan, self.file, self.executor, self.pool = plan, file, executor, pool
+        self._guard = guard  # a lazy save's fence and version check (lazy_guard.py)
         self._cancel = cancel  # once set, the next buffer or wait raises KeyboardInterrupt
         self._defer = defer_writes
         # full buffers not yet written: (buffer, bytes to write, segments)
@@ -333,7 +336,9 @@ class StreamWriter:
         with progress_bar(plan.data_size, "saving", enabled=self._progress) as bar:
             try:
                 for entry in plan.entries:
-                    for chunk in _byte_chunks(plan.tensors[entry.name], piece):
+                    guard = self._guard
+                    tensor = plan.tensors[entry.name] if guard is None else guard.source(entry.name)
+                    for chunk in _byte_chunks(tensor, piece):
                         done, n = 0, chunk.numel()
                         while done < n:
                             if buf is None:
@@ -347,6 +352,8 @@ class StreamWriter:
                                 full, buf = buf, None
                                 self._submit(full, used, segments)
                                 bar.update(piece)
+                    if guard is not None:
+                        guard.copied(entry.name)
                 if buf is not None and used:
                     # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
                     padded = -(-used // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT

@@ -1,0 +1,145 @@
+"""Lazy asynchronous saves: ``async_save(..., fence=optimizer)`` returns without copying,
+streams the tensors through a fixed staging ring, and the file holds the values at call
+time: the fence holds the optimizer's step off (snapshotting what is left), the version
+check fails a save whose tensors changed unfenced, and a kill -9 never leaves a torn file.
+Real training loops, real files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.checkpoint import asynchronous
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(16, 512)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def _big_state(megabytes: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(megabytes // 4)}
+
+
+def test_a_fenced_optimizer_steps_on_and_the_file_holds_the_call_time_values(tmp_path):
+    model, optimizer = _model()
+    _train_step(model, optimizer)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    future = fastckpt.async_save(state, tmp_path / "ckpt.safetensors", fence=optimizer)
+    for _ in range(3):  # training goes on at once; the first step waits on the fence
+        _train_step(model, optimizer)
+    assert future.result() is None
+    back = fastckpt.load(tmp_path / "ckpt.safetensors")
+    assert all(torch.equal(back["model"][k], v) for k, v in expected.items())
+    assert not all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert not optimizer._optimizer_step_pre_hooks  # the fence is gone with the save
+
+
+def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):
+    state = _big_state()
+    path = tmp_path / "torn.safetensors"
+    # a 16 MiB ring: the writer is at the first tensors when every tensor changes
+    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
+    for tensor in state.values():
+        tensor.add_(1)
+    with pytest.raises(fastckpt.LazySaveError) as caught:
+        future.result()
+    message = str(caught.value)
+    assert "changed after async_save(lazy)" in message and "fence=optimizer" in message
+    assert any(f"'{name}'" in message for name in state)
+    assert os.listdir(tmp_path) == []  # nothing committed, no temporary left
+
+
+def test_future_fence_covers_other_in_place_updates(tmp_path):
+    state = _big_state()
+    expected = {k: v.clone() for k, v in state.items()}
+    ema = {k: v.clone() for k, v in state.items()}
+    future = fastckpt.async_save(
+        state, tmp_path / "ema.safetensors", lazy=True, staging_bytes=16 << 20
+    )
+    future.fence()  # before an EMA-style update no optimizer fence sees
+    for name, tensor in state.items():
+        tensor.mul_(0.9).add_(ema[name], alpha=0.1)
+    future.result()
+    back = fastckpt.load(tmp_path / "ema.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+def test_fence_bytes_bounds_the_snapshot_and_the_rest_is_waited_for(tmp_path):
+    state = _big_state()
+    expected = {k: v.clone() for k, v in state.items()}
+    future = fastckpt.async_save(
+        state,
+        tmp_path / "capped.safetensors",
+        lazy=True,
+        staging_bytes=16 << 20,
+        fence_bytes=8 << 20,
+    )
+    future.fence()
+    assert future._guard.snapshot_bytes <= 8 << 20
+    for tensor in state.values():
+        tensor.zero_()
+    future.result()
+    back = fastckpt.load(tmp_path / "capped.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+def test_the_ring_not_the_checkpoint_sets_the_host_memory(tmp_path):
+    asynchronous.release_staging()
+    future = fastckpt.async_save(
+        _big_state(96), tmp_path / "ring.safetensors", lazy=True, staging_bytes=16 << 20
+    )
+    future.result()
+    assert asynchronous._ring is not None and asynchronous._ring.budget <= 16 << 20
+    assert len(fastckpt.load(tmp_path / "ring.safetensors")) == 24
+
+
+def test_bad_fence_arguments_are_named(tmp_path):
+    with pytest.raises(TypeError, match="fence takes a torch.optim.Optimizer"):
+        fastckpt.async_save({"w": torch.ones(1)}, tmp_path / "x.safetensors", fence="adam")
+    with pytest.raises(TypeError, match="got a Linear in the list"):
+        fastckpt.async_save(
+            {"w": torch.ones(1)}, tmp_path / "x.safetensors", fence=[torch.nn.Linear(1, 1)]
+        )
+    with pytest.raises(ValueError, match="two different modes"):
+        fastckpt.async_save(
+            {"w": torch.ones(1)}, tmp_path / "x.safetensors", lazy=True, snapshot=False
+        )
+    with pytest.raises(ValueError, match="fence_bytes"):
+        fastckpt.async_save(
+            {"w": torch.ones(1)}, tmp_path / "x.safetensors", lazy=True, fence_bytes=-1
+        )
+    assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+def test_kill_9_during_a_lazy_save_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.save({"generation": torch.tensor(1), **_big_state(8)}, path)
+    child = textwrap.dedent(
+        f"""
+        import os, signal, torch, fastckpt
+        state = {{"generation": torch.tensor(2), **{{f"t{{i}}": torch.randn(1 << 20) for i in range(32)}}}}
+        future = fastckpt.async_save(state, {str(path)!r}, lazy=True, staging_bytes=16 << 20)
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-stream: the ring holds a part at most
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    back = fastckpt.load(path, verify=True)
+    assert int(back["generation"]) == 1
