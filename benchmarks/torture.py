@@ -376,14 +376,21 @@ _SAVER = textwrap.dedent(
     """
     import sys, torch, fastckpt
     path, mode, mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    state = {"w": torch.randn(mb << 18), "step": torch.tensor(0)}
-    i = 0
+    state = {"w": torch.zeros(mb << 18), "step": torch.tensor(0)}
+    i, future = 0, None
     print("ready", flush=True)
     while True:
         i += 1
+        if future is not None:
+            future.fence()  # a lazy save still streaming: hold the update off
+        state["w"].fill_(i)  # every value says which step it belongs to
         state["step"].fill_(i)
         if mode == "async":
             fastckpt.async_save(state, path).result()
+        elif mode == "lazy":  # training goes on while it streams; waited one step later
+            if future is not None:
+                future.result()
+            future = fastckpt.async_save(state, path, lazy=True, staging_bytes=8 << 20)
         else:
             fastckpt.save(state, path)
     """
@@ -401,9 +408,9 @@ def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
     folder = work / "kills"
     folder.mkdir()
     target = folder / "ckpt.safetensors"
-    torn, most_left = 0, 0
+    torn, mixed, most_left = 0, 0, 0
     for i in range(count):
-        mode = "async" if i % 2 else "sync"
+        mode = ("sync", "async", "lazy")[i % 3]
         child = subprocess.Popen(
             [sys.executable, "-c", _SAVER, str(target), mode, str(mb)],
             stdout=subprocess.PIPE,
@@ -416,9 +423,11 @@ def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
         child.wait()
         if target.exists():
             try:
-                fastckpt.load(target, verify=True)
+                back = fastckpt.load(target, verify=True)
             except Exception:
                 torn += 1
+            else:  # the values of one step only, never a mix of two
+                mixed += int(not bool((back["w"] == back["step"].float()).all()))
         most_left = max(most_left, len(_temporaries(folder)))
     left_before = _temporaries(folder)
     bytes_before = sum(p.stat().st_blocks * 512 for p in left_before)
@@ -427,6 +436,7 @@ def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
     report = {
         "kills": count,
         "torn checkpoints": torn,
+        "checkpoints mixing two steps": mixed,
         "temp files left before the next save (most at once)": most_left,
         "temp files left before the next save": len(left_before),
         "bytes in them": bytes_before,
@@ -1011,7 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
                 bad += report["bad outcomes"] + report["changed values undetected"]
             elif part == "kills":
                 report = kills(work, args.kills, args.seed)
-                bad += report["torn checkpoints"] + report["temp files left after the next save"]
+                bad += report["torn checkpoints"] + report["checkpoints mixing two steps"]
+                bad += report["temp files left after the next save"]
             elif part == "enospc":
                 report = enospc(work)
                 bad += sum(v for k, v in report.get("outcomes", {}).items() if k != "ENOSPC")
