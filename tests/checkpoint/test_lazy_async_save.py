@@ -143,3 +143,79 @@ def test_kill_9_during_a_lazy_save_leaves_the_previous_checkpoint(tmp_path):
     assert done.returncode == -signal.SIGKILL
     back = fastckpt.load(path, verify=True)
     assert int(back["generation"]) == 1
+
+
+def _mutators() -> dict[str, object]:
+    """Every way a training loop changes the state in place, each a function of the model
+    and its optimizer."""
+
+    def step(**adam: object):
+        def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            optimizer.zero_grad()
+            model(torch.randn(4, 512)).sum().backward()
+            optimizer.step()
+
+        return run
+
+    def in_place(model, _):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+
+    def copy_into(model, _):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.zeros_like(p))
+
+    def foreach_lerp_ema(model, _):
+        with torch.no_grad():
+            params = list(model.parameters())
+            torch._foreach_lerp_(params, [torch.ones_like(p) for p in params], 0.1)
+
+    def scheduler_and_step(model, optimizer):
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        step()(model, optimizer)
+        scheduler.step()  # changes the learning rate: a float, captured at the call
+
+    return {
+        "adam step": step(),
+        "in-place mul_": in_place,
+        "p.copy_": copy_into,
+        "_foreach_lerp_ EMA": foreach_lerp_ema,
+        "scheduler + step": scheduler_and_step,
+    }
+
+
+@pytest.mark.parametrize("optimizer_kind", ["foreach", "fused", "for-loop"])
+@pytest.mark.parametrize("mutator", list(_mutators()))
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "unfenced"])
+def test_every_mutation_gives_the_call_time_state_or_a_named_error(
+    tmp_path, optimizer_kind, mutator, fenced
+):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 8 MiB
+    options = {
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "for-loop": {"foreach": False},
+    }
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, **options[optimizer_kind])
+    _mutators()["adam step"](model, optimizer)  # optimizer state exists
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "ckpt.safetensors"
+    future = fastckpt.async_save(
+        state, path, lazy=True, fence=optimizer if fenced else (), staging_bytes=8 << 20
+    )
+    if fenced and mutator != "adam step" and mutator != "scheduler + step":
+        future.fence()  # mutators no optimizer hook sees are fenced by hand
+    _mutators()[mutator](model, optimizer)
+    try:
+        future.result()
+    except fastckpt.LazySaveError as exc:
+        assert not fenced, f"a fenced save failed: {exc}"
+        assert "changed after async_save(lazy)" in str(exc)
+        return
+    back = fastckpt.load(path)
+    for name, tensor in expected.items():
+        assert torch.equal(back["model"][name], tensor), name
