@@ -447,6 +447,67 @@ def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
     return report
 
 
+_MANAGED_RUN = textwrap.dedent(
+    """
+    import sys, torch, fastckpt
+    root, fast = sys.argv[1], sys.argv[2]
+    manager = fastckpt.CheckpointManager(root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20)
+    step = max(manager.steps(), default=0)
+    while True:
+        step += 1
+        manager.save(step, {"w": torch.full((4 << 20,), float(step)), "step": step})
+        if step % 2 == 0:
+            manager.wait()  # drained: durable in root from here on
+            print("durable", step, flush=True)
+    """
+)
+
+
+def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
+    """kill -9 a run of CheckpointManager saves and drains at random times; the next manager
+    must restore a whole step, never older than the last one reported durable in root."""
+    from fastckpt.api import load
+    from fastckpt.series import steps as layout
+    from fastckpt.series.manager import CheckpointManager
+
+    rng = random.Random(seed)
+    root, fast = work / "managed-root", work / "managed-fast"
+    lost, partial, unrestorable, left = 0, 0, 0, 0
+    for _ in range(count):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _MANAGED_RUN, str(root), str(fast)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(rng.uniform(0.5, 3.0))
+        child.send_signal(signal.SIGKILL)
+        out, _ = child.communicate()
+        durable = [int(line.split()[1]) for line in out.splitlines() if line.startswith("durable")]
+        with CheckpointManager(root, fast=fast, keep_last=2) as manager:
+            manager.wait()
+            left += len(layout.uncommitted_dirs(str(root))) + len(
+                layout.uncommitted_dirs(str(fast))
+            )
+            try:
+                step, state = manager.restore()
+            except FileNotFoundError:
+                unrestorable += int(bool(durable))
+                continue
+            if durable and max(layout.committed_steps(str(root)), default=0) < durable[-1]:
+                lost += 1
+            if state["step"] != step or not bool((state["w"] == float(step)).all()):
+                partial += 1
+            for s in layout.committed_steps(str(root)):  # every kept step loads whole
+                load(Path(layout.step_dir(str(root), s)) / layout.STATE_FILE, verify=True)
+    return {
+        "kills": count,
+        "durable steps lost": lost,
+        "partial or mixed steps restored": partial,
+        "runs with nothing restorable": unrestorable,
+        "uncommitted step directories left": left,
+    }
+
+
 def fastckpt_zeros() -> Any:
     import torch
 
@@ -982,6 +1043,7 @@ PARTS = [
     "dcp-kills",
     "dcp-concurrency",
     "planted-pickles",
+    "manager-kills",
     "bounds",
 ]
 
@@ -1030,6 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part in ("shard-kills", "dcp-kills"):
                 report = set_kills(work, part.split("-")[0], args.set_kills, args.seed)
                 bad += _set_bad(report)
+            elif part == "manager-kills":
+                report = manager_kills(work, args.set_kills, args.seed)
+                bad += sum(v for k, v in report.items() if k != "kills")
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]

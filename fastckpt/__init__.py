@@ -35,6 +35,7 @@ _PUBLIC = {
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
     "load_into": ("fastckpt.api", "load_into"),
+    "CheckpointManager": ("fastckpt.series.manager", "CheckpointManager"),
     "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
     "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
     "async_load": ("fastckpt.checkpoint.asynchronous", "async_load"),
@@ -89,6 +90,7 @@ __all__ = [
     "UnsafePickleError",
     "NoChecksumsError",
     "LazySaveError",
+    "CheckpointManager",
     "CuFileError",
 ]
 
@@ -120,6 +122,7 @@ if TYPE_CHECKING:
     )
     from fastckpt.io.cufile import CuFileError
     from fastckpt.io.engines import EngineInfo, engines
+    from fastckpt.series.manager import CheckpointManager
 
 
 def __getattr__(name: str) -> Any:

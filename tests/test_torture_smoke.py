@@ -54,3 +54,29 @@ def test_torture_smoke_multi_file_sets(tmp_path):
         assert f'"{count}": 0' in out.stdout
     assert '"pickles run without consent": 0' in out.stdout
     assert "bad outcomes in total: 0" in out.stdout
+
+
+@pytest.mark.slow
+def test_torture_smoke_lazy_saves_and_the_manager(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TORTURE),
+            "--only=kills",
+            "--only=manager-kills",
+            "--kills=6",
+            "--set-kills=3",
+            f"--dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for count in (
+        "checkpoints mixing two steps",
+        "durable steps lost",
+        "partial or mixed steps restored",
+    ):
+        assert f'"{count}": 0' in out.stdout
+    assert "bad outcomes in total: 0" in out.stdout

@@ -464,7 +464,7 @@ def async_save(
     try:
         threading.Thread(
             target=_finish_in_order,
-            args=(future, previous, work, writer, out, order),
+            args=(future, previous, [work, writer, out], order),
             name=f"fastckpt-save:{os.path.basename(path)}",
             daemon=True,  # waited for at exit by _finish_at_exit, which can also cancel it
         ).start()
@@ -522,16 +522,17 @@ def run_pending(
         True
     """
     _begin(future, max_pending)
+    job = [work]  # emptied before the future settles (see _finish_in_order)
+    del work
 
     def run() -> None:
+        error: BaseException | None = None
         try:
-            work()
+            job.pop()()
         except BaseException as exc:  # noqa: BLE001 - handed to the future
-            _end(future)
-            future._set(None, exc)
-        else:
-            _end(future)
-            future._set(None)
+            error = exc
+        _end(future)
+        future._set(None, error)
 
     try:
         # A daemon thread, waited for at exit by _finish_at_exit.
@@ -555,12 +556,18 @@ def _fail_early(future: SaveFuture, error: BaseException) -> SaveFuture:
 def _finish_in_order(
     future: SaveFuture,
     previous: SaveFuture | None,
-    work: Callable[[], None],
-    writer: StreamWriter,
-    out: AtomicFile,
+    job: list[Any],
     order: tuple[str, object],
 ) -> None:
-    """Runs the rest of a save, commits after the previous save, settles the future."""
+    """Runs the rest of a save (``job``: the work, its writer and its file), commits after
+    the previous save, settles the future.
+
+    Everything the save holds (the tensors among it) is let go *before* the future is
+    settled: this daemon thread must not free a tensor once the caller may have moved on
+    to interpreter exit, where a thread that wants the GIL back is ended by
+    ``pthread_exit``, and unwinding through torch's destructors aborts the process."""
+    work, writer, out = job
+    job.clear()
     error: BaseException | None = None
     try:
         try:
@@ -584,6 +591,7 @@ def _finish_in_order(
             out.abort()
     finally:
         save_order.finish(order)  # a save to the same path waiting for this one goes on
+        del work, writer, out  # freed here, while the caller still waits (see above)
         _end(future)
         future._set(None, error)
 

@@ -104,6 +104,7 @@ class LazyGuard:
         with self._lock:
             self._finished = True
             self._snapshots.clear()
+            self._tensors = {}  # the future outlives the save: it must not keep the state
             self._lock.notify_all()
         for hook in self._hooks:
             hook.remove()

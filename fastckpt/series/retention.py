@@ -1,0 +1,63 @@
+"""Which steps a tier keeps.
+
+Example:
+    >>> policy = Retention(keep_last=2, keep_every=100)
+    >>> sorted(policy.kept([50, 100, 150, 200, 250, 300]))
+    [100, 200, 250, 300]
+    >>> best = Retention(keep_last=1, best=("loss", "min", 1))
+    >>> sorted(best.kept([1, 2, 3], {1: {"loss": 0.5}, 2: {"loss": 0.2}, 3: {"loss": 0.9}}))
+    [2, 3]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Retention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """Keep the ``keep_last`` newest steps, every step divisible by ``keep_every``, and the
+    ``best[2]`` steps with the lowest (``"min"``) or highest (``"max"``) metric ``best[0]``.
+    The newest step is always kept."""
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    best: tuple[str, str, int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        if self.best is not None:
+            metric, mode, count = self.best
+            if mode not in ("min", "max") or not isinstance(count, int) or count < 1:
+                raise ValueError(
+                    f"best must be (metric, 'min' or 'max', a positive count), got {self.best!r}"
+                )
+
+    def kept(
+        self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]] | None = None
+    ) -> set[int]:
+        """The steps of ``steps`` to keep."""
+        ordered = sorted(steps)
+        if not ordered:
+            return set()
+        keep = {ordered[-1]}
+        if self.keep_last is None:
+            keep.update(ordered)
+        else:
+            keep.update(ordered[-self.keep_last :])
+        if self.keep_every:
+            keep.update(s for s in ordered if s % self.keep_every == 0)
+        if self.best is not None:
+            metric, mode, count = self.best
+            scored = [s for s in ordered if metric in (metrics or {}).get(s, {})]
+            scored.sort(key=lambda s: (metrics or {})[s][metric], reverse=mode == "max")
+            keep.update(scored[:count])
+        return keep

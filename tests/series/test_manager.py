@@ -1,0 +1,169 @@
+"""CheckpointManager on real directories: retention, the fast tier and its drain, restore
+that falls back past damage, one manager per tier, and kill -9 during saves and drains."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.series import steps as layout
+
+
+def _state(step: int, numel: int = 1024) -> dict:
+    return {"w": torch.full((numel,), float(step)), "step": step}
+
+
+def test_retention_keeps_the_last_every_nth_and_the_best(tmp_path):
+    with fastckpt.CheckpointManager(
+        tmp_path, keep_last=2, keep_every=30, best=("loss", "min", 1)
+    ) as manager:
+        for step in range(10, 110, 10):
+            manager.save(step, _state(step), metrics={"loss": abs(step - 40) + 1.0})
+        manager.wait()
+        assert manager.steps() == [
+            30,
+            40,
+            60,
+            90,
+            100,
+        ]  # 90, 100 last; 30, 60, 90 every 30; 40 best
+        assert manager.latest() == 100
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
+        f"step-{s:012d}" for s in (30, 40, 60, 90, 100)
+    ]
+
+
+def test_a_fast_tier_drains_to_root_verified_and_keeps_few(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with fastckpt.CheckpointManager(root, fast=fast, keep_last=3, keep_fast=1) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, _state(step, 1 << 16))
+        manager.wait()
+        assert layout.committed_steps(str(fast)) == [4]
+        assert layout.committed_steps(str(root)) == [2, 3, 4]
+        step, state = manager.restore()
+    assert step == 4 and state["step"] == 4 and torch.equal(state["w"], _state(4, 1 << 16)["w"])
+    with fastckpt.open(root / "step-000000000003" / layout.STATE_FILE) as reader:
+        assert reader.verify() == []
+
+
+def test_the_drain_keeps_to_its_bandwidth_cap(tmp_path):
+    state = _state(1, 1 << 20)  # 4 MiB
+    with fastckpt.CheckpointManager(
+        tmp_path / "root", fast=tmp_path / "fast", drain_bytes_per_second=8 << 20
+    ) as manager:
+        started = time.monotonic()
+        manager.save(1, state)
+        manager.wait()
+        assert time.monotonic() - started >= 0.45  # 4 MiB at 8 MiB/s
+        assert manager.restore()[0] == 1
+
+
+def test_restore_skips_damage_for_the_other_tier_then_older_steps(tmp_path, caplog):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with fastckpt.CheckpointManager(root, fast=fast, keep_fast=2) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step, 1 << 16))
+        manager.wait()
+
+    def damage(tier, step):
+        path = tier / f"step-{step:012d}" / layout.STATE_FILE
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 10)
+            f.write(b"\xff" * 4)
+
+    damage(fast, 2)
+    caplog.set_level(logging.WARNING, logger="fastckpt")
+    with fastckpt.CheckpointManager(root, fast=fast) as manager:
+        assert manager.restore()[0] == 2  # root's copy of step 2
+        damage(root, 2)
+        step, state = manager.restore()
+        assert step == 1 and state["step"] == 1
+    assert "step 2 in" in caplog.text and "cannot be restored" in caplog.text
+
+
+def test_one_manager_per_tier_and_clear_refusals(tmp_path):
+    manager = fastckpt.CheckpointManager(tmp_path)
+    with pytest.raises(RuntimeError, match="another CheckpointManager manages"):
+        fastckpt.CheckpointManager(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no committed step"):
+        manager.restore()
+    manager.save(5, _state(5)).result()
+    with pytest.raises(ValueError, match="step 5 is already saved"):
+        manager.save(5, _state(5))
+    with pytest.raises(ValueError, match="non-negative int"):
+        manager.save(-1, _state(1))
+    with pytest.raises(FileNotFoundError, match="no committed step 7"):
+        manager.restore(7)
+    manager.close()
+    with pytest.raises(ValueError, match="closed"):
+        manager.save(6, _state(6))
+    with pytest.raises(ValueError, match="local directories"):
+        fastckpt.CheckpointManager("s3://bucket/run")
+    with pytest.raises(ValueError, match="same directory"):
+        fastckpt.CheckpointManager(tmp_path / "a", fast=tmp_path / "a")
+    fastckpt.CheckpointManager(tmp_path).close()  # the lock went with close()
+
+
+_KILLED_RUN = textwrap.dedent(
+    """
+    import os, signal, sys, torch, fastckpt
+    root, fast, phase = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+    manager = fastckpt.CheckpointManager(root, fast=fast, drain_bytes_per_second=32 << 20)
+    manager.save(1, {"w": torch.full((1 << 16,), 1.0)}).result()
+    manager.wait()
+    future = manager.save(2, {"w": torch.full((16 << 20,), 2.0)})  # 64 MiB
+    if phase == "drain":
+        future.result()  # committed in the fast tier; the drain runs at 32 MiB/s
+    print("go", flush=True)
+    signal.pause()
+    """
+)
+
+
+@pytest.mark.parametrize("phase", ["save", "drain"])
+def test_kill_9_never_loses_the_newest_durable_step_nor_returns_a_partial_one(tmp_path, phase):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    tiers = (str(root), str(fast) if phase == "drain" else "")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_RUN, *tiers, phase], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "go"
+    time.sleep(0.3)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    with fastckpt.CheckpointManager(root, fast=fast if phase == "drain" else None) as manager:
+        manager.wait()  # the next manager finishes an interrupted drain
+        step, state = manager.restore()
+        assert step in (1, 2)
+        assert torch.equal(state["w"], torch.full_like(state["w"], float(step)))
+        if phase == "drain":
+            assert layout.committed_steps(str(root)) == [1, 2]
+    for tier in (root, fast):
+        if tier.exists():
+            assert layout.uncommitted_dirs(str(tier)) == []
+
+
+def test_a_lazy_fenced_save_through_the_manager_holds_the_call_time_state(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with fastckpt.CheckpointManager(tmp_path, fast=tmp_path / "fast") as manager:
+        manager.save(1, {"model": model.state_dict()}, fence=optimizer)
+        model(torch.randn(2, 256)).sum().backward()
+        optimizer.step()  # waits on the fence, then changes every parameter
+        manager.wait()
+        step, state = manager.restore()
+    assert step == 1
+    assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
