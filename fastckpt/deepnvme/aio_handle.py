@@ -382,14 +382,8 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     ) -> int:
         """Parallel read; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else the
         number of ops completed (see :meth:`sync_pread`)."""
-        start = self._queue if _pop_async(async_op, kwargs, "pread") else self._queue_and_wait
-        return start(
-            buffer,
-            _target(filename, fd, "pread"),
-            write=False,
-            file_offset=file_offset,
-            validate=bool(validate),
-            parallel=True,
+        return self._parallel(
+            "pread", buffer, filename, fd, validate, async_op, file_offset, kwargs
         )
 
     def pwrite(
@@ -405,11 +399,27 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     ) -> int:
         """Parallel write; with ``async_op`` (DeepSpeed: ``async``) returns 0 at once, else the
         number of ops completed (see :meth:`sync_pwrite`)."""
-        start = self._queue if _pop_async(async_op, kwargs, "pwrite") else self._queue_and_wait
+        return self._parallel(
+            "pwrite", buffer, filename, fd, validate, async_op, file_offset, kwargs
+        )
+
+    def _parallel(
+        self,
+        name: str,
+        buffer: Any,
+        filename: FileTarget | None,
+        fd: int | None,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        kwargs: dict[str, Any],
+    ) -> int:
+        """``pread``/``pwrite`` (``name``): queued, or queued and waited for."""
+        start = self._queue if _pop_async(async_op, kwargs, name) else self._queue_and_wait
         return start(
             buffer,
-            _target(filename, fd, "pwrite"),
-            write=True,
+            _target(filename, fd, name),
+            write=name == "pwrite",
             file_offset=file_offset,
             validate=bool(validate),
             parallel=True,
