@@ -165,6 +165,9 @@ class LocalStorage(Storage):
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
         forced = read_mode_override()  # first: a bad value is an error whatever is resident
+        if self.file.direct_fd < 0 and (forced or self._tuned_mode()) != "mapped":
+            # tmpfs and the like: resident by nature, so no residency check is worth its cost
+            return "buffered", "the file system refuses O_DIRECT"
         offset, nbytes = region
         resident = page_cache.resident_fraction(self.file.fd, offset, nbytes)
         if resident is not None and resident >= _RESIDENT_ENOUGH:
@@ -178,6 +181,10 @@ class LocalStorage(Storage):
         if self.file.direct_fd < 0:
             return "buffered", "the file system refuses O_DIRECT"
         return "direct", f"{known} of the data is in memory; no read mode tuned here"
+
+    def _tuned_mode(self) -> str | None:
+        tuned = tuned_read_mode(self.location)
+        return None if tuned is None else tuned[0]
 
     def span_bytes(self, total: int, mode: str) -> int:
         return span_bytes(total, mode)
