@@ -135,7 +135,8 @@ class LazyGuard:
                 nbytes = tensor.numel() * tensor.element_size()
                 if budget is not None and nbytes > budget:
                     continue  # left for the writer: waited for below
-                self._check(name, "before a fence snapshotted it")
+                if tensor._version != self._versions[name]:
+                    continue  # changed unfenced: the writer fails the save, not this step
                 self._snapshots[name] = tensor.detach().to("cpu", copy=True)
                 self.snapshot_bytes += nbytes
                 if budget is not None:

@@ -164,8 +164,8 @@ class LocalStorage(Storage):
             return (
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
-        forced = read_mode_override()  # first: a bad value is an error whatever is resident
-        if self.file.direct_fd < 0 and (forced or self._tuned_mode()) != "mapped":
+        wanted, why = self._wanted_mode()
+        if self.file.direct_fd < 0 and wanted != "mapped":
             # tmpfs and the like: resident by nature, so no residency check is worth its cost
             return "buffered", "the file system refuses O_DIRECT"
         offset, nbytes = region
@@ -173,18 +173,16 @@ class LocalStorage(Storage):
         if resident is not None and resident >= _RESIDENT_ENOUGH:
             return "buffered", f"{resident:.0%} of the data is in memory"
         known = "unknown" if resident is None else f"{resident:.0%}"
-        if forced is not None and (forced != "direct" or self.file.direct_fd >= 0):
-            return forced, f"FASTCKPT_READ_MODE={forced}; {known} of the data is in memory"
-        tuned = tuned_read_mode(self.location)
-        if tuned is not None and (tuned[0] != "direct" or self.file.direct_fd >= 0):
-            return tuned[0], f"{known} of the data is in memory; {tuned[1]}"
-        if self.file.direct_fd < 0:
-            return "buffered", "the file system refuses O_DIRECT"
-        return "direct", f"{known} of the data is in memory; no read mode tuned here"
+        return wanted, f"{known} of the data is in memory; {why}"
 
-    def _tuned_mode(self) -> str | None:
+    def _wanted_mode(self) -> tuple[str, str]:
+        """How a cold file is to be read, and why: forced (``FASTCKPT_READ_MODE``), as tuned
+        for this file system, or O_DIRECT."""
+        forced = read_mode_override()  # a bad value is an error whatever is resident
+        if forced is not None:
+            return forced, f"read mode forced to {forced}"
         tuned = tuned_read_mode(self.location)
-        return None if tuned is None else tuned[0]
+        return tuned if tuned is not None else ("direct", "no read mode tuned here")
 
     def span_bytes(self, total: int, mode: str) -> int:
         return span_bytes(total, mode)
