@@ -428,6 +428,9 @@ class CheckpointReader(HeaderView, Reader):
         base = self.header.data_offset
         file = self._storage.local_file()
         executor = self._storage.executor  # type: ignore[attr-defined]
+        # The staging reads follow the CPU loads' policy (forced, tuned, or resident);
+        # a mapped read has nothing to map into here, so it stages through the page cache.
+        direct = self._mode((base, self.header.data_size)) == "direct"
         with progress_bar(sum(r.end - r.begin for r in runs), "loading", enabled=progress) as bar:
             for run in runs:
 
@@ -445,6 +448,7 @@ class CheckpointReader(HeaderView, Reader):
                     staging_bytes=self._staging_bytes,
                     gds=self.gds,
                     on_host=on_host,
+                    direct=direct,
                 )
         if crcs is not None:
             check_crcs(entries, crcs.result(), self.meta.crcs or {}, self.path)

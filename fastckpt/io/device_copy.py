@@ -201,6 +201,7 @@ def _file_to_device(
     depth: int,
     ready: Any,
     on_host: OnHost | None = None,
+    direct: bool = True,
 ) -> None:
     import torch
 
@@ -218,7 +219,9 @@ def _file_to_device(
             pos, n = pieces[i]
             buf = buffers[i % count]
             ref = BufferRef(buf.data_ptr() + pos % align, n, buf)
-            in_flight[i] = executor.submit(file, ref, pos, write=False, max_parts=max_parts)
+            in_flight[i] = executor.submit(
+                file, ref, pos, write=False, max_parts=max_parts, direct=direct
+            )
 
         try:
             for i in range(count):
@@ -425,6 +428,7 @@ def read_into_device(
     gds: bool | None = None,
     max_parts: int = 0,
     on_host: OnHost | None = None,
+    direct: bool = True,
 ) -> None:
     """Reads ``nbytes`` of ``file`` at ``file_offset`` into the start of a contiguous CUDA
     tensor (a uint8 arena, or the bytes of any dtype); blocks until the bytes are there
@@ -437,6 +441,8 @@ def read_into_device(
     ``on_host(file_offset, address, nbytes)``, if given, is called with every piece in file
     order while it is in host memory (to checksum it); with GDS the bytes never are, so the
     pieces are copied back from the GPU through ``staging_bytes`` of pinned memory for it.
+    ``direct=False`` reads the staging buffers through the page cache (the caller's read
+    policy found buffered reads faster, or the bytes resident); GDS ignores it.
 
     Raises:
         TypeError/ValueError: a bad argument (named).
@@ -481,6 +487,7 @@ def read_into_device(
         depth=depth,
         ready=_ready_event(torch, dst),
         on_host=on_host,
+        direct=direct,
     )
 
 

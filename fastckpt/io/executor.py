@@ -76,8 +76,13 @@ class Executor:
         max_parts: int = 0,
         nbytes: int | None = None,
         keep: Any = None,
+        direct: bool = True,
     ) -> int:
-        """Starts moving ``ref`` (or its first ``nbytes``) to/from ``file`` at ``offset``; returns an op id."""
+        """Starts moving ``ref`` (or its first ``nbytes``) to/from ``file`` at ``offset``; returns an op id.
+
+        ``direct=False`` goes through the page cache even where the file has an O_DIRECT
+        descriptor (a read policy chose buffered reads for a cold file).
+        """
         if offset < 0:
             raise ValueError(f"file_offset must not be negative, got {offset}")
         length = ref.nbytes if nbytes is None else nbytes
@@ -85,7 +90,7 @@ class Executor:
         file.hold()  # its descriptors stay open until the op is collected, even if closed
         try:
             op_id = self._native.submit(
-                file.direct_fd,
+                file.direct_fd if direct else -1,
                 file.fd,
                 ref.address,
                 length,

@@ -584,3 +584,42 @@ def test_tuning_decides_gds_per_file_system(tmp_path, monkeypatch):
     save_tuned_gds(key, {"read_gbps": 2.0})
     assert not gds_preferred(target)
     assert cuda.use_gds(None, target) is False
+
+
+def _evicted(path) -> None:
+    """Drops the file's clean pages from the page cache (no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "mapped"])
+def test_cuda_load_staging_reads_follow_the_read_policy(
+    device_load_on_host, tmp_path, monkeypatch, mode
+):
+    import fastckpt
+    from fastckpt.io import page_cache
+
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB: many staging pieces
+    path = tmp_path / "policy.safetensors"
+    fastckpt.save(state, path)
+    with File(path) as f:
+        if f.direct_fd < 0:
+            pytest.skip("this file system refuses O_DIRECT")
+    _evicted(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if page_cache.resident_fraction(fd, 0, path.stat().st_size) != 0.0:
+            pytest.skip("the kernel kept the file's pages (or cannot say)")
+        monkeypatch.setenv("FASTCKPT_READ_MODE", mode)
+        back = fastckpt.load(path, device="cuda")
+        assert torch.equal(back["w"], state["w"])
+        resident = page_cache.resident_fraction(fd, 0, path.stat().st_size)
+    finally:
+        os.close(fd)
+    # O_DIRECT staging reads leave the page cache empty; buffered ones (and mapped, which
+    # stages through the page cache on a device) fill it
+    assert (resident < 0.1) if mode == "direct" else (resident > 0.9), resident
