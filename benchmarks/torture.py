@@ -536,22 +536,41 @@ def enospc(work: Path) -> dict[str, Any]:
     try:
         target = mount / "big.safetensors"
         outcomes = collections.Counter()
-        for save in (fastckpt.save, lambda s, p: fastckpt.async_save(s, p).result()):
+        run = mount / "run"
+        manager = fastckpt.CheckpointManager(run, keep_last=3)
+        manager.save(0, {"w": torch.ones(1024)}).result()  # a small step that must survive
+        saves = {
+            "save": fastckpt.save,
+            "async_save": lambda s, p: fastckpt.async_save(s, p).result(),
+            "async_save(lazy)": lambda s, p: fastckpt.async_save(s, p, lazy=True).result(),
+            "manager.save": lambda s, p: manager.save(1, s).result(),
+        }
+        for name, save in saves.items():
             try:
                 save({"w": torch.randn(12 << 20)}, target)  # 48 MB into 32 MB
-                outcomes["saved (unexpected)"] += 1
+                outcomes[f"{name}: saved (unexpected)"] += 1
             except OSError as exc:
-                outcomes["ENOSPC" if exc.errno == errno.ENOSPC else f"errno {exc.errno}"] += 1
+                got = "ENOSPC" if exc.errno == errno.ENOSPC else f"errno {exc.errno}"
+                outcomes[f"{name}: {got}"] += 1
             except Exception as exc:  # noqa: BLE001 - counted as bad
-                outcomes[type(exc).__name__] += 1
-        left = list(mount.iterdir())
+                outcomes[f"{name}: {type(exc).__name__}"] += 1
+        try:
+            manager.close()  # raises the failed step's error once more: wait() reports it
+        except OSError:
+            pass
+        left = [p.name for p in mount.iterdir() if p.name != "run"]
         used = shutil.disk_usage(mount).used
+        with fastckpt.CheckpointManager(run, keep_last=3) as reopened:
+            step, state = reopened.restore()
+            steps_left = [p.name for p in run.iterdir() if p.name.startswith("step-")]
         fastckpt.save({"w": torch.randn(1 << 20)}, mount / "small.safetensors")
         fastckpt.load(mount / "small.safetensors", verify=True)
         return {
             "outcomes": dict(outcomes),
             "files left after the failed saves": len(left),
             "bytes used after the failed saves": used,
+            "manager: step restored after the failed step": step,
+            "manager: step directories left": steps_left,
             "a small save afterwards": "ok",
         }
     finally:
@@ -1087,7 +1106,10 @@ def main(argv: list[str] | None = None) -> int:
                 bad += report["temp files left after the next save"]
             elif part == "enospc":
                 report = enospc(work)
-                bad += sum(v for k, v in report.get("outcomes", {}).items() if k != "ENOSPC")
+                outcomes = report.get("outcomes", {}).items()
+                bad += sum(v for k, v in outcomes if not k.endswith(": ENOSPC"))
+                bad += report.get("files left after the failed saves", 0)
+                bad += len(report.get("manager: step directories left", [])) > 1
                 bad += report.get("files left after the failed saves", 0)
             elif part in ("shard-kills", "dcp-kills"):
                 report = set_kills(work, part.split("-")[0], args.set_kills, args.seed)

@@ -31,6 +31,24 @@ def test_torture_smoke(tmp_path):
     assert "bad outcomes in total: 0" in out.stdout
 
 
+def test_torture_full_disk(tmp_path):
+    """Every saver (plain, eager and lazy async, a manager's step) meets a full file system:
+    each fails with ENOSPC, leaves nothing behind, and the manager's earlier step restores."""
+    out = subprocess.run(
+        [sys.executable, str(TORTURE), "--only=enospc", f"--dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if "cannot mount a small tmpfs" in out.stdout:
+        pytest.skip("mounting a small tmpfs needs root")
+    for saver in ("save", "async_save", "async_save(lazy)", "manager.save"):
+        assert f'"{saver}: ENOSPC": 1' in out.stdout, out.stdout
+    assert '"manager: step restored after the failed step": 0' in out.stdout
+    assert "bad outcomes in total: 0" in out.stdout
+
+
 @pytest.mark.slow
 def test_torture_smoke_multi_file_sets(tmp_path):
     out = subprocess.run(
