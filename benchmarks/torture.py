@@ -583,11 +583,19 @@ _WRITER = textwrap.dedent(
     """
     import sys, time, torch, fastckpt
     path, value, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    lazy = sys.argv[4] == "lazy"  # lazy async saves, several in flight, against plain ones
     state = {"w": torch.full((1 << 20,), value), "v": torch.tensor(value)}
-    end, n = time.monotonic() + seconds, 0
+    end, n, pending = time.monotonic() + seconds, 0, []
     while time.monotonic() < end:
-        fastckpt.save(state, path)
+        if lazy:
+            pending.append(fastckpt.async_save(state, path, lazy=True, max_pending=3))
+            if len(pending) == 3:
+                pending.pop(0).result()
+        else:
+            fastckpt.save(state, path)
         n += 1
+    for future in pending:
+        future.result()
     print(n)
     """
 )
@@ -618,11 +626,11 @@ def concurrency(work: Path, seconds: float = 5.0) -> dict[str, Any]:
     target = str(folder / "shared.safetensors")
     writers = [
         subprocess.Popen(
-            [sys.executable, "-c", _WRITER, target, str(v), str(seconds)],
+            [sys.executable, "-c", _WRITER, target, str(v), str(seconds), how],
             stdout=subprocess.PIPE,
             text=True,
         )
-        for v in (1, 2)
+        for v, how in ((1, "save"), (2, "lazy"))
     ]
     readers = [
         subprocess.Popen(
