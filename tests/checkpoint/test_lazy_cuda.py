@@ -11,6 +11,10 @@ run before the clones, would put other bytes in the file. Real saves, real files
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -312,3 +316,38 @@ def test_cuda_work_queued_before_the_call_is_in_the_file(tmp_path):
     w.zero_()
     future.result()
     assert torch.all(fastckpt.load(tmp_path / "q.safetensors")["w"] == 20)
+
+
+# -- the benchmark's lazy row ------------------------------------------------------------------
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_cuda.py")
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_cuda", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_the_cuda_benchmark_imports_and_says_it_needs_a_gpu():
+    bench = _bench_module()
+    assert "lazy" in bench.HANDLERS
+    run = subprocess.run(
+        [sys.executable, BENCH, "--size", "16M", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert run.returncode == 2 and "no CUDA GPU here" in run.stderr
+
+
+@pytest.mark.cuda
+def test_the_benchmarks_lazy_row_saves_the_call_time_state(tmp_path):
+    bench = _bench_module()
+    spec = {"device": "cuda:0", "size": 64 * MIB, "seed": 0, "file": str(tmp_path / "l.st")}
+    result = bench._child_lazy(spec)
+    assert result["digest"] == result["call_time_digest"]
+    assert result["host_snapshot_bytes"] == 0 and result["pinned_bytes"] <= 256 * MIB
