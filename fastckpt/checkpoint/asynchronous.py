@@ -338,10 +338,13 @@ def async_save(
             fails the save, naming it), and ``fence`` holds changes off. Host memory grows
             by the ring, not by the checkpoint. Implied by ``fence``.
         fence: an optimizer (or several) whose next ``step()`` first waits for the lazy
-            save: the tensors not yet copied are snapshotted into host memory, so the step
-            goes on at once. Other in-place updates call ``future.fence()`` first.
-        fence_bytes: cap on the host memory one fence may snapshot (default: no cap); the
-            tensors past it are waited for, at the storage's speed.
+            save: the tensors not yet copied are snapshotted into host memory (CUDA
+            tensors: cloned in device memory on the side stream, and the current stream
+            made to wait on the clones), so the step goes on at once. Other in-place
+            updates call ``future.fence()`` first.
+        fence_bytes: cap on the memory one fence may snapshot (host snapshots and device
+            clones together; default: no cap); the tensors past it are waited for, at the
+            storage's speed.
         max_pending: at most this many saves in flight; a further call waits for the oldest.
         staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size;
             256 MiB for a lazy save).
