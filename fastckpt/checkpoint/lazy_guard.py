@@ -192,7 +192,10 @@ class LazyGuard:
             event.synchronize()
 
     def finish(self) -> None:
-        """The save ended (committed or failed): fences return at once; hooks removed."""
+        """The save ended (committed or failed): fences return at once; hooks removed.
+        Calls after the first do nothing."""
+        if self._finished:
+            return
         self.settle()  # nothing queued may still read the tensors or write the ring
         with self._lock:
             self._finished = True
