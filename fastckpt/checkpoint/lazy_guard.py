@@ -80,8 +80,15 @@ class LazyGuard:
     :meth:`copied`, and calls :meth:`wait_copies` before it writes any buffer.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, fence_bytes: int | None):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        fence_bytes: int | None,
+        how_to_fence: str = _HOW_TO_FENCE,
+    ):
         self._tensors = tensors
+        self._how_to_fence = how_to_fence  # the end of a LazySaveError's message
         self._versions = {name: t._version for name, t in tensors.items()}
         self._fence_bytes = fence_bytes
         self._lock = threading.Condition()
@@ -250,7 +257,7 @@ class LazyGuard:
                 f"tensor {name!r} changed after async_save(lazy) was called and {when}: "
                 f"its version counter moved from {self._versions[name]} to {now}, so the "
                 f"checkpoint would mix values of two steps and was not committed; "
-                f"{_HOW_TO_FENCE}"
+                f"{self._how_to_fence}"
             )
 
     def _side(self, name: str) -> Any:

@@ -54,20 +54,32 @@ def stand_in_structure(
     tensors are appended to ``keep`` (their ids stay unique while kept)."""
     live: dict[int, torch.Tensor] = {}
     labels: dict[int, str] = {}
+    # A module-level walk, not a nested recursive function: that one would sit in a
+    # reference cycle with ``keep`` until the garbage collector ran, and a stand-in must go
+    # as soon as DCP drops the staged state (a lazy stage ends then).
+    return _walk(obj, "", keep, live, labels), live, labels
 
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            twin, local = stand_in(value)
-            live[id(local)] = value._local_tensor if hasattr(value, "_local_tensor") else value
-            labels[id(local)] = path
-            keep.append(local)
-            return twin
-        if isinstance(value, dict):
-            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
-        if type(value) is tuple:
-            return tuple(walk(v, f"{path}.{i}") for i, v in enumerate(value))
-        return copy.deepcopy(value)
 
-    return walk(obj, ""), live, labels
+def _walk(
+    value: Any,
+    path: str,
+    keep: list[torch.Tensor],
+    live: dict[int, torch.Tensor],
+    labels: dict[int, str],
+) -> Any:
+    if isinstance(value, torch.Tensor):
+        twin, local = stand_in(value)
+        live[id(local)] = value._local_tensor if hasattr(value, "_local_tensor") else value
+        labels[id(local)] = path
+        keep.append(local)
+        return twin
+    if isinstance(value, dict):
+        return {
+            k: _walk(v, f"{path}.{k}" if path else str(k), keep, live, labels)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_walk(v, f"{path}.{i}", keep, live, labels) for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return tuple(_walk(v, f"{path}.{i}", keep, live, labels) for i, v in enumerate(value))
+    return copy.deepcopy(value)

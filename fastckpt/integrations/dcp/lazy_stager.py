@@ -51,6 +51,12 @@ from fastckpt.integrations.dcp._stand_ins import stand_in_structure
 
 __all__ = ["FastCkptLazyStager", "LazyStage", "claim_stage"]
 
+_HOW_TO_FENCE = (
+    "pass the optimizer that changes it as FastCkptLazyStager(fence=optimizer), call "
+    "stager.fence() before any other in-place update (EMA, manual loops), or stage without "
+    "FastCkptLazyStager to copy the state before dcp.async_save returns"
+)
+
 _lock = threading.Lock()
 _stages: list["LazyStage"] = []  # staged, not yet claimed by a writer
 
@@ -194,7 +200,7 @@ class FastCkptLazyStager:
         keep: list[torch.Tensor] = []
         staged, live, labels = stand_in_structure(state_dict, keep)
         guarded = {labels[key]: tensor for key, tensor in live.items()}
-        guard = LazyGuard(guarded, fence_bytes=self.fence_bytes)
+        guard = LazyGuard(guarded, fence_bytes=self.fence_bytes, how_to_fence=_HOW_TO_FENCE)
         guard.fence_optimizers(self.optimizers)
         self._guards.add(guard)
         stand_ins = {id(t): t for t in keep}
