@@ -104,7 +104,7 @@ class LazyStage:
                 continue
             ref, label = entry
             stand_in = ref()
-            if stand_in is candidate and tuple(stand_in.shape) == tuple(data.shape):
+            if stand_in is not None and stand_in is candidate and stand_in.shape == data.shape:
                 return label
         return None
 
