@@ -248,6 +248,9 @@ class LazyGuard:
                 )
             self._tensors, self._versions, self._snapshots = tensors, versions, snapshots
             self._device = device
+            self._fenced = {
+                new for new, old in names.items() if isinstance(old, str) and old in self._fenced
+            }
             self._lock.notify_all()
 
     def _check(self, name: str, when: str) -> None:

@@ -6,11 +6,13 @@ changed unfenced and nothing is published. One process (no_dist) and 2 real gloo
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _queued_cuda import HostDevice
 from dcp_lazy_ranks import fenced_and_unfenced
 from dcp_ranks import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
@@ -163,3 +165,29 @@ def test_the_writers_own_staging_still_copies_at_the_call(tmp_path):
 
 def test_two_gloo_ranks_fenced_and_unfenced(tmp_path):
     run_ranks(2, fenced_and_unfenced, str(tmp_path))
+
+
+def test_device_tensors_are_cloned_by_the_fence_while_the_writer_waits(monkeypatch, tmp_path):
+    # Host memory plays the GPU (tests/_queued_cuda.py): the rank file is right only if the
+    # writer waited for each buffer's copies and the step ran after the fence's clones.
+    device = HostDevice(monkeypatch, on_device=lambda t: t.numel() > 1)
+    model, optimizer = _model()
+    _step(model, optimizer)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stager = FastCkptLazyStager(fence=optimizer, staging_bytes=8 * MIB)
+    device.gate.clear()  # the writer stops at its first buffer's event
+    future = _async_save(state, tmp_path / "dev", stager)
+    (guard,) = list(stager._guards)
+    deadline = time.monotonic() + 60
+    while not any(e[0] == "writer waits" for e in list(device.log)):
+        assert time.monotonic() < deadline, "the writer never reached its first buffer"
+        time.sleep(0.01)
+    _step(model, optimizer)  # the fence: device clones, the current stream waits on them
+    assert device.current.waited and device.current.waited[-1].stream in device.sides
+    device.gate.set()
+    future.result()
+    saved = load_full(tmp_path / "dev")
+    assert all(torch.equal(saved["model"][k], v) for k, v in before.items())
+    assert guard.device_snapshot_bytes > 0  # the parameters and moments, cloned
+    stager.close()
