@@ -198,7 +198,7 @@ def test_cuda_adam_fenced_save_holds_the_call_time_state(tmp_path, fence_bytes):
     back = fastckpt.load(path)
     assert all(torch.equal(back["model"][k], v) for k, v in expected.items())
     assert all(torch.equal(back["optim"]["state"][i]["exp_avg"], m) for i, m in moments.items())
-    assert future._guard.snapshot_bytes == 0  # the fence took no host memory
+    assert future._guard.snapshot_bytes < 4096  # host memory: Adam's step counters only
     if fence_bytes is not None:
         assert future._guard.device_snapshot_bytes <= fence_bytes
 
