@@ -51,7 +51,7 @@ from fastckpt.bench.filesystems import filesystem_of, require_directory
 from fastckpt.bench.fio import fio_path, fio_round
 from fastckpt.bench.peers import LOADERS, Loader, Skip
 from fastckpt.bench.report import fmt, log, machine
-from fastckpt.bench.results import Results, rotate
+from fastckpt.bench.results import Results, rotate, summarize
 from fastckpt.bench.timed_runs import child_load, child_save
 from fastckpt.bench.units import MiB, format_bytes, median
 from fastckpt.config import parse_size
@@ -77,6 +77,9 @@ LOADS = {
     "safetensors": "safetensors load_file(device)",
     "torch": "torch.load(map_location)",
 }
+#: The lazy asynchronous save's row.
+LAZY = "fastckpt.async_save(lazy=True) + fence"
+
 LOAD_FILE = {
     "fastckpt": "fastckpt",
     "fastckpt-gds": "fastckpt",
@@ -224,7 +227,59 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
     return {"gbps": nbytes / seconds / 1e9, "seconds": seconds, "cache": cache}
 
 
-HANDLERS = {"save": _child_save, "load": _child_load, "ceiling": lambda spec: _child_ceiling(spec)}
+def _child_lazy(spec: dict[str, Any]) -> dict[str, Any]:
+    """A lazy ``async_save`` of the state on the GPU, then at once what a training step does
+    first: ``future.fence()``, then an in-place update of every tensor. Reports the time the
+    caller was blocked in the call and in the fence, the time until the file is durable, the
+    page-locked memory the save streamed through and the device memory the fence cloned,
+    and the digest of the file's tensors (those of the state at call time)."""
+    from fastckpt.bench.checks import crc_digest, tensor_crc32s
+    from fastckpt.bench.synthetic import llm_like_state_dict
+
+    device = spec["device"]
+    torch = _warm_cuda(device)
+    import fastckpt
+    from fastckpt.checkpoint import asynchronous
+
+    state = llm_like_state_dict(spec["size"], seed=spec["seed"])
+    digest = crc_digest(tensor_crc32s(state))
+    state = {k: v.to(device) for k, v in state.items()}
+    torch.cuda.synchronize(device)
+    os.sync()
+    allocated = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    future = fastckpt.async_save(state, spec["file"], lazy=True)
+    t1 = time.perf_counter()
+    future.fence()
+    t2 = time.perf_counter()
+    clones = torch.cuda.memory_allocated(device) - allocated
+    for tensor in state.values():  # the step: queued after the fence's event
+        tensor.add_(1)
+    future.result()
+    t3 = time.perf_counter()
+    guard = future._guard  # what the fence took (lazy_guard.LazyGuard)
+    ring = asynchronous._ring
+    loaded = fastckpt.load(spec["file"])
+    return {
+        "seconds": t3 - t0,
+        "call_seconds": t1 - t0,
+        "fence_seconds": t2 - t1,
+        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "pinned_bytes": ring.budget if ring is not None else None,
+        "device_clone_bytes": guard.device_snapshot_bytes,
+        "device_allocated_after_fence": clones,
+        "host_snapshot_bytes": guard.snapshot_bytes,
+        "digest": crc_digest(tensor_crc32s(loaded)),
+        "call_time_digest": digest,
+    }
+
+
+HANDLERS = {
+    "save": _child_save,
+    "load": _child_load,
+    "lazy": _child_lazy,
+    "ceiling": lambda spec: _child_ceiling(spec),
+}
 
 
 # =========================================================================== parent side
@@ -232,6 +287,18 @@ HANDLERS = {"save": _child_save, "load": _child_load, "ceiling": lambda spec: _c
 
 def run_child(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return spawn(__file__, spec, args.child_timeout)
+
+
+def _lazy_stats(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the lazy rounds' blocked times, rate and memory; whether every file held
+    the state at call time."""
+    stats = summarize(rounds)
+    ok = [r for r in rounds if "error" not in r and "skipped" not in r]
+    if ok:
+        for key in ("call_seconds", "fence_seconds", "pinned_bytes", "device_clone_bytes"):
+            stats[key] = median([r[key] for r in ok])
+        stats["same"] = "yes" if all(r["digest"] == r["call_time_digest"] for r in ok) else "NO"
+    return stats
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -295,6 +362,24 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
             f"{fmt(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
             f"{fmt(s.get('cpu_seconds'), '.1f')} |"
         )
+    lazy = stats["lazy"]
+    out += [
+        "",
+        "### Lazy async_save from CUDA (fence and an in-place step right after the call)",
+        "",
+        "| method | blocked in call (s) | blocked in fence (s) | until durable: GB/s | "
+        "extra pinned | device clones | file = call-time state |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    if lazy.get("n"):
+        out.append(
+            f"| {LAZY} | {lazy['call_seconds']:.4f} | {lazy['fence_seconds']:.4f} | "
+            f"{lazy['gbps']:.2f} | {format_bytes(lazy['pinned_bytes'])} | "
+            f"{format_bytes(lazy['device_clone_bytes'])} | {lazy['same']} |"
+        )
+    else:
+        why = "; ".join(lazy.get("skipped", []) + lazy.get("errors", [])) or "not run"
+        out.append(f"| {LAZY} | — | — | — | — | — | {why} |")
     best = max((stats["load"].get(m, {}).get("gbps") or 0) for m in ("fastckpt", "fastckpt-gds"))
     out += [
         "",
@@ -363,6 +448,11 @@ def parent_main(args: argparse.Namespace) -> int:
             elif os.path.exists(paths["fastckpt"]):
                 spec = {**base_spec, "op": "ceiling", "method": "disk", "file": paths["fastckpt"]}
                 results.record("ceiling", "disk", rnd, run_child(spec, args))
+            lazy_file = os.path.join(workdir, "lazy.safetensors")
+            spec = {**base_spec, "op": "lazy", "method": "fastckpt-lazy", "file": lazy_file}
+            results.record("lazy", "fastckpt-lazy", rnd, run_child(spec, args))
+            if os.path.exists(lazy_file):
+                os.remove(lazy_file)
             spec = {**base_spec, "op": "ceiling", "method": "h2d"}
             results.record("ceiling", "h2d", rnd, run_child(spec, args))
             for method in rotate(LOADS, rnd):
@@ -385,6 +475,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "save": results.stats("save", SAVES),
         "load": results.stats("load", LOADS),
         "ceiling": results.stats("ceiling", ("disk", "h2d")),
+        "lazy": _lazy_stats(results.pick("lazy", "fastckpt-lazy")),
     }
     raw = results.raw
     notes = []

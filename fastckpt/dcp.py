@@ -4,6 +4,10 @@ DCP plans multi-rank saves and loads (and reshards between world sizes); these m
 bytes, one aligned, checksummed fastckpt file per rank, committed atomically, in a local
 directory or at an fsspec URL (``s3://...``, ``memory://...``; ``storage_options=``).
 
+``FastCkptLazyStager`` makes ``dcp.async_save`` return without copying the state: the
+writer streams the live tensors, fenced at the optimizer's next step and checked by their
+version counters (see :mod:`fastckpt.integrations.dcp.lazy_stager`).
+
 ``.metadata`` is a pickle, as DCP writes it; it is read with an unpickler that admits only
 DCP's metadata classes, torch dtypes and plain containers (``UnsafePickleError`` for
 anything else), unless ``FastCkptReader(..., allow_pickle=True)``.
@@ -21,6 +25,7 @@ Example:
 """
 
 from fastckpt.integrations.dcp import (
+    FastCkptLazyStager,
     FastCkptReader,
     FastCkptWriter,
     UnsafePickleError,
@@ -33,6 +38,7 @@ from fastckpt.integrations.dcp import (
 __all__ = [
     "FastCkptWriter",
     "FastCkptReader",
+    "FastCkptLazyStager",
     "consolidate",
     "to_dcp",
     "load_full",

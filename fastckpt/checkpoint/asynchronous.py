@@ -197,9 +197,15 @@ def _async_pool(budget: int | None, needed: int) -> StagingPool:
         return _pool
 
 
-def _lazy_ring(budget: int | None) -> StagingPool:
-    """The staging ring lazy saves stream through: its own pool, so that a lazy save's host
-    memory stays at the ring's size whatever snapshots grew the other pool to."""
+def lazy_ring(budget: int | None) -> StagingPool:
+    """The staging ring lazy saves stream through (``budget`` bytes, default
+    :data:`LAZY_RING_BYTES`): its own pool, so that a lazy save's host memory stays at the
+    ring's size whatever snapshots grew the other pool to.
+
+    Example:
+        >>> lazy_ring(None).budget == LAZY_RING_BYTES
+        True
+    """
     global _ring
     with _state_lock:
         size = max(budget or LAZY_RING_BYTES, 8 << 20)
@@ -338,10 +344,13 @@ def async_save(
             fails the save, naming it), and ``fence`` holds changes off. Host memory grows
             by the ring, not by the checkpoint. Implied by ``fence``.
         fence: an optimizer (or several) whose next ``step()`` first waits for the lazy
-            save: the tensors not yet copied are snapshotted into host memory, so the step
-            goes on at once. Other in-place updates call ``future.fence()`` first.
-        fence_bytes: cap on the host memory one fence may snapshot (default: no cap); the
-            tensors past it are waited for, at the storage's speed.
+            save: the tensors not yet copied are snapshotted into host memory (CUDA
+            tensors: cloned in device memory on the side stream, and the current stream
+            made to wait on the clones), so the step goes on at once. Other in-place
+            updates call ``future.fence()`` first.
+        fence_bytes: cap on the memory one fence may snapshot (host snapshots and device
+            clones together; default: no cap); the tensors past it are waited for, at the
+            storage's speed.
         max_pending: at most this many saves in flight; a further call waits for the oldest.
         staging_bytes: cap on the asynchronous staging pool (default: the checkpoint's size;
             256 MiB for a lazy save).
@@ -377,7 +386,7 @@ def async_save(
     global _last_commit
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-    optimizers = _fenced_optimizers(fence)
+    optimizers = fenced_optimizers(fence)
     lazy = lazy or bool(optimizers)
     if lazy and not snapshot:
         raise ValueError("lazy=True (or fence=) and snapshot=False are two different modes")
@@ -401,7 +410,7 @@ def async_save(
             intra_op_parallelism=intra_op_parallelism,
         )
         if lazy:
-            pool = _lazy_ring(staging_bytes)
+            pool = lazy_ring(staging_bytes)
         else:
             pool = _async_pool(staging_bytes, plan.data_size)
         out = AtomicFile(path, direct=direct_io is not False)
@@ -480,8 +489,15 @@ def async_save(
     return future
 
 
-def _fenced_optimizers(fence: Any) -> list[Any]:
-    """``fence=`` as a list of optimizers (TypeError naming what else it got)."""
+def fenced_optimizers(fence: Any) -> list[Any]:
+    """``fence=`` as a list of optimizers (TypeError naming what else it got).
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> fenced_optimizers(optimizer) == [optimizer], fenced_optimizers(None)
+        (True, [])
+    """
     import torch
 
     if fence is None:

@@ -19,6 +19,21 @@ hold the file to the values at call time:
   :class:`fastckpt.LazySaveError`
   naming it and how to fence it. A silently mixed checkpoint is never committed.
 
+CUDA tensors. The call records an event on each device's current stream. The writer copies
+device-to-host on a side stream per device that waits on that event (so the work queued
+before the call is in the file, and the host never waits for it), a ring buffer at a time
+into the page-locked ring; each buffer's copies are followed by an event the writer
+synchronizes on before handing that buffer to the disk. A tensor's version is checked again
+once its copies are seen complete. The fence never waits on the host for device-to-host
+copies: it clones the not-yet-copied device tensors (the one being copied included) on the
+side stream, in device memory, within ``fence_bytes``, and makes the current stream wait
+(``current_stream.wait_event``) on an event after those clones and every copy queued so
+far, so the step's kernels run after them while the host goes on at once. The writer then
+reads the clones. Memory: at most ``fence_bytes`` of device memory (default: every byte not
+yet copied) on the tensors' devices, freed as the writer passes each clone; no host memory
+beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
+the rest (at the storage's speed, as for CPU tensors).
+
 What the version counter cannot see: writes through ``tensor.data`` or ``.numpy()`` views,
 writes from other processes (shared memory), and CUDA kernels queued on other streams
 after the call. Fence those writers explicitly (``future.fence()``), or take the default
@@ -40,7 +55,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -58,28 +73,49 @@ _HOW_TO_FENCE = (
 
 class LazyGuard:
     """The per-save state shared by the writer thread and the fence (see the module's
-    description). Tensor names are the plan's stored names."""
+    description). Tensor names are the plan's stored names.
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, fence_bytes: int | None):
+    The writer reads a CPU tensor with :meth:`source` and :meth:`copied`; a CUDA tensor
+    (:meth:`on_device`) with :meth:`begin_device`, :meth:`copy_to_host` per piece and
+    :meth:`copied`, and calls :meth:`wait_copies` before it writes any buffer.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        fence_bytes: int | None,
+        how_to_fence: str = _HOW_TO_FENCE,
+    ):
         self._tensors = tensors
+        self._how_to_fence = how_to_fence  # the end of a LazySaveError's message
         self._versions = {name: t._version for name, t in tensors.items()}
         self._fence_bytes = fence_bytes
         self._lock = threading.Condition()
         self._copying: str | None = None  # the tensor the writer reads now
         self._done: set[str] = set()  # copied (or snapshotted, see _snapshots)
-        self._snapshots: dict[str, torch.Tensor] = {}
+        self._snapshots: dict[str, torch.Tensor] = {}  # host copies; device: flat clones
         self._finished = False
         self._hooks: list[Any] = []
         self.snapshot_bytes = 0  # host memory the fences took, for the docs' figures
-        self._ready = _cuda_event_for(tensors.values())
+        self.device_snapshot_bytes = 0  # device memory the fences took
+        # -- CUDA tensors (see the module's description)
+        self._device = {name for name, t in tensors.items() if _on_device(t)}
+        self._call_events = _call_events(tensors[name] for name in self._device)
+        self._host_ready = list(self._call_events.values())  # waited for before a CPU copy
+        self._sides: dict[Any, Any] = {}  # device -> side stream, after its call event
+        self._flat: dict[str, torch.Tensor] = {}  # the bytes the writer reads, per tensor
+        self._queued: set[str] = set()  # every copy queued, not yet seen complete
+        self._fenced: set[str] = set()  # ordered before a fence: no check after the copy
 
     # -- the writer's side ------------------------------------------------------------------
     def source(self, name: str) -> torch.Tensor:
         """The tensor to copy for ``name``: its snapshot if a fence took one, else the tensor
         itself, checked unchanged since the call (LazySaveError otherwise)."""
-        if self._ready is not None:
-            self._ready.synchronize()  # work queued before the call is in the tensors
-            self._ready = None
+        if self._host_ready:
+            for event in self._host_ready:
+                event.synchronize()  # work queued before the call is in the tensors
+            self._host_ready = []
         with self._lock:
             snap = self._snapshots.pop(name, None)
             if snap is not None:
@@ -88,9 +124,64 @@ class LazyGuard:
             self._copying = name
             return self._tensors[name]
 
-    def copied(self, name: str) -> None:
-        """The writer copied every byte of ``name``: checked unchanged meanwhile."""
+    def on_device(self, name: str) -> bool:
+        """Whether ``name`` is a CUDA tensor (copied with :meth:`copy_to_host`)."""
+        return name in self._device
+
+    def begin_device(self, name: str) -> None:
+        """The writer starts on the CUDA tensor ``name``: checked unchanged since the call,
+        unless a fence snapshotted it (its clone is read then)."""
         with self._lock:
+            if name in self._snapshots:
+                self._fenced.add(name)  # the clone holds the values at call time
+                return
+            self._check(name, "before its bytes were copied")
+            self._flat[name] = _queue_flat(self._side(name), self._tensors[name])
+            self._copying = name
+
+    def copy_to_host(self, name: str, start: int, dst: torch.Tensor) -> None:
+        """Queues the copy of bytes ``[start, start + dst.numel())`` of ``name`` (or of its
+        clone, once a fence took one) into the page-locked ``dst`` on the side stream."""
+        with self._lock:
+            src = self._snapshots.get(name)
+            if src is None:
+                src = self._flat[name]
+            _queue_copy(self._side(name), dst, src[start : start + dst.numel()])
+
+    def wait_copies(self) -> None:
+        """Returns once every device-to-host copy queued so far is complete (an event per
+        side stream, synchronized): called before a buffer is written. The CUDA tensors
+        whose copies were all queued are then checked unchanged (LazySaveError)."""
+        with self._lock:
+            if not self._sides:
+                return
+            queued = list(self._queued)  # their copies come before the events below
+            events = [_record(stream) for stream in self._sides.values()]
+        for event in events:
+            event.synchronize()
+        with self._lock:
+            try:
+                for name in queued:
+                    if name not in self._fenced:
+                        self._check(name, "while its bytes were copied")
+            finally:
+                for name in queued:
+                    self._queued.discard(name)
+                    self._done.add(name)
+                    self._snapshots.pop(name, None)  # device memory back
+                    self._flat.pop(name, None)
+                self._lock.notify_all()
+
+    def copied(self, name: str) -> None:
+        """The writer copied every byte of ``name`` (for a CUDA tensor: queued every copy,
+        checked by the next :meth:`wait_copies`): checked unchanged meanwhile."""
+        with self._lock:
+            if name in self._device:
+                self._queued.add(name)
+                if self._copying == name:
+                    self._copying = None
+                self._lock.notify_all()
+                return
             try:
                 if self._copying == name:
                     self._check(name, "while its bytes were copied")
@@ -99,16 +190,68 @@ class LazyGuard:
                 self._done.add(name)
                 self._lock.notify_all()
 
+    def settle(self) -> None:
+        """Waits for the device-to-host copies queued so far, checking nothing: before a
+        buffer is given back on failure, so that no copy lands in it afterwards."""
+        with self._lock:
+            events = [_record(stream) for stream in self._sides.values()]
+        for event in events:
+            event.synchronize()
+
     def finish(self) -> None:
-        """The save ended (committed or failed): fences return at once; hooks removed."""
+        """The save ended (committed or failed): fences return at once; hooks removed.
+        Calls after the first do nothing."""
+        if self._finished:
+            return
+        self.settle()  # nothing queued may still read the tensors or write the ring
         with self._lock:
             self._finished = True
             self._snapshots.clear()
+            self._flat.clear()
+            self._queued.clear()
             self._tensors = {}  # the future outlives the save: it must not keep the state
             self._lock.notify_all()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def rebind(self, names: Mapping[str, str | torch.Tensor]) -> None:
+        """Renames the guarded tensors to the names the writer stores them under: ``new ->
+        old name``, or ``new -> tensor`` for a tensor made after the call that nothing
+        else changes (checked from now). A tensor no new name takes is not written, and no
+        fence waits for it. Called before the writer starts.
+
+        Example:
+            >>> w = torch.zeros(2)
+            >>> guard = LazyGuard({"model.w": w, "unused": torch.ones(1)}, fence_bytes=None)
+            >>> guard.rebind({"w@0": "model.w", "extra": torch.ones(1)})
+            >>> guard.source("w@0") is w
+            True
+        """
+        with self._lock:
+            tensors, versions, snapshots, device = {}, {}, {}, set()
+            for new, old in names.items():
+                if isinstance(old, torch.Tensor):
+                    tensors[new], versions[new] = old, old._version
+                    if _on_device(old):
+                        device.add(new)
+                    continue
+                tensors[new], versions[new] = self._tensors[old], self._versions[old]
+                if old in self._snapshots:
+                    snapshots[new] = self._snapshots[old]
+                if old in self._device:
+                    device.add(new)
+            new_devices = {tensors[n].device for n in device} - set(self._call_events)
+            if new_devices:
+                self._call_events.update(
+                    _call_events(t for t in tensors.values() if t.device in new_devices)
+                )
+            self._tensors, self._versions, self._snapshots = tensors, versions, snapshots
+            self._device = device
+            self._fenced = {
+                new for new, old in names.items() if isinstance(old, str) and old in self._fenced
+            }
+            self._lock.notify_all()
 
     def _check(self, name: str, when: str) -> None:
         now = self._tensors[name]._version
@@ -117,34 +260,65 @@ class LazyGuard:
                 f"tensor {name!r} changed after async_save(lazy) was called and {when}: "
                 f"its version counter moved from {self._versions[name]} to {now}, so the "
                 f"checkpoint would mix values of two steps and was not committed; "
-                f"{_HOW_TO_FENCE}"
+                f"{self._how_to_fence}"
             )
+
+    def _side(self, name: str) -> Any:
+        """The side stream of ``name``'s device, made at first use after its call event."""
+        device = self._tensors[name].device
+        stream = self._sides.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(self._call_events[device])
+            self._sides[device] = stream
+        return stream
 
     # -- the trainer's side -----------------------------------------------------------------
     def fence(self) -> None:
-        """Returns once the tensors may change: every tensor not yet copied is snapshotted
-        into host memory (within ``fence_bytes``; past it, waited for), and the one being
-        copied now is waited for."""
+        """Returns once the tensors may change: every CPU tensor not yet copied is
+        snapshotted into host memory, every CUDA tensor not yet copied (the one being
+        copied included) is cloned on the side stream, within ``fence_bytes`` together;
+        the rest is waited for (a CPU tensor until copied, a CUDA tensor until its copies
+        are queued), then the current CUDA streams wait on the side streams' work."""
         with self._lock:
             if self._finished:
                 return
             budget = self._fence_bytes
             for name, tensor in self._tensors.items():
-                if name in self._done or name in self._snapshots or name == self._copying:
+                if name in self._done or name in self._snapshots or name in self._queued:
                     continue
+                on_device = name in self._device
+                if name == self._copying and not on_device:
+                    continue  # a CPU tensor being copied: waited for below
                 nbytes = tensor.numel() * tensor.element_size()
                 if budget is not None and nbytes > budget:
                     continue  # left for the writer: waited for below
                 if tensor._version != self._versions[name]:
                     continue  # changed unfenced: the writer fails the save, not this step
-                self._snapshots[name] = tensor.detach().to("cpu", copy=True)
-                self.snapshot_bytes += nbytes
+                if on_device:
+                    flat = self._flat.get(name)  # the bytes being copied, if started
+                    stream = self._side(name)
+                    self._snapshots[name] = _queue_clone(
+                        stream, flat if flat is not None else _queue_flat(stream, tensor)
+                    )
+                    self.device_snapshot_bytes += nbytes
+                else:
+                    self._snapshots[name] = tensor.detach().to("cpu", copy=True)
+                    self.snapshot_bytes += nbytes
                 if budget is not None:
                     budget -= nbytes
             while not self._finished and any(
-                n not in self._done and n not in self._snapshots for n in self._tensors
+                n not in self._done and n not in self._snapshots and n not in self._queued
+                for n in self._tensors
             ):
                 self._lock.wait()
+            if self._finished or not self._sides:
+                return
+            for name in self._device - self._done:  # every copy of it is ordered below
+                if self._tensors[name]._version == self._versions[name]:
+                    self._fenced.add(name)
+            for device, stream in self._sides.items():
+                torch.cuda.current_stream(device).wait_event(_record(stream))
 
     def fence_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Runs :meth:`fence` before the next step of each optimizer."""
@@ -157,11 +331,48 @@ class LazyGuard:
             self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.fence()))
 
 
-def _cuda_event_for(tensors: Iterable[torch.Tensor]) -> Any:
-    """An event after the work queued on the current CUDA stream at call time, when any
-    tensor is on a GPU (the writer thread waits for it before its first copy)."""
-    if not any(t.device.type == "cuda" for t in tensors):
-        return None
+# -- CUDA, kept to these few calls (tests stand host memory in for the device) ---------------
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda"
+
+
+def _call_events(tensors: Iterable[torch.Tensor]) -> dict[Any, Any]:
+    """An event per device after the work queued on its current stream at call time."""
+    events: dict[Any, Any] = {}
+    for t in tensors:
+        if t.device not in events:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            events[t.device] = event
+    return events
+
+
+def _record(stream: Any) -> Any:
+    """An event after the work queued on ``stream`` so far."""
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     return event
+
+
+def _queue_flat(stream: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes in row-major order as a flat uint8 tensor: a view when it is
+    contiguous, else a contiguous copy queued on ``stream``."""
+    t = tensor.detach()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        with torch.cuda.stream(stream):
+            t = t.resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _queue_clone(stream: Any, flat: torch.Tensor) -> torch.Tensor:
+    """A copy of the flat bytes ``flat`` in device memory, queued on ``stream``."""
+    with torch.cuda.stream(stream):
+        return flat.clone()
+
+
+def _queue_copy(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` queued on ``stream`` (into page-locked memory: asynchronous)."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)

@@ -312,6 +312,8 @@ class StreamWriter:
             self._deferred.append((buf, nbytes, segments))
             return
         try:
+            if self._guard is not None:
+                self._guard.wait_copies()  # the buffer's device-to-host copies are complete
             op_id = self.executor.submit(
                 self.file,
                 BufferRef(buf.address, buf.nbytes, buf),
@@ -337,6 +339,26 @@ class StreamWriter:
             try:
                 for entry in plan.entries:
                     guard = self._guard
+                    if guard is not None and guard.on_device(entry.name):
+                        # A CUDA tensor of a lazy save: copies queued on a side stream
+                        # (lazy_guard.py); _submit waits for them before each write.
+                        guard.begin_device(entry.name)
+                        done, n = 0, entry.nbytes
+                        while done < n:
+                            if buf is None:
+                                buf, used, segments = self._next_buffer(), 0, []
+                            take = min(n - done, piece - used)
+                            buf.register_for_cuda()
+                            guard.copy_to_host(entry.name, done, buf.tensor()[used : used + take])
+                            segments.append((entry.name, used, take))
+                            used += take
+                            done += take
+                            if used == piece:
+                                full, buf = buf, None
+                                self._submit(full, used, segments)
+                                bar.update(piece)
+                        guard.copied(entry.name)
+                        continue
                     tensor = plan.tensors[entry.name] if guard is None else guard.source(entry.name)
                     for chunk in _byte_chunks(tensor, piece):
                         done, n = 0, chunk.numel()
@@ -361,8 +383,12 @@ class StreamWriter:
                     last, buf = buf, None
                     self._submit(last, padded, segments)
                     bar.update(used)
+                if self._guard is not None:
+                    self._guard.wait_copies()  # the last CUDA tensors' checks
             finally:
                 if buf is not None:
+                    if self._guard is not None:
+                        self._guard.settle()  # no queued copy may land in it once given back
                     self.pool.release(buf)
 
     def _copy(self, chunk: torch.Tensor, buf: StagingBuffer, at: int) -> None:

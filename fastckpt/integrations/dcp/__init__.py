@@ -17,6 +17,9 @@ Modules, each using only those listed before it:
 - :mod:`~fastckpt.integrations.dcp.metadata`: ``.metadata`` read with a restricted
   unpickler (nothing outside DCP's metadata classes is unpickled unless ``allow_pickle``);
 - ``_stale_files``: which files no checkpoint and no running save needs;
+- ``_stand_ins``: the state dict a stager hands DCP (stand-ins over the live tensors);
+- :mod:`~fastckpt.integrations.dcp.lazy_stager`: ``FastCkptLazyStager``, ``dcp.async_save``
+  without a copy (the writer streams the live tensors, fenced and version-checked);
 - :mod:`~fastckpt.integrations.dcp.writer`, :mod:`~fastckpt.integrations.dcp.reader`: the
   ``StorageWriter`` and ``StorageReader``;
 - :mod:`~fastckpt.integrations.dcp.conversion`: whole checkpoints to and from one file;
@@ -39,6 +42,7 @@ from fastckpt.errors import UnsafePickleError
 from fastckpt.integrations.dcp._paths import METADATA_FILE
 from fastckpt.integrations.dcp.conversion import consolidate, load_full, to_dcp
 from fastckpt.integrations.dcp.describe import describe_dcp, format_dcp, verify_dcp
+from fastckpt.integrations.dcp.lazy_stager import FastCkptLazyStager
 from fastckpt.integrations.dcp.metadata import is_dcp_checkpoint, read_dcp_metadata
 from fastckpt.integrations.dcp.reader import FastCkptReader
 from fastckpt.integrations.dcp.writer import FastCkptWriter
@@ -46,6 +50,7 @@ from fastckpt.integrations.dcp.writer import FastCkptWriter
 __all__ = [
     "FastCkptWriter",
     "FastCkptReader",
+    "FastCkptLazyStager",
     "METADATA_FILE",
     "UnsafePickleError",
     "is_dcp_checkpoint",

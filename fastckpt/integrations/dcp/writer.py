@@ -18,7 +18,6 @@ rank's upload has returned.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import io
 import os
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastckpt.checkpoint import save as local_save
+from fastckpt.checkpoint.asynchronous import lazy_ring
 from fastckpt.format import DEFAULT_PIECE_SIZE
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
@@ -48,6 +48,8 @@ from fastckpt.integrations.dcp._stale_files import (
     stale_local_files,
     unlink_all,
 )
+from fastckpt.integrations.dcp._stand_ins import stand_in_structure
+from fastckpt.integrations.dcp.lazy_stager import LazyStage, claim_stage
 from fastckpt.integrations.dcp.metadata import is_dcp_checkpoint, write_dcp_metadata
 from fastckpt.integrations.dcp.storage_item import StoredItem
 
@@ -77,28 +79,6 @@ class _Snapshot:
         """Gives the staging buffers back (a snapshot of copies just drops them)."""
         if self.writer is not None:
             self.writer.abort()
-
-
-def _stand_in(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new tensor object with ``value``'s metadata for DCP to plan on, and its local part.
-
-    Its data are never read: every write item it resolves to is taken from the snapshot.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        local = value._local_tensor.detach()
-        twin: torch.Tensor = DTensor.from_local(
-            local,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
-        return twin, local
-    twin = value.detach()
-    return twin, twin
 
 
 # -- writer -----------------------------------------------------------------------------------
@@ -294,7 +274,7 @@ class FastCkptWriter(StorageWriter):
         from fastckpt.io.staging_pool import StagingPool
 
         keep: list[torch.Tensor] = []
-        staged, stand_ins = self._stage_structure(state_dict, keep)
+        staged, stand_ins, _ = stand_in_structure(state_dict, keep)
         planner = DefaultSavePlanner()
         planner.set_up_planner(staged, None, False)
         local = planner.create_local_plan()
@@ -343,31 +323,6 @@ class FastCkptWriter(StorageWriter):
                 self._snapshots.pop(0).abort()
             self._snapshots.append(snapshot)
 
-    def _stage_structure(
-        self, obj: Any, keep: list[torch.Tensor]
-    ) -> tuple[Any, dict[int, torch.Tensor]]:
-        """A copy of ``obj``'s containers with tensors replaced by stand-ins and other values
-        deep-copied; id of each stand-in's local tensor -> the live tensor it stands for.
-        The stand-ins' local tensors are appended to ``keep`` (their ids stay unique)."""
-        stand_ins: dict[int, torch.Tensor] = {}
-
-        def walk(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                twin, local = _stand_in(value)
-                live = value._local_tensor if hasattr(value, "_local_tensor") else value
-                stand_ins[id(local)] = live
-                keep.append(local)
-                return twin
-            if isinstance(value, dict):
-                return {k: walk(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [walk(v) for v in value]
-            if type(value) is tuple:
-                return tuple(walk(v) for v in value)
-            return copy.deepcopy(value)
-
-        return walk(obj), stand_ins
-
     # -- writing -------------------------------------------------------------------------------
     def _take_snapshot(self, plan: SavePlan, planner: SavePlanner) -> _Snapshot | None:
         """The staged snapshot whose stand-ins this plan's tensors resolve to, if any."""
@@ -390,6 +345,9 @@ class FastCkptWriter(StorageWriter):
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         file_name = plan.storage_data or rank_file(self.rank, self.save_id)
         path = remote.join(self.path, file_name)
+        stage = claim_stage(_staged_values(plan, planner))
+        if stage is not None:  # staged by FastCkptLazyStager: streamed from the live tensors
+            return self._write_lazily(stage, plan, planner, file_name, path)
         snapshot = self._take_snapshot(plan, planner)
         results: list[WriteResult] = []
         if snapshot is not None:
@@ -410,6 +368,76 @@ class FastCkptWriter(StorageWriter):
                 results += self._save_items(rest, planner, extra)
             return results
         return self._save_items(plan.items, planner, file_name)
+
+    def _write_lazily(
+        self, stage: LazyStage, plan: SavePlan, planner: SavePlanner, file_name: str, path: str
+    ) -> list[WriteResult]:
+        """Streams the rank file from the live tensors a lazy stage stands for, through the
+        lazy ring, fenced and version-checked by the stage's guard; commits it atomically."""
+        guard = stage.guard
+        try:
+            if stage.ended:
+                raise RuntimeError(
+                    f"{path}: the FastCkptLazyStager was closed before this save wrote its "
+                    "file; close the stager only once the last save's future is done"
+                )
+            if remote.is_url(path):
+                raise ValueError(
+                    f"{path}: FastCkptLazyStager streams into local files; at a URL stage "
+                    "with the writer itself (dcp.async_save without async_stager=)"
+                )
+            flat: dict[str, torch.Tensor] = {}
+            names: dict[str, str | torch.Tensor] = {}
+            pending: list[tuple[WriteItem, str]] = []
+            for item in plan.items:
+                name = item_name(item.index)
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    flat[name] = _bytes_tensor(data)
+                    names[name] = flat[name]
+                else:
+                    assert isinstance(data, torch.Tensor)  # DCP resolves a tensor item so
+                    label = stage.label_of(data)
+                    if label is None:
+                        raise ValueError(
+                            f"write item {name!r} is not a whole tensor of the state that "
+                            "FastCkptLazyStager staged (a custom planner?): it streams whole "
+                            "local tensors; stage this state with the writer itself"
+                        )
+                    flat[name], names[name] = data.detach(), label
+                pending.append((item, name))
+            guard.rebind(names)
+            self._stream(flat, path, guard, stage.staging_bytes)
+        finally:
+            guard.finish()
+        return [_result(item, file_name, name, flat[name]) for item, name in pending]
+
+    def _stream(
+        self, flat: dict[str, torch.Tensor], path: str, guard: Any, staging_bytes: int | None
+    ) -> None:
+        from fastckpt.io.commit import AtomicFile
+
+        save_plan = local_save.plan_save(flat, checksum=self.checksum, piece_size=self.piece_size)
+        ring = lazy_ring(staging_bytes or self.io_options.get("staging_bytes"))
+        executor = local_save.executor_for_destination(path, **engine_options(self.io_options))
+        out = AtomicFile(path)
+        writer = None
+        try:
+            out.reserve(save_plan.file_size)
+            writer = local_save.StreamWriter(
+                save_plan, out.file, executor, ring, progress=False, guard=guard
+            )
+            try:
+                writer.fill()
+            finally:
+                guard.finish()  # no tensor is read any more: fences return, hooks go
+            writer.finish()
+            out.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            out.abort()
+            raise
 
     def _snapshot_name(self, item: WriteItem, planner: SavePlanner, snap: _Snapshot) -> str | None:
         if item.type == WriteItemType.BYTE_IO:
@@ -539,6 +567,17 @@ class FastCkptWriter(StorageWriter):
         if self._removal is not None:
             self._removal.join()
             self._removal = None
+
+
+def _staged_values(plan: SavePlan, planner: SavePlanner) -> Iterable[Any]:
+    """The tensors a rank's write items resolve to, then those of the planner's state dict
+    (a rank whose items are all bytes still finds the stage it saves)."""
+    for item in plan.items:
+        if item.type != WriteItemType.BYTE_IO:
+            yield planner.resolve_data(item)
+    state = getattr(planner, "state_dict", None)
+    if isinstance(state, dict):
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _bytes_tensor(data: object) -> torch.Tensor:
