@@ -14,6 +14,14 @@ reach its file system): a step there is committed the same way, by a marker obje
 after every file of the step is complete, and a drain to it uploads with bounded memory and
 reads the upload back to check it (:mod:`fastckpt.series.transfer`).
 
+In a multi-rank run (``torch.distributed`` initialized with more than one rank, or
+``distributed=True``) every rank creates a manager and calls :meth:`save` with its sharded
+state (DTensors, or per-rank state as DCP takes it): the step directory then holds a DCP
+checkpoint (one fastckpt file per rank and ``.metadata``, :mod:`fastckpt.series.sharded`),
+committed by rank 0 only after every rank's file is durable, and :meth:`restore` loads it
+into the given ``state``, resharded to whatever world size runs now. Locks, cleanup,
+retention and drains are rank 0's alone; the other ranks follow its decisions.
+
 One manager owns a tier at a time (an exclusive ``flock`` locally, a lease object at a URL:
 :mod:`fastckpt.series.lease`), until :meth:`close`; on start it removes what an earlier one
 left half done (steps without a marker, unfinished S3 uploads) and drains committed fast
@@ -44,11 +52,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastckpt import api
-from fastckpt.errors import ChecksumError, HeaderError
+from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.lease import LocalLock, UrlLease
 from fastckpt.series.retention import Retention
+from fastckpt.series.sharded import DCP_LAYOUT, Ranks, load_step, save_step
 from fastckpt.series.steps import Tier
 
 __all__ = ["CheckpointManager"]
@@ -74,6 +83,9 @@ class CheckpointManager:
             ``secret``, ``endpoint_url``, ...; None: ``FASTCKPT_STORAGE_OPTIONS``).
         lease_seconds: how long a URL tier's lease outlives its holder's last renewal
             (:mod:`fastckpt.series.lease`).
+        distributed: steps as DCP checkpoints saved by every rank (True), as one file
+            (False), or DCP when a process group of more than one rank runs (None). Every
+            rank must see the same tiers (a shared file system or a URL).
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class CheckpointManager:
         drain_bytes_per_second: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
         lease_seconds: float = 60.0,
+        distributed: bool | None = None,
     ):
         self._root = _tier(root, "root", storage_options)
         self._fast = None if fast is None else _tier(fast, "fast", storage_options)
@@ -101,7 +114,24 @@ class CheckpointManager:
             )
         self._rate = drain_bytes_per_second
         self._metrics: dict[tuple[str, int], dict[str, float]] = {}  # markers never change
+        self._ranks = Ranks(distributed)
         self._locks: list[Any] = []
+        self._guard = threading.Lock()  # retention and drains never race on a tier
+        self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
+        self._drains = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-drain")
+        self._pending: list[concurrent.futures.Future[Any]] = []
+        self._closed = False
+        try:
+            self._ranks.agree(lambda: self._take_over(lease_seconds))
+        except BaseException:
+            self._closed = True
+            self._saves.shutdown()
+            self._drains.shutdown()
+            raise
+
+    def _take_over(self, lease_seconds: float) -> None:
+        """Rank 0: locks the tiers, removes what an earlier manager left half done, and
+        drains again the committed fast steps that root lacks."""
         try:
             for tier in self._tiers():
                 if tier.is_url:
@@ -112,11 +142,6 @@ class CheckpointManager:
             for lock in self._locks:
                 lock.release()
             raise
-        self._guard = threading.Lock()  # retention and drains never race on a tier
-        self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
-        self._drains = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-drain")
-        self._pending: list[concurrent.futures.Future[Any]] = []
-        self._closed = False
         for tier in self._tiers():
             for step in layout.uncommitted_steps(tier):
                 _log.info(
@@ -156,9 +181,9 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         tier = self._fast or self._root
-        if step in layout.committed_steps(tier):
-            raise ValueError(f"step {step} is already saved in {tier}")
-        layout.remove_step(tier, step)  # a save of this step cut short
+        if self._ranks.sharded:
+            return self._save_sharded(tier, step, state, metrics, save_options)
+        self._clear_for(tier, step)
         path = layout.join(layout.step_dir(tier, step), layout.STATE_FILE)
         if tier.is_url:
             written = api.async_save(
@@ -179,6 +204,39 @@ class CheckpointManager:
         future = self._saves.submit(commit)
         self._pending.append(future)
         return future
+
+    def _clear_for(self, tier: Tier, step: int) -> None:
+        if step in layout.committed_steps(tier):
+            raise ValueError(f"step {step} is already saved in {tier}")
+        layout.remove_step(tier, step)  # a save of this step cut short
+
+    def _save_sharded(
+        self,
+        tier: Tier,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        options: Mapping[str, Any],
+    ) -> concurrent.futures.Future[None]:
+        """Every rank saves its share through DCP; once all have returned (every rank file
+        durable, ``.metadata`` written) and met at a barrier, rank 0 commits. Returns a done
+        future: the step is committed in its first tier on every rank when this returns."""
+        self._ranks.agree(lambda: self._clear_for(tier, step))
+        directory = layout.step_dir(tier, step)
+        save_step(directory, state, self._ranks, tier.storage_options, **options)
+        self._ranks.barrier()  # a rank that died before its file was durable stops us here
+
+        def commit() -> None:
+            self._check_lease()
+            layout.commit(tier, step, metrics, DCP_LAYOUT)
+            self._retain(tier)
+            if self._fast is not None:
+                self._pending.append(self._drains.submit(self._drain, step))
+
+        self._ranks.agree(commit)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
 
     def _drain(self, step: int) -> None:
         """Copies a committed fast step to ``root``, verifies the copy, commits it there."""
@@ -202,7 +260,9 @@ class CheckpointManager:
                 layout.remove_step(self._root, step)
                 raise ChecksumError(f"draining step {step} to {self.root}: {exc}") from exc
         self._check_lease()
-        layout.commit(self._root, step, marker.get("metrics"))
+        layout.commit(
+            self._root, step, marker.get("metrics"), marker.get("layout", layout.FILE_LAYOUT)
+        )
         self._retain(self._root)
         self._retain(self._fast)
 
@@ -242,40 +302,74 @@ class CheckpointManager:
         found = self.steps()
         return found[-1] if found else None
 
-    def restore(self, step: int | None = None, **load_options: Any) -> tuple[int, Any]:
+    def restore(
+        self, step: int | None = None, *, state: Any = None, **load_options: Any
+    ) -> tuple[int, Any]:
         """The newest committed step that loads verified (or ``step``), as ``(step, state)``;
         a damaged copy is skipped (logged) for the other tier's, then for older steps.
-        ``load_options`` go to :func:`fastckpt.load` (``map_location=``, ...).
+
+        A step of one file is loaded with :func:`fastckpt.load` (``load_options``:
+        ``map_location=``, ...). A step saved by several ranks (a DCP checkpoint) is loaded
+        into ``state`` in place, resharded to its tensors (DTensors of this run's mesh, or
+        plain tensors), and ``state`` is returned; in one process ``state`` may be None for
+        every value as full tensors. In a multi-rank run every rank calls this with its own
+        ``state``; all take the step rank 0 picks and move on together past damage.
 
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
-        candidates = self.steps() if step is None else [step]
-        listed = {tier: set(layout.committed_steps(tier)) for tier in self._tiers()}
+        if self._ranks.group and self._ranks.coordinator:
+            self.wait()  # no drain removes a fast step while the ranks read it
+        candidates = self._ranks.agree(lambda: self._candidates(step))
         errors = []
-        for candidate in reversed(candidates):
-            for tier in self._tiers():
-                if candidate not in listed[tier]:
-                    continue
-                path = layout.join(layout.step_dir(tier, candidate), layout.STATE_FILE)
-                options = dict(load_options)
-                if tier.is_url:
-                    options.setdefault("storage_options", tier.storage_options)
-                try:
-                    return candidate, api.load(path, verify=True, **options)
-                except (ChecksumError, HeaderError, OSError) as exc:
-                    _log.warning(
-                        "step %d in %s cannot be restored (%s); trying the next",
-                        candidate,
-                        tier,
-                        exc,
-                    )
-                    errors.append(f"{path}: {exc}")
+        for candidate, index, kind in candidates:
+            tier = self._tiers()[index]
+            directory = layout.step_dir(tier, candidate)
+            try:
+                loaded = self._load(tier, directory, kind, state, load_options)
+                ok = True
+            except (FastCkptError, OSError) as exc:  # checksums, headers, DCP's failures
+                ok, loaded, error = False, None, exc
+            if self._ranks.all_ok(ok):
+                return candidate, loaded
+            reason = error if not ok else "another rank could not load it"
+            _log.warning(
+                "step %d in %s cannot be restored (%s); trying the next", candidate, tier, reason
+            )
+            errors.append(f"{directory}: {reason}")
         where = self.root if self.fast is None else f"{self.fast} or {self.root}"
         if not errors:
             wanted = "no committed step" if step is None else f"no committed step {step}"
             raise FileNotFoundError(f"{wanted} in {where}")
         raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
+
+    def _candidates(self, step: int | None) -> list[tuple[int, int, str]]:
+        """``(step, tier index, layout)`` to try, newest first, the fast tier's copy first."""
+        tiers = self._tiers()
+        listed = [set(layout.committed_steps(tier)) for tier in tiers]
+        wanted = sorted(set().union(*listed)) if step is None else [step]
+        found = []
+        for candidate in reversed(wanted):
+            for index, tier in enumerate(tiers):
+                if candidate not in listed[index]:
+                    continue
+                try:
+                    kind = layout.marker_of(tier, candidate).get("layout", layout.FILE_LAYOUT)
+                except (OSError, ValueError) as exc:
+                    _log.warning("the marker of step %d in %s: %s", candidate, tier, exc)
+                    continue
+                found.append((candidate, index, str(kind)))
+        return found
+
+    def _load(
+        self, tier: Tier, directory: str, kind: str, state: Any, options: Mapping[str, Any]
+    ) -> Any:
+        if kind == DCP_LAYOUT:
+            return load_step(directory, state, self._ranks, tier.storage_options, **options)
+        options = dict(options)
+        if tier.is_url:
+            options.setdefault("storage_options", tier.storage_options)
+        return api.load(layout.join(directory, layout.STATE_FILE), verify=True, **options)
 
     # -- lifetime --------------------------------------------------------------------------
     def wait(self) -> None:

@@ -2,7 +2,8 @@
 
 Each step is a directory ``step-<12 digits>`` holding the checkpoint (``state.safetensors``,
 or a DCP checkpoint's rank files and ``.metadata`` for a multi-rank run) and, written last,
-the commit marker ``COMMITTED`` (JSON: the step, each file's size, the metrics, the time).
+the commit marker ``COMMITTED`` (JSON: the step, its layout, each file's size, the metrics,
+the time).
 A step without its marker does not exist: it is a save that did not finish (or a deletion
 that did), removed by the next manager. Deleting a step removes its marker first, so a crash
 mid-deletion leaves a step that no longer exists, never a partial one that does.
@@ -46,6 +47,7 @@ from fastckpt.storage import join
 from fastckpt.storage.url import url_errors
 
 __all__ = [
+    "FILE_LAYOUT",
     "MARKER",
     "STATE_FILE",
     "Tier",
@@ -62,6 +64,8 @@ __all__ = [
 ]
 
 MARKER = "COMMITTED"
+#: The layout of a step holding one ``state.safetensors`` (markers without one mean it).
+FILE_LAYOUT = "file"
 STATE_FILE = "state.safetensors"
 _STEP = re.compile(r"step-(\d{12})")
 
@@ -181,11 +185,19 @@ def step_files(tier: Tier | str, step: int) -> dict[str, int]:
     return {n: s for n, s in sorted(found.items()) if n != MARKER and not n.endswith(".tmp")}
 
 
-def commit(tier: Tier | str, step: int, metrics: Mapping[str, float] | None) -> None:
-    """Writes ``step``'s marker once its files are durable: the step exists from now on."""
+def commit(
+    tier: Tier | str,
+    step: int,
+    metrics: Mapping[str, float] | None,
+    layout: str = FILE_LAYOUT,
+) -> None:
+    """Writes ``step``'s marker once its files are durable: the step exists from now on.
+    ``layout`` says what the files are: ``"file"`` (``state.safetensors``) or ``"dcp"`` (a
+    DCP checkpoint of several ranks)."""
     tier = _tier(tier)
     document = {
         "step": step,
+        "layout": layout,
         "files": step_files(tier, step),
         "metrics": {k: float(v) for k, v in (metrics or {}).items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
