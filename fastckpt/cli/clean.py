@@ -23,11 +23,13 @@ Example (shell)::
 from __future__ import annotations
 
 import argparse
-import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes, spellings
-from fastckpt.cli.series_tiers import StepCopy, locked_tiers, tier_copies, tier_directory
+from fastckpt.cli.series_tiers import StepCopy, locked_tiers, tier_copies, tier_location
+
+if TYPE_CHECKING:
+    from fastckpt.series.steps import Tier
 
 __all__ = ["add_parser", "leftovers", "run"]
 
@@ -53,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def leftovers(root: str, fast: str | None = None) -> list[tuple[StepCopy, str]]:
+def leftovers(root: Tier | str, fast: Tier | str | None = None) -> list[tuple[StepCopy, str]]:
     """The uncommitted step directories of the tiers, each with why it is there.
 
     Example:
@@ -78,17 +80,20 @@ def leftovers(root: str, fast: str | None = None) -> list[tuple[StepCopy, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt clean``; 0 when everything found was removed (or listed, dry)."""
-    root = tier_directory("ROOT", args.root)
-    fast = None if args.fast is None else tier_directory("--fast", args.fast)
+    from fastckpt.series import steps as layout  # here: `fastckpt --help` loads no I/O engine
+
+    root = tier_location("ROOT", args.root)
+    fast = None if args.fast is None else tier_location("--fast", args.fast)
     tiers = [root] if fast is None else [fast, root]
     verb = "would remove" if args.dry_run else "removed"
+    by_name = {"root": root, "fast": fast}
     failed, freed = 0, 0
     with locked_tiers(*tiers):
         found = leftovers(root, fast)
         for copy, why in found:
             if not args.dry_run:
                 try:
-                    shutil.rmtree(copy.directory)
+                    layout.remove_step(by_name[copy.tier], copy.step)
                 except OSError as exc:
                     failed += 1
                     print(f"cannot remove {copy.directory}: {exc.strerror or exc}")

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes
-from fastckpt.cli.series_tiers import StepCopy, tier_copies, tier_directory
+from fastckpt.cli.series_tiers import StepCopy, tier_copies, tier_location
+
+if TYPE_CHECKING:
+    from fastckpt.series.steps import Tier
 
 __all__ = ["add_parser", "list_steps", "run"]
 
@@ -58,7 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def list_steps(root: str, fast: str | None = None, *, verify: bool = False) -> list[dict[str, Any]]:
+def list_steps(
+    root: Tier | str, fast: Tier | str | None = None, *, verify: bool = False
+) -> list[dict[str, Any]]:
     """Each step of the series, ascending: ``step``, ``tiers`` (``{"fast": "committed" |
     "partial", "root": ...}``), ``size``, ``committed``, ``verified`` and ``metrics``; with
     ``verify``, ``damaged`` names each damaged copy and why.
@@ -103,7 +108,7 @@ def _verify(copies: list[StepCopy]) -> tuple[str, list[str]]:
 
     damaged, unverifiable = [], False
     for copy in copies:
-        verdict = verify_file(copy.state_file, progress=False)
+        verdict = verify_file(copy.checkpoint, progress=False)
         if verdict.status == NO_CHECKSUMS:
             unverifiable = True
         elif verdict.status != OK:
@@ -125,8 +130,8 @@ def _metrics_text(metrics: dict[str, float]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt ls``; 1 when ``--verify`` found damage, else 0."""
-    root = tier_directory("ROOT", args.root)
-    fast = None if args.fast is None else tier_directory("--fast", args.fast)
+    root = tier_location("ROOT", args.root)
+    fast = None if args.fast is None else tier_location("--fast", args.fast)
     listing = list_steps(root, fast, verify=args.verify)
     if args.json:
         print(json.dumps(listing, indent=1))

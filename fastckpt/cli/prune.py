@@ -21,11 +21,14 @@ Example (shell)::
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import format_bytes, positive_int_arg, spellings
-from fastckpt.cli.series_tiers import locked_tiers, tier_copies, tier_directory
+from fastckpt.cli.series_tiers import locked_tiers, tier_copies, tier_location
 from fastckpt.series.retention import Retention
+
+if TYPE_CHECKING:
+    from fastckpt.series.steps import Tier
 
 __all__ = ["add_parser", "best_arg", "pruned_steps", "run"]
 
@@ -79,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def pruned_steps(root: str, policy: Retention) -> list[int]:
+def pruned_steps(root: Tier | str, policy: Retention) -> list[int]:
     """The committed steps of ``root`` that ``policy`` does not keep, ascending.
 
     Example:
@@ -101,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt prune``."""
     from fastckpt.series import steps as layout  # here: `fastckpt --help` loads no I/O engine
 
-    root = tier_directory("ROOT", args.root)
-    fast = None if args.fast is None else tier_directory("--fast", args.fast)
+    root = tier_location("ROOT", args.root)
+    fast = None if args.fast is None else tier_location("--fast", args.fast)
     policy = Retention(keep_last=args.keep_last, keep_every=args.keep_every, best=args.best)
     verb = "would remove" if args.dry_run else "removed"
     with locked_tiers(*([root] if fast is None else [fast, root])):

@@ -15,6 +15,27 @@ from fastckpt.series import steps
 from fastckpt.series.manager import CheckpointManager
 
 
+def _integration_fixtures():
+    """The real moto S3 server fixtures of the integration tests, reused here."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "integrations" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("fastckpt_cli_s3_fixtures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_fixtures = _integration_fixtures()
+s3_endpoint, s3_options, new_bucket, s3 = (
+    _fixtures.s3_endpoint,
+    _fixtures.s3_options,
+    _fixtures.new_bucket,
+    _fixtures.s3,
+)
+
+
 def run_main(capsys, *args) -> tuple[int, str, str]:
     status = main([str(a) for a in args])
     captured = capsys.readouterr()
@@ -171,3 +192,37 @@ def test_ls_runs_as_a_command_beside_a_running_manager(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split()[:2] == ["7", "root"]
     assert "acc=0.5" in out.stdout
+
+
+def test_ls_clean_and_prune_on_an_s3_root(s3, tmp_path, monkeypatch, capsys):
+    bucket, options, fs = s3
+    root, fast = f"{bucket}/run", tmp_path / "fast"
+    with CheckpointManager(root, fast=fast, keep_last=None, storage_options=options) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": torch.full((100,), float(step))}, metrics={"loss": step})
+    # A drain cut short: a partial copy of a step without its marker.
+    fs.pipe(f"{root[5:]}/step-000000000004/state.safetensors", b"partial")
+    monkeypatch.setenv("FASTCKPT_STORAGE_OPTIONS", json.dumps(options))
+
+    status, out, _ = run_main(capsys, "ls", root, "--fast", fast, "--verify", "--json")
+    assert status == 0
+    listing = {s["step"]: s for s in json.loads(out)}
+    assert listing[3]["tiers"] == {"fast": "committed", "root": "committed"}
+    assert listing[2]["verified"] == "yes" and listing[2]["metrics"] == {"loss": 2.0}
+    assert listing[4] == {
+        "step": 4,
+        "tiers": {"root": "partial"},
+        "size": 7,
+        "committed": False,
+        "verified": "-",
+        "metrics": {},
+    }
+    status, out, _ = run_main(capsys, "clean", root)
+    assert status == 0 and "removed 1 directory" in out
+    status, out, _ = run_main(capsys, "prune", root, "--fast", fast, "--keep-last", "1")
+    assert status == 0 and "removed 2 steps" in out
+    assert steps.committed_steps(steps.Tier(root, options)) == [3]
+    assert steps.uncommitted_steps(steps.Tier(root, options)) == []
+    # The lease the commands took is released: a manager starts on the tier again.
+    with CheckpointManager(root, fast=fast, storage_options=options) as manager:
+        assert manager.restore()[0] == 3
