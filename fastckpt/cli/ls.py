@@ -15,10 +15,10 @@ Exit status: 0, or 1 when ``--verify`` finds a damaged or unreadable copy; 2 whe
 Example (shell)::
 
     $ fastckpt ls run/checkpoints --fast /dev/shm/run
-    STEP  TIERS               SIZE      COMMITTED  VERIFIED  METRICS
-    200   root                1.00 GiB  yes        -         loss=0.21
-    300   fast, root          1.00 GiB  yes        -         loss=0.18
-    400   fast, root (partial) 1.00 GiB yes        -         loss=0.17
+    STEP  TIERS                 SIZE      COMMITTED  VERIFIED  METRICS
+    200   root                  1.00 GiB  yes        -         loss=0.21
+    300   fast, root            1.00 GiB  yes        -         loss=0.18
+    400   fast, root (partial)  1.00 GiB  yes        -         loss=0.17
 """
 
 from __future__ import annotations
