@@ -840,11 +840,14 @@ class FastCkptCheckpoint(ModelCheckpoint):
                 f"FastCkptCheckpoint(manager=...) saves through the Trainer's CheckpointIO, "
                 f"which is {type(current).__name__} here; remove that plugin"
             )
-        self.dirpath = _resume_path(self.manager)
+        self.dirpath = _resume_path(self.manager, trainer)
         self._fs = url_to_fs(self.dirpath)[0]
         if not isinstance(current, _ManagerCheckpointIO) or current.manager is not self.manager:
             trainer.strategy.checkpoint_io = _ManagerCheckpointIO(
-                self.manager, allow_pickle=self.allow_pickle, asynchronous=self.asynchronous
+                self.manager,
+                self.dirpath,
+                allow_pickle=self.allow_pickle,
+                asynchronous=self.asynchronous,
             )
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
@@ -856,7 +859,7 @@ class FastCkptCheckpoint(ModelCheckpoint):
             return set()
         # Resolved before setup() runs: the Trainer's CheckpointIO is set here too.
         self._setup_on_manager(trainer)
-        return {_resume_path(self.manager)}
+        return {_resume_path(self.manager, trainer)}
 
     def _save_topk_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
@@ -865,7 +868,7 @@ class FastCkptCheckpoint(ModelCheckpoint):
             super()._save_topk_checkpoint(trainer, monitor_candidates)
             return
         # Every trigger saves a step: which steps stay is the manager's retention.
-        self._save_checkpoint(trainer, self.dirpath or _resume_path(self.manager))
+        self._save_checkpoint(trainer, self.dirpath or _resume_path(self.manager, trainer))
 
     def _save_last_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
@@ -918,12 +921,18 @@ def _check_manager_arguments(manager: Any, args: tuple[Any, ...], kwargs: dict[s
         )
 
 
-def _resume_path(manager: Any) -> str:
-    """The path that stands for ``manager`` as a checkpoint: its first local tier (Lightning
-    checks that a ``"last"`` candidate exists and reads its time)."""
+def _resume_path(manager: Any, trainer: pl.Trainer) -> str:
+    """The local directory that stands for ``manager`` as Lightning's ``"last"`` checkpoint:
+    its first local tier, else the Trainer's ``default_root_dir`` (Lightning checks that a
+    candidate exists and reads its time, through a file system without the manager's
+    storage options)."""
     tiers = [getattr(manager, "fast", None), manager.root]
     local = [os.fspath(t) for t in tiers if t is not None and not is_url(os.fspath(t))]
-    return local[0] if local else os.fspath(manager.root)
+    if local:
+        return local[0]
+    directory = os.path.abspath(os.fspath(trainer.default_root_dir))
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def _scalar_metrics(candidates: dict[str, Any]) -> dict[str, float]:
@@ -939,12 +948,16 @@ def _scalar_metrics(candidates: dict[str, Any]) -> dict[str, float]:
 
 class _ManagerCheckpointIO(CheckpointIO):
     """The Trainer's ``CheckpointIO`` while a :class:`FastCkptCheckpoint` saves on a manager:
-    saves become the manager's steps, and the manager's path (``ckpt_path="last"``) loads
-    its newest good step; any other path loads as :class:`FastCkptIO` loads it."""
+    saves become the manager's steps, and ``resume_path`` (what ``ckpt_path="last"``
+    resolves to) loads its newest good step; any other path loads as :class:`FastCkptIO`
+    loads it."""
 
-    def __init__(self, manager: Any, *, allow_pickle: bool, asynchronous: bool) -> None:
+    def __init__(
+        self, manager: Any, resume_path: str, *, allow_pickle: bool, asynchronous: bool
+    ) -> None:
         super().__init__()
         self.manager = manager
+        self.resume_path = resume_path
         self.allow_pickle = allow_pickle
         self.asynchronous = asynchronous
         self._saves: list[concurrent.futures.Future[Any]] = []
@@ -972,7 +985,7 @@ class _ManagerCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The manager's newest good step when ``path`` is the manager's (``"last"``), else
         the file at ``path``."""
-        if os.fspath(path) != _resume_path(self.manager):
+        if os.fspath(path) != self.resume_path:
             return _load(os.fspath(path), map_location, weights_only)
         self._raise_failures()
         step, checkpoint = self.manager.restore(

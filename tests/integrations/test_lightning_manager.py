@@ -201,3 +201,21 @@ def test_a_failed_save_reaches_fit(tmp_path):
         callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=2)
         with pytest.raises(ValueError, match="step 2 is already saved"):
             _trainer(tmp_path, 1, [callback]).fit(_model(), _loader(), _loader(8))
+
+
+def test_an_s3_root_without_a_fast_tier_resumes_from_last(s3, tmp_path):
+    bucket, options, _ = s3
+    root = f"{bucket}/run"
+    first = _Capture()
+    with fastckpt.CheckpointManager(root, keep_last=2, storage_options=options) as manager:
+        callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=4)
+        _trainer(tmp_path, 1, [callback, first]).fit(_model(), _loader(), _loader(8))
+        assert manager.steps() == [4]
+    resumed = _Capture()
+    with fastckpt.CheckpointManager(root, keep_last=2, storage_options=options) as manager:
+        callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=4)
+        _trainer(tmp_path, 2, [callback, resumed]).fit(
+            _model(), _loader(), _loader(8), ckpt_path="last"
+        )
+        assert manager.steps() == [4, 8]
+    _assert_same(resumed.start, first.end)
