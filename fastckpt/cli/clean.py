@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     fast = None if args.fast is None else tier_location("--fast", args.fast)
     tiers = [root] if fast is None else [fast, root]
     verb = "would remove" if args.dry_run else "removed"
-    by_name = {"root": root, "fast": fast}
+    by_name = {"root": root} if fast is None else {"root": root, "fast": fast}
     failed, freed = 0, 0
     with locked_tiers(*tiers):
         found = leftovers(root, fast)

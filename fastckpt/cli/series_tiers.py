@@ -75,7 +75,7 @@ def tier_location(option: str, path: str) -> Tier:
     return tier
 
 
-def tier_copies(tier: Tier, name: str) -> list[StepCopy]:
+def tier_copies(tier: Tier | str, name: str) -> list[StepCopy]:
     """Every step of ``tier`` with files (committed or not), ascending by step."""
     from fastckpt.series import steps as layout
 
@@ -104,7 +104,7 @@ def tier_copies(tier: Tier, name: str) -> list[StepCopy]:
     return sorted(copies, key=lambda c: c.step)
 
 
-def _partial(tier: Tier, name: str, step: int) -> StepCopy:
+def _partial(tier: Tier | str, name: str, step: int) -> StepCopy:
     from fastckpt.series import steps as layout
 
     try:

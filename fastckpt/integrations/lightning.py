@@ -868,7 +868,8 @@ class FastCkptCheckpoint(ModelCheckpoint):
             super()._save_topk_checkpoint(trainer, monitor_candidates)
             return
         # Every trigger saves a step: which steps stay is the manager's retention.
-        self._save_checkpoint(trainer, self.dirpath or _resume_path(self.manager, trainer))
+        where = os.fspath(self.dirpath) if self.dirpath else _resume_path(self.manager, trainer)
+        self._save_checkpoint(trainer, where)
 
     def _save_last_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
