@@ -226,3 +226,18 @@ def test_ls_clean_and_prune_on_an_s3_root(s3, tmp_path, monkeypatch, capsys):
     # The lease the commands took is released: a manager starts on the tier again.
     with CheckpointManager(root, fast=fast, storage_options=options) as manager:
         assert manager.restore()[0] == 3
+
+
+def test_ls_verifies_a_dcp_step_as_one_checkpoint(tmp_path, capsys):
+    """A step of a multi-rank run (here one process, distributed=True) is a DCP checkpoint."""
+    with CheckpointManager(tmp_path, distributed=True) as manager:
+        manager.save(5, {"w": torch.ones(1000)}, metrics={"loss": 1.0}).result()
+    status, out, _ = run_main(capsys, "ls", tmp_path, "--verify", "--json")
+    assert status == 0
+    assert [(s["step"], s["verified"]) for s in json.loads(out)] == [(5, "yes")]
+    (data,) = (tmp_path / "step-000000000005").glob("*.safetensors")
+    damaged = bytearray(data.read_bytes())
+    damaged[-1] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    status, out, _ = run_main(capsys, "ls", tmp_path, "--verify")
+    assert status == 1 and "step 5: DAMAGED root:" in out
