@@ -89,3 +89,51 @@ def test_example_without_a_folder_leaves_nothing_behind(tmp_path, script):
     )
     assert out.returncode == 0, out.stderr
     assert list(scratch.iterdir()) == []
+
+
+def _manager_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "train_with_manager", EXAMPLES / "train_with_manager.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+def test_manager_example_trains_and_resumes_in_process(tmp_path):
+    """The example's training function, without the kill: a run of 8 steps, then one resumed
+    to 12 from the manager's newest step (the fast tier's, drained to root)."""
+    pytest.importorskip("lightning")
+    from fastckpt.series import steps
+
+    example = _manager_example()
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+    assert example.train(root, fast, max_steps=8, resume=False) == 0
+    assert steps.committed_steps(root) == [4, 8] and steps.committed_steps(fast) == [8]
+    assert example.train(root, fast, max_steps=12, resume=True) == 8
+    assert steps.committed_steps(root) == [8, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_manager_example_survives_kill_9(tmp_path, where):
+    pytest.importorskip("lightning")
+    if where == "s3":
+        pytest.importorskip("moto.server")
+        pytest.importorskip("s3fs")
+    extra = ["--local"] if where == "local" else []
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_with_manager.py"), str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "first run killed at step 14: True" in out.stdout
+    newest = int(out.stdout.split("newest committed step after the kill: ")[1].split()[0])
+    assert newest in (8, 12)  # 12 unless its commit, in the background, was not done at 14
+    assert f"resumed from step {newest}: newest committed: True" in out.stdout
+    assert "finished: step 24, global step 24" in out.stdout

@@ -1,4 +1,6 @@
-"""The ``fastckpt`` command line: ``tune``, ``bench``, ``inspect``, ``convert``, ``verify``.
+"""The ``fastckpt`` command line: ``tune``, ``bench``, ``inspect``, ``convert``, ``verify``, and
+for the checkpoint series of :class:`~fastckpt.series.manager.CheckpointManager`: ``ls``,
+``clean``, ``prune``.
 
 Run as the ``fastckpt`` console script or ``python -m fastckpt``; ``--help`` on any command
 lists its options. Exit statuses: 0 success, 1 failure (damage found, a file refused or
@@ -27,7 +29,7 @@ from fastckpt.cli._common import FAILURE, USAGE, CliError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("tune", "bench", "inspect", "convert", "verify")
+_COMMANDS = ("tune", "bench", "inspect", "convert", "verify", "ls", "clean", "prune")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,19 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
         ('verify', ['model.safetensors'])
     """
     from fastckpt import __version__
-    from fastckpt.cli import bench, convert, inspect, tune, verify
+    from fastckpt.cli import bench, clean, convert, inspect, ls, prune, tune, verify
 
     parser = argparse.ArgumentParser(
         prog="fastckpt",
         description="PyTorch checkpoints at the speed of the storage device: tune and measure "
-        "the I/O engine, inspect, convert and verify checkpoint files.",
+        "the I/O engine, inspect, convert and verify checkpoint files, list and tidy the "
+        "steps of a checkpoint series.",
     )
     parser.add_argument("--version", action="version", version=f"fastckpt {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Kept so that a misspelled option is reported with its command's usage, not fastckpt's.
     parser.commands = {  # type: ignore[attr-defined]
         name: module.add_parser(subparsers)
-        for name, module in zip(_COMMANDS, (tune, bench, inspect, convert, verify))
+        for name, module in zip(
+            _COMMANDS, (tune, bench, inspect, convert, verify, ls, clean, prune)
+        )
     }
     return parser
 

@@ -70,6 +70,7 @@ import sys
 import tempfile
 import threading
 import types
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -736,9 +737,24 @@ class FastCkptCheckpoint(ModelCheckpoint):
     Trainer already has a fastckpt plugin, that one is used; another custom plugin is an
     error. Files keep Lightning's ``.ckpt`` suffix so ``ckpt_path="last"`` works.
 
+    With ``manager=`` (a :class:`fastckpt.CheckpointManager`), the checkpoints are the
+    manager's steps instead of files in ``dirpath``: each save becomes
+    ``manager.save(global_step, checkpoint, metrics)`` (the scalar metrics logged so far, so
+    ``CheckpointManager(best=(monitor, mode, k))`` keeps the best steps), the manager's
+    retention replaces ``save_top_k``/``save_last`` and its fast tier and drain apply;
+    ``trainer.fit(model, ckpt_path="last")`` resumes from ``manager.restore()``, the newest
+    step that loads verified in either tier. The triggers (``every_n_train_steps``,
+    ``every_n_epochs``, ``train_time_interval``, ``monitor``) keep their meaning; ``dirpath``,
+    ``filename``, ``save_top_k``, ``save_last`` and ``enable_version_counter`` do not apply and
+    are refused. The manager is the caller's (fit waits for its saves and drains at the end but
+    does not close it); one process saves (rank 0 of a single-file strategy).
+
     Args:
         asynchronous: block the training loop only for the snapshot of the tensors.
         allow_pickle: as :class:`FastCkptIO`.
+        manager: a checkpoint manager to save into and resume from (any object with
+            ``save(step, state, metrics)``, ``restore(**load_options)``, ``latest()``,
+            ``wait()`` and a ``root`` directory, as :class:`fastckpt.CheckpointManager`).
         args, kwargs: ``ModelCheckpoint``'s.
 
     Example:
@@ -747,14 +763,31 @@ class FastCkptCheckpoint(ModelCheckpoint):
         >>> trainer = pl.Trainer(
         ...     callbacks=[FastCkptCheckpoint(dirpath="/tmp/fastckpt-ckpts", every_n_train_steps=500)],
         ...     logger=False, enable_progress_bar=False)
+
+        On a manager, resuming from its newest good step:
+
+        >>> import tempfile, fastckpt
+        >>> manager = fastckpt.CheckpointManager(tempfile.mkdtemp(), keep_last=2)
+        >>> callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=100)
+        >>> trainer = pl.Trainer(callbacks=[callback], logger=False, enable_progress_bar=False)
+        >>> # trainer.fit(model, ckpt_path="last")  # the newest step, or a fresh start
+        >>> manager.close()
     """
 
     def __init__(
-        self, *args: Any, asynchronous: bool = True, allow_pickle: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        asynchronous: bool = True,
+        allow_pickle: bool = False,
+        manager: Any = None,
+        **kwargs: Any,
     ) -> None:
+        if manager is not None:
+            _check_manager_arguments(manager, args, kwargs)
         super().__init__(*args, **kwargs)
         self.asynchronous = asynchronous
         self.allow_pickle = allow_pickle
+        self.manager = manager
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         # ModelCheckpoint's key, so a run started with ModelCheckpoint resumes here (best,
@@ -781,6 +814,9 @@ class FastCkptCheckpoint(ModelCheckpoint):
         return super().file_exists(filepath, trainer)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.manager is not None:
+            self._setup_on_manager(trainer)
+            return
         super().setup(trainer, pl_module, stage)
         current = trainer.strategy.checkpoint_io
         if isinstance(current, FastCkptIO):
@@ -794,6 +830,191 @@ class FastCkptCheckpoint(ModelCheckpoint):
         make: Callable[..., FastCkptIO] = AsyncFastCkptIO if self.asynchronous else FastCkptIO
         trainer.strategy.checkpoint_io = make(allow_pickle=self.allow_pickle)
 
+    # -- on a checkpoint manager -------------------------------------------------------------
+    def _setup_on_manager(self, trainer: pl.Trainer) -> None:
+        current = trainer.strategy.checkpoint_io
+        if not isinstance(current, (FastCkptIO, _ManagerCheckpointIO)) and (
+            type(current) is not TorchCheckpointIO
+        ):
+            raise ValueError(
+                f"FastCkptCheckpoint(manager=...) saves through the Trainer's CheckpointIO, "
+                f"which is {type(current).__name__} here; remove that plugin"
+            )
+        self.dirpath = _resume_path(self.manager, trainer)
+        self._fs = url_to_fs(self.dirpath)[0]
+        if not isinstance(current, _ManagerCheckpointIO) or current.manager is not self.manager:
+            trainer.strategy.checkpoint_io = _ManagerCheckpointIO(
+                self.manager,
+                self.dirpath,
+                allow_pickle=self.allow_pickle,
+                asynchronous=self.asynchronous,
+            )
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """With a manager, what ``ckpt_path="last"`` resolves to: the manager itself (its
+        CheckpointIO restores the newest good step), once it has a step."""
+        if self.manager is None:
+            return super()._find_last_checkpoints(trainer)
+        if self.manager.latest() is None:
+            return set()
+        # Resolved before setup() runs: the Trainer's CheckpointIO is set here too.
+        self._setup_on_manager(trainer)
+        return {_resume_path(self.manager, trainer)}
+
+    def _save_topk_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        if self.manager is None:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+            return
+        # Every trigger saves a step: which steps stay is the manager's retention.
+        where = os.fspath(self.dirpath) if self.dirpath else _resume_path(self.manager, trainer)
+        self._save_checkpoint(trainer, where)
+
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        if self.manager is None:
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+        # On a manager, the newest step is the last checkpoint.
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self.manager is None:
+            super()._save_checkpoint(trainer, filepath)
+            return
+        metrics = _scalar_metrics(self._monitor_candidates(trainer))
+        trainer.save_checkpoint(
+            filepath,
+            self.save_weights_only,
+            storage_options={_MANAGER_STEP: trainer.global_step, _MANAGER_METRICS: metrics},
+        )
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(weakref.proxy(self))
+
+
+#: Keys of the ``storage_options`` by which :class:`FastCkptCheckpoint` hands a save's step
+#: and metrics to :class:`_ManagerCheckpointIO` through ``Trainer.save_checkpoint``.
+_MANAGER_STEP, _MANAGER_METRICS = "fastckpt.manager.step", "fastckpt.manager.metrics"
+#: ModelCheckpoint arguments that name files, which a manager's steps replace.
+_FILE_ARGUMENTS = ("dirpath", "filename", "save_top_k", "save_last", "enable_version_counter")
+
+
+def _check_manager_arguments(manager: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    missing = [
+        name
+        for name in ("save", "restore", "latest", "wait")
+        if not callable(getattr(manager, name, None))
+    ]
+    if missing or getattr(manager, "root", None) is None:
+        raise TypeError(
+            f"manager must be a checkpoint manager (fastckpt.CheckpointManager), got "
+            f"{type(manager).__name__} (no {', '.join(missing) or 'root'})"
+        )
+    given = [name for name in _FILE_ARGUMENTS if name in kwargs] + (["dirpath"] if args else [])
+    if given:
+        raise ValueError(
+            f"FastCkptCheckpoint(manager=...) keeps the manager's steps, so {', '.join(given)} "
+            "do not apply: set the retention on the manager (CheckpointManager(root, "
+            "keep_last=..., keep_every=..., best=(monitor, mode, save_top_k)))"
+        )
+
+
+def _resume_path(manager: Any, trainer: pl.Trainer) -> str:
+    """The local directory that stands for ``manager`` as Lightning's ``"last"`` checkpoint:
+    its first local tier, else the Trainer's ``default_root_dir`` (Lightning checks that a
+    candidate exists and reads its time, through a file system without the manager's
+    storage options)."""
+    tiers = [getattr(manager, "fast", None), manager.root]
+    local = [os.fspath(t) for t in tiers if t is not None and not is_url(os.fspath(t))]
+    if local:
+        return local[0]
+    directory = os.path.abspath(os.fspath(trainer.default_root_dir))
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def _scalar_metrics(candidates: dict[str, Any]) -> dict[str, float]:
+    """The logged metrics a step's marker records: every one-element number."""
+    metrics = {}
+    for name, value in candidates.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            metrics[name] = float(value.detach().cpu().item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[name] = float(value)
+    return metrics
+
+
+class _ManagerCheckpointIO(CheckpointIO):
+    """The Trainer's ``CheckpointIO`` while a :class:`FastCkptCheckpoint` saves on a manager:
+    saves become the manager's steps, and ``resume_path`` (what ``ckpt_path="last"``
+    resolves to) loads its newest good step; any other path loads as :class:`FastCkptIO`
+    loads it."""
+
+    def __init__(
+        self, manager: Any, resume_path: str, *, allow_pickle: bool, asynchronous: bool
+    ) -> None:
+        super().__init__()
+        self.manager = manager
+        self.resume_path = resume_path
+        self.allow_pickle = allow_pickle
+        self.asynchronous = asynchronous
+        self._saves: list[concurrent.futures.Future[Any]] = []
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        """Saves ``checkpoint`` as the manager's step ``global_step``."""
+        options = dict(storage_options or {})
+        step = options.pop(_MANAGER_STEP, checkpoint.get("global_step"))
+        metrics = options.pop(_MANAGER_METRICS, None)
+        _check_storage_options(options or None, type(self))
+        if not isinstance(step, int):
+            raise ValueError(f"a checkpoint saved on a manager needs its global_step, got {step!r}")
+        self._raise_failures()
+        flat = _flatten(checkpoint, os.fspath(path), self.allow_pickle)
+        future = self.manager.save(step, flat, metrics=metrics)
+        self._saves.append(future)
+        if not self.asynchronous or _outside_a_run():
+            future.result()
+        self._raise_failures()
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The manager's newest good step when ``path`` is the manager's (``"last"``), else
+        the file at ``path``."""
+        if os.fspath(path) != self.resume_path:
+            return _load(os.fspath(path), map_location, weights_only)
+        self._raise_failures()
+        step, checkpoint = self.manager.restore(
+            map_location=map_location, weights_only=weights_only is not False
+        )
+        if not isinstance(checkpoint, dict):
+            raise HeaderError(
+                f"step {step} of {path} is not a Lightning checkpoint: it holds a "
+                f"{type(checkpoint).__name__}, not a dict"
+            )
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Nothing: the manager's retention deletes steps."""
+
+    def teardown(self) -> None:
+        """Waits for the manager's saves and drains; raises the first error."""
+        try:
+            self._raise_failures(wait=True)
+        finally:
+            self.manager.wait()
+
+    def _raise_failures(self, wait: bool = False) -> None:
+        done = [f for f in self._saves if wait or f.done()]
+        self._saves = [f for f in self._saves if f not in done]
+        for future in done:
+            future.result()
+
 
 def _callback_signature() -> inspect.Signature:
     """``ModelCheckpoint.__init__``'s parameters, then fastckpt's own (keyword-only): what
@@ -806,6 +1027,7 @@ def _callback_signature() -> inspect.Signature:
         inspect.Parameter(
             "allow_pickle", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool
         ),
+        inspect.Parameter("manager", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any),
     ]
     kept = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     return base.replace(parameters=[*kept, *own])

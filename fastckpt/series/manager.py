@@ -9,9 +9,23 @@ copy before committing it there; the fast tier keeps ``keep_fast`` steps and nev
 one not yet drained. ``restore()`` takes the newest committed step of either tier (the fast
 one first), verifies it, and falls back to the other tier, then to older steps, logging why.
 
-One manager owns a tier at a time (an exclusive lock, held until :meth:`close`); on start it
-removes what an earlier one left half done (steps without a marker) and drains committed
-fast steps that ``root`` lacks.
+Either tier may be an fsspec URL (``s3://bucket/run``, ``memory://run``; ``storage_options=``
+reach its file system): a step there is committed the same way, by a marker object written
+after every file of the step is complete, and a drain to it uploads with bounded memory and
+reads the upload back to check it (:mod:`fastckpt.series.transfer`).
+
+In a multi-rank run (``torch.distributed`` initialized with more than one rank, or
+``distributed=True``) every rank creates a manager and calls :meth:`save` with its sharded
+state (DTensors, or per-rank state as DCP takes it): the step directory then holds a DCP
+checkpoint (one fastckpt file per rank and ``.metadata``, :mod:`fastckpt.series.sharded`),
+committed by rank 0 only after every rank's file is durable, and :meth:`restore` loads it
+into the given ``state``, resharded to whatever world size runs now. Locks, cleanup,
+retention and drains are rank 0's alone; the other ranks follow its decisions.
+
+One manager owns a tier at a time (an exclusive ``flock`` locally, a lease object at a URL:
+:mod:`fastckpt.series.lease`), until :meth:`close`; on start it removes what an earlier one
+left half done (steps without a marker, unfinished S3 uploads) and drains committed fast
+steps that ``root`` lacks.
 
 Example:
     >>> import tempfile, torch
@@ -31,41 +45,47 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import fcntl
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from fastckpt import api
-from fastckpt.errors import ChecksumError, HeaderError
-from fastckpt.io.commit import fsync_directory
+from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.series import steps as layout
+from fastckpt.series import transfer
+from fastckpt.series.lease import LocalLock, UrlLease
 from fastckpt.series.retention import Retention
+from fastckpt.series.sharded import DCP_LAYOUT, Ranks, load_step, save_step
+from fastckpt.series.steps import Tier
 
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("fastckpt")
-_LOCK_FILE = ".fastckpt-manager.lock"
-_COPY_CHUNK = 16 << 20
 
 
 class CheckpointManager:
     """Saves, keeps and restores the checkpoints of one run (see the module's description).
 
     Args:
-        root: the durable tier, a local directory (created if missing).
-        fast: an optional fast tier (a local directory): saves commit there and drain to
-            ``root`` in the background.
+        root: the durable tier: a local directory (created if missing) or an fsspec URL
+            (``s3://bucket/run``, ``memory://run``).
+        fast: an optional fast tier (a local directory, or a URL): saves commit there and
+            drain to ``root`` in the background.
         keep_last: steps ``root`` keeps (None: all), besides ``keep_every`` and ``best``.
         keep_every: also keep every step divisible by this.
         best: ``(metric, "min" | "max", count)``: also keep the ``count`` best steps by a
             metric passed to :meth:`save`.
         keep_fast: steps the fast tier keeps (those not yet drained are always kept).
         drain_bytes_per_second: cap on the drain's copy speed (None: no cap).
+        storage_options: for a tier at a URL, passed to its fsspec file system (``key``,
+            ``secret``, ``endpoint_url``, ...; None: ``FASTCKPT_STORAGE_OPTIONS``).
+        lease_seconds: how long a URL tier's lease outlives its holder's last renewal
+            (:mod:`fastckpt.series.lease`).
+        distributed: steps as DCP checkpoints saved by every rank (True), as one file
+            (False), or DCP when a process group of more than one rank runs (None). Every
+            rank must see the same tiers (a shared file system or a URL).
     """
 
     def __init__(
@@ -78,11 +98,14 @@ class CheckpointManager:
         best: tuple[str, str, int] | None = None,
         keep_fast: int = 1,
         drain_bytes_per_second: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        lease_seconds: float = 60.0,
+        distributed: bool | None = None,
     ):
-        self.root = _local_directory(root, "root")
-        self.fast = None if fast is None else _local_directory(fast, "fast")
-        if self.fast is not None and os.path.realpath(self.fast) == os.path.realpath(self.root):
-            raise ValueError(f"fast and root are the same directory: {self.root}")
+        self._root = _tier(root, "root", storage_options)
+        self._fast = None if fast is None else _tier(fast, "fast", storage_options)
+        if self._fast is not None and _same(self._fast, self._root):
+            raise ValueError(f"fast and root are the same directory: {self._root}")
         self.retention = Retention(keep_last, keep_every, best)
         self.fast_retention = Retention(keep_fast)
         if drain_bytes_per_second is not None and not drain_bytes_per_second > 0:
@@ -90,19 +113,56 @@ class CheckpointManager:
                 f"drain_bytes_per_second must be positive, got {drain_bytes_per_second!r}"
             )
         self._rate = drain_bytes_per_second
-        self._locks = [_lock(tier) for tier in self._tiers()]
+        self._metrics: dict[tuple[str, int], dict[str, float]] = {}  # markers never change
+        self._ranks = Ranks(distributed)
+        self._locks: list[Any] = []
         self._guard = threading.Lock()  # retention and drains never race on a tier
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
         self._drains = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-drain")
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._closed = False
+        try:
+            self._ranks.agree(lambda: self._take_over(lease_seconds))
+        except BaseException:
+            self._closed = True
+            self._saves.shutdown()
+            self._drains.shutdown()
+            raise
+
+    def _take_over(self, lease_seconds: float) -> None:
+        """Rank 0: locks the tiers, removes what an earlier manager left half done, and
+        drains again the committed fast steps that root lacks."""
+        try:
+            for tier in self._tiers():
+                if tier.is_url:
+                    self._locks.append(UrlLease(tier.location, tier.storage_options, lease_seconds))
+                else:
+                    self._locks.append(LocalLock(tier.location))
+        except BaseException:
+            for lock in self._locks:
+                lock.release()
+            raise
         for tier in self._tiers():
-            for leftover in layout.uncommitted_dirs(tier):
-                _log.info("removing %s: a save, drain or deletion cut short", leftover)
-                shutil.rmtree(leftover, ignore_errors=True)
-        if self.fast is not None:
-            for step in sorted(set(layout.committed_steps(self.fast)) - set(self._root_steps())):
+            for step in layout.uncommitted_steps(tier):
+                _log.info(
+                    "removing %s: a save, drain or deletion cut short", layout.step_dir(tier, step)
+                )
+                layout.remove_step(tier, step)
+            if layout.abort_unfinished_uploads(tier):
+                _log.info("aborted the unfinished uploads a killed writer left in %s", tier)
+        if self._fast is not None:
+            for step in sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps())):
                 self._pending.append(self._drains.submit(self._drain, step))
+
+    @property
+    def root(self) -> str:
+        """The durable tier's directory or URL."""
+        return self._root.location
+
+    @property
+    def fast(self) -> str | None:
+        """The fast tier's directory or URL, or None."""
+        return None if self._fast is None else self._fast.location
 
     # -- saving ----------------------------------------------------------------------------
     def save(
@@ -120,62 +180,121 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        tier = self.fast or self.root
-        if step in layout.committed_steps(tier):
-            raise ValueError(f"step {step} is already saved in {tier}")
-        directory = layout.step_dir(tier, step)
-        shutil.rmtree(directory, ignore_errors=True)  # a save of this step cut short
-        os.makedirs(directory)
-        written = api.async_save(state, os.path.join(directory, layout.STATE_FILE), **save_options)
+        tier = self._fast or self._root
+        if self._ranks.sharded:
+            return self._save_sharded(tier, step, state, metrics, save_options)
+        self._clear_for(tier, step)
+        path = layout.join(layout.step_dir(tier, step), layout.STATE_FILE)
+        if tier.is_url:
+            written = api.async_save(
+                state, path, storage_options=tier.storage_options, **save_options
+            )
+        else:
+            os.makedirs(os.path.dirname(path))
+            written = api.async_save(state, path, **save_options)
 
         def commit() -> None:
             written.result()
+            self._check_lease()
             layout.commit(tier, step, metrics)
             self._retain(tier)
-            if self.fast is not None:
+            if self._fast is not None:
                 self._pending.append(self._drains.submit(self._drain, step))
 
         future = self._saves.submit(commit)
         self._pending.append(future)
         return future
 
+    def _clear_for(self, tier: Tier, step: int) -> None:
+        if step in layout.committed_steps(tier):
+            raise ValueError(f"step {step} is already saved in {tier}")
+        layout.remove_step(tier, step)  # a save of this step cut short
+
+    def _save_sharded(
+        self,
+        tier: Tier,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        options: Mapping[str, Any],
+    ) -> concurrent.futures.Future[None]:
+        """Every rank saves its share through DCP; once all have returned (every rank file
+        durable, ``.metadata`` written) and met at a barrier, rank 0 commits. Returns a done
+        future: the step is committed in its first tier on every rank when this returns."""
+        self._ranks.agree(lambda: self._clear_for(tier, step))
+        directory = layout.step_dir(tier, step)
+        save_step(directory, state, self._ranks, tier.storage_options, **options)
+        self._ranks.barrier()  # a rank that died before its file was durable stops us here
+
+        def commit() -> None:
+            self._check_lease()
+            layout.commit(tier, step, metrics, DCP_LAYOUT)
+            self._retain(tier)
+            if self._fast is not None:
+                self._pending.append(self._drains.submit(self._drain, step))
+
+        self._ranks.agree(commit)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
     def _drain(self, step: int) -> None:
         """Copies a committed fast step to ``root``, verifies the copy, commits it there."""
-        assert self.fast is not None
-        source, target = layout.step_dir(self.fast, step), layout.step_dir(self.root, step)
-        marker = layout.marker_of(self.fast, step)
-        shutil.rmtree(target, ignore_errors=True)
-        os.makedirs(target)
+        assert self._fast is not None
+        source, target = layout.step_dir(self._fast, step), layout.step_dir(self._root, step)
+        marker = layout.marker_of(self._fast, step)
+        self._check_lease()
+        layout.remove_step(self._root, step)
         for name in marker["files"]:
-            _copy_durably(os.path.join(source, name), os.path.join(target, name), self._rate)
-        with api.open(os.path.join(target, layout.STATE_FILE)) as reader:
-            damaged = reader.verify() if reader.has_checksums else []
-        if damaged:
-            shutil.rmtree(target, ignore_errors=True)
-            raise ChecksumError(f"draining step {step} to {self.root}: damaged copy of {damaged}")
-        layout.commit(self.root, step, marker.get("metrics"))
-        self._retain(self.root)
-        self._retain(self.fast)
+            copied = layout.join(target, name)
+            crc = transfer.copy_file(
+                layout.join(source, name),
+                copied,
+                source_options=self._fast.storage_options,
+                target_options=self._root.storage_options,
+                rate=self._rate,
+            )
+            try:
+                transfer.verify_copy(copied, crc, self._root.storage_options)
+            except ChecksumError as exc:
+                layout.remove_step(self._root, step)
+                raise ChecksumError(f"draining step {step} to {self.root}: {exc}") from exc
+        self._check_lease()
+        layout.commit(
+            self._root, step, marker.get("metrics"), marker.get("layout", layout.FILE_LAYOUT)
+        )
+        self._retain(self._root)
+        self._retain(self._fast)
 
-    def _retain(self, tier: str) -> None:
+    def _retain(self, tier: Tier) -> None:
         with self._guard:
             committed = layout.committed_steps(tier)
-            if tier == self.fast:
+            if tier == self._fast:
                 kept = self.fast_retention.kept(committed)
                 kept |= set(committed) - set(self._root_steps())  # not drained yet
             else:
-                metrics = {s: layout.marker_of(tier, s).get("metrics", {}) for s in committed}
-                kept = self.retention.kept(committed, metrics)
+                kept = self.retention.kept(committed, self._metrics_of(tier, committed))
             for step in committed:
                 if step not in kept:
                     layout.remove_step(tier, step)
+                    self._metrics.pop((tier.location, step), None)
+
+    def _metrics_of(self, tier: Tier, steps: list[int]) -> dict[int, dict[str, float]]:
+        """The metrics of ``steps`` (each marker read once: at a URL, one request each)."""
+        if self.retention.best is None:
+            return {}
+        for step in steps:
+            if (tier.location, step) not in self._metrics:
+                found = layout.marker_of(tier, step).get("metrics", {})
+                self._metrics[(tier.location, step)] = found
+        return {s: self._metrics[(tier.location, s)] for s in steps}
 
     # -- reading ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Every committed step, in either tier, ascending."""
         found = set(self._root_steps())
-        if self.fast is not None:
-            found |= set(layout.committed_steps(self.fast))
+        if self._fast is not None:
+            found |= set(layout.committed_steps(self._fast))
         return sorted(found)
 
     def latest(self) -> int | None:
@@ -183,36 +302,74 @@ class CheckpointManager:
         found = self.steps()
         return found[-1] if found else None
 
-    def restore(self, step: int | None = None, **load_options: Any) -> tuple[int, Any]:
+    def restore(
+        self, step: int | None = None, *, state: Any = None, **load_options: Any
+    ) -> tuple[int, Any]:
         """The newest committed step that loads verified (or ``step``), as ``(step, state)``;
         a damaged copy is skipped (logged) for the other tier's, then for older steps.
-        ``load_options`` go to :func:`fastckpt.load` (``map_location=``, ...).
+
+        A step of one file is loaded with :func:`fastckpt.load` (``load_options``:
+        ``map_location=``, ...). A step saved by several ranks (a DCP checkpoint) is loaded
+        into ``state`` in place, resharded to its tensors (DTensors of this run's mesh, or
+        plain tensors), and ``state`` is returned; in one process ``state`` may be None for
+        every value as full tensors. In a multi-rank run every rank calls this with its own
+        ``state``; all take the step rank 0 picks and move on together past damage.
 
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
-        candidates = self.steps() if step is None else [step]
+        if self._ranks.group and self._ranks.coordinator:
+            self.wait()  # no drain removes a fast step while the ranks read it
+        candidates = self._ranks.agree(lambda: self._candidates(step))
         errors = []
-        for candidate in reversed(candidates):
-            for tier in self._tiers():
-                if candidate not in layout.committed_steps(tier):
-                    continue
-                path = os.path.join(layout.step_dir(tier, candidate), layout.STATE_FILE)
-                try:
-                    return candidate, api.load(path, verify=True, **load_options)
-                except (ChecksumError, HeaderError, OSError) as exc:
-                    _log.warning(
-                        "step %d in %s cannot be restored (%s); trying the next",
-                        candidate,
-                        tier,
-                        exc,
-                    )
-                    errors.append(f"{path}: {exc}")
+        for candidate, index, kind in candidates:
+            tier = self._tiers()[index]
+            directory = layout.step_dir(tier, candidate)
+            try:
+                loaded = self._load(tier, directory, kind, state, load_options)
+                ok = True
+            except (FastCkptError, OSError) as exc:  # checksums, headers, DCP's failures
+                ok, loaded, error = False, None, exc
+            if self._ranks.all_ok(ok):
+                return candidate, loaded
+            reason = error if not ok else "another rank could not load it"
+            _log.warning(
+                "step %d in %s cannot be restored (%s); trying the next", candidate, tier, reason
+            )
+            errors.append(f"{directory}: {reason}")
         where = self.root if self.fast is None else f"{self.fast} or {self.root}"
         if not errors:
             wanted = "no committed step" if step is None else f"no committed step {step}"
             raise FileNotFoundError(f"{wanted} in {where}")
         raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
+
+    def _candidates(self, step: int | None) -> list[tuple[int, int, str]]:
+        """``(step, tier index, layout)`` to try, newest first, the fast tier's copy first."""
+        tiers = self._tiers()
+        listed = [set(layout.committed_steps(tier)) for tier in tiers]
+        wanted = sorted(set().union(*listed)) if step is None else [step]
+        found = []
+        for candidate in reversed(wanted):
+            for index, tier in enumerate(tiers):
+                if candidate not in listed[index]:
+                    continue
+                try:
+                    kind = layout.marker_of(tier, candidate).get("layout", layout.FILE_LAYOUT)
+                except (OSError, ValueError) as exc:
+                    _log.warning("the marker of step %d in %s: %s", candidate, tier, exc)
+                    continue
+                found.append((candidate, index, str(kind)))
+        return found
+
+    def _load(
+        self, tier: Tier, directory: str, kind: str, state: Any, options: Mapping[str, Any]
+    ) -> Any:
+        if kind == DCP_LAYOUT:
+            return load_step(directory, state, self._ranks, tier.storage_options, **options)
+        options = dict(options)
+        if tier.is_url:
+            options.setdefault("storage_options", tier.storage_options)
+        return api.load(layout.join(directory, layout.STATE_FILE), verify=True, **options)
 
     # -- lifetime --------------------------------------------------------------------------
     def wait(self) -> None:
@@ -231,8 +388,8 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
-            for fd in self._locks:
-                os.close(fd)
+            for lock in self._locks:
+                lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -240,54 +397,33 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _tiers(self) -> list[str]:
-        return [self.root] if self.fast is None else [self.fast, self.root]
+    def _tiers(self) -> list[Tier]:
+        return [self._root] if self._fast is None else [self._fast, self._root]
 
     def _root_steps(self) -> list[int]:
-        return layout.committed_steps(self.root)
+        return layout.committed_steps(self._root)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the CheckpointManager of {self.root} is closed")
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        for lock in self._locks:
+            lock.check()
 
 
-def _local_directory(path: str | os.PathLike[str], what: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a directory path, got {type(path).__name__}")
-    text = os.fspath(path)
-    if "://" in text:
-        raise ValueError(f"{what}={text!r}: the checkpoint manager takes local directories")
-    os.makedirs(text, exist_ok=True)
-    return os.path.abspath(text)
+def _tier(location: Any, what: str, storage_options: Mapping[str, Any] | None) -> Tier:
+    """The tier at ``location``: a URL as given, a local directory created and absolute."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a directory or a URL, got {type(location).__name__}")
+    tier = Tier(os.fspath(location), storage_options)
+    if not tier.is_url:
+        os.makedirs(tier.location, exist_ok=True)
+    return tier
 
 
-def _lock(tier: str) -> int:
-    """An exclusive lock on ``tier`` for this manager's life (another manager is refused)."""
-    fd = os.open(os.path.join(tier, _LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(
-            f"another CheckpointManager manages {tier}; close it first (one writer per tier)"
-        ) from None
-    return fd
-
-
-def _copy_durably(source: str, target: str, rate: float | None) -> None:
-    """Copies a file in chunks (at most ``rate`` bytes a second) and fsyncs the copy."""
-    import time
-
-    started, copied = time.monotonic(), 0
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(_COPY_CHUNK):
-            dst.write(chunk)
-            copied += len(chunk)
-            if rate is not None:
-                ahead = copied / rate - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
-        dst.flush()
-        os.fsync(dst.fileno())
-    with contextlib.suppress(OSError):
-        fsync_directory(os.path.dirname(target))
+def _same(a: Tier, b: Tier) -> bool:
+    if a.is_url or b.is_url:
+        return a.location == b.location
+    return os.path.realpath(a.location) == os.path.realpath(b.location)

@@ -1,11 +1,19 @@
-"""The layout of a checkpoint series in one directory (a tier).
+"""The layout of a checkpoint series in one directory or URL prefix (a tier).
 
-Each step is a directory ``step-<12 digits>`` holding the checkpoint (``state.safetensors``)
-and, written last, atomically and durably, the commit marker ``COMMITTED`` (JSON: the step,
-each file's size, the metrics, the time). A step without its marker does not exist: it is a
-save that did not finish (or a deletion that did), removed by the next manager. Deleting a
-step removes its marker first, so a crash mid-deletion leaves a step that no longer exists,
-never a partial one that does.
+Each step is a directory ``step-<12 digits>`` holding the checkpoint (``state.safetensors``,
+or a DCP checkpoint's rank files and ``.metadata`` for a multi-rank run) and, written last,
+the commit marker ``COMMITTED`` (JSON: the step, its layout, each file's size, the metrics,
+the time).
+A step without its marker does not exist: it is a save that did not finish (or a deletion
+that did), removed by the next manager. Deleting a step removes its marker first, so a crash
+mid-deletion leaves a step that no longer exists, never a partial one that does.
+
+A tier is a local directory or an fsspec URL (``s3://bucket/run``, ``memory://run``; a
+``file://`` URL is a local directory), given as a string or as a :class:`Tier` carrying the
+URL's ``storage_options``. Locally the marker is written atomically and durably (temporary
+file, fsync, rename, directory fsync); at a URL it is one object written after every file of
+the step is complete (on S3 an object is visible only once its upload completes), so the
+same rule holds: listed steps without a marker are ignored.
 
 Example:
     >>> import tempfile, os
@@ -13,10 +21,18 @@ Example:
     >>> os.makedirs(step_dir(tier, 7))
     >>> committed_steps(tier), uncommitted_dirs(tier) == [step_dir(tier, 7)]
     ([], True)
+    >>> url = Tier("memory://doc-steps/run")
+    >>> storage.write_whole(join(step_dir(url, 3), STATE_FILE), b"x")
+    >>> committed_steps(url), uncommitted_steps(url)
+    ([], [3])
+    >>> commit(url, 3, {"loss": 0.5}); committed_steps(url), marker_of(url, 3)["files"]
+    ([3], {'state.safetensors': 1})
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -25,27 +41,79 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from fastckpt import storage
 from fastckpt.io.commit import fsync_directory, write_atomically
+from fastckpt.storage import join
+from fastckpt.storage.url import url_errors
 
 __all__ = [
+    "FILE_LAYOUT",
     "MARKER",
     "STATE_FILE",
+    "Tier",
+    "abort_unfinished_uploads",
     "commit",
     "committed_steps",
+    "join",
     "marker_of",
     "remove_step",
     "step_dir",
+    "step_files",
     "uncommitted_dirs",
+    "uncommitted_steps",
 ]
 
 MARKER = "COMMITTED"
+#: The layout of a step holding one ``state.safetensors`` (markers without one mean it).
+FILE_LAYOUT = "file"
 STATE_FILE = "state.safetensors"
 _STEP = re.compile(r"step-(\d{12})")
 
 
-def step_dir(tier: str, step: int) -> str:
-    """The directory of ``step`` in ``tier``."""
-    return os.path.join(tier, f"step-{step:012d}")
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """Where a tier lives: a local directory (absolute) or an fsspec URL, with the URL's
+    ``storage_options`` (None: ``FASTCKPT_STORAGE_OPTIONS``).
+
+    Example:
+        >>> Tier("file:///tmp/run").location, Tier("s3://b/run/").is_url
+        ('/tmp/run', True)
+    """
+
+    location: str
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        local = storage.to_local(self.location)
+        if local is not None:
+            object.__setattr__(self, "location", os.path.abspath(local))
+        else:
+            object.__setattr__(self, "location", self.location.rstrip("/"))
+
+    @property
+    def is_url(self) -> bool:
+        """Whether the tier is at an fsspec URL (not a local directory)."""
+        return storage.is_url(self.location)
+
+    def fs(self) -> tuple[Any, str]:
+        """``(file system, path)`` of a URL tier, its listings not cached (another process
+        may have written since)."""
+        with url_errors(self.location, "resolving the URL"):
+            fs, path = storage.url_to_fs(self.location, self.storage_options)
+        fs.invalidate_cache(path)
+        return fs, path.rstrip("/")
+
+    def __str__(self) -> str:
+        return self.location
+
+
+def _tier(tier: Tier | str | os.PathLike[str]) -> Tier:
+    return tier if isinstance(tier, Tier) else Tier(os.fspath(tier))
+
+
+def step_dir(tier: Tier | str, step: int) -> str:
+    """The directory (or URL prefix) of ``step`` in ``tier``."""
+    return join(_tier(tier).location, f"step-{step:012d}")
 
 
 def _step_of(name: str) -> int | None:
@@ -53,66 +121,150 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def committed_steps(tier: str) -> list[int]:
+def _listing(tier: Tier) -> dict[int, dict[str, int]]:
+    """Each step directory of ``tier`` and its files (name -> size): for a URL one listing of
+    the prefix; locally the step directories (file sizes only for markers' sake)."""
+    if not tier.is_url:
+        try:
+            names = os.listdir(tier.location)
+        except FileNotFoundError:
+            return {}
+        found: dict[int, dict[str, int]] = {}
+        for name in names:
+            step = _step_of(name)
+            if step is not None and os.path.isdir(os.path.join(tier.location, name)):
+                marker = os.path.join(tier.location, name, MARKER)
+                found[step] = {MARKER: 0} if os.path.isfile(marker) else {}
+        return found
+    fs, path = tier.fs()
+    with url_errors(tier.location, "listing"):
+        try:
+            files = fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+    found = {}
+    for name, info in files.items():
+        parts = name.rstrip("/")[len(path) :].strip("/").split("/")
+        step = _step_of(parts[0]) if len(parts) >= 2 else None
+        if step is not None:
+            found.setdefault(step, {})["/".join(parts[1:])] = int(info.get("size") or 0)
+    return found
+
+
+def committed_steps(tier: Tier | str) -> list[int]:
     """The steps of ``tier`` with a commit marker, ascending."""
-    try:
-        names = os.listdir(tier)
-    except FileNotFoundError:
-        return []
-    steps = [_step_of(n) for n in names]
-    return sorted(s for s in steps if s is not None and os.path.isfile(_marker_path(tier, s)))
+    return sorted(s for s, files in _listing(_tier(tier)).items() if MARKER in files)
 
 
-def uncommitted_dirs(tier: str) -> list[str]:
-    """Step directories of ``tier`` without a marker: saves or deletions cut short."""
-    try:
-        names = os.listdir(tier)
-    except FileNotFoundError:
-        return []
-    return sorted(
-        os.path.join(tier, n)
-        for n in names
-        if _step_of(n) is not None and not os.path.isfile(os.path.join(tier, n, MARKER))
-    )
+def uncommitted_steps(tier: Tier | str) -> list[int]:
+    """The steps of ``tier`` with files but no marker: saves or deletions cut short."""
+    return sorted(s for s, files in _listing(_tier(tier)).items() if MARKER not in files)
 
 
-def _marker_path(tier: str, step: int) -> str:
-    return os.path.join(step_dir(tier, step), MARKER)
+def uncommitted_dirs(tier: Tier | str) -> list[str]:
+    """The directories (URL prefixes) of :func:`uncommitted_steps`."""
+    return [step_dir(tier, s) for s in uncommitted_steps(tier)]
 
 
-def commit(tier: str, step: int, metrics: Mapping[str, float] | None) -> None:
-    """Writes ``step``'s marker once its files are durable: the step exists from now on."""
+def step_files(tier: Tier | str, step: int) -> dict[str, int]:
+    """The files of ``step`` in ``tier`` (name -> size), marker and temporary files left out."""
+    tier = _tier(tier)
     directory = step_dir(tier, step)
-    files = {
-        name: os.path.getsize(os.path.join(directory, name))
-        for name in sorted(os.listdir(directory))
-        if name != MARKER and not name.endswith(".tmp")
-    }
+    if tier.is_url:
+        fs, path = tier.fs()
+        base = f"{path}/{os.path.basename(directory)}"
+        with url_errors(directory, "listing"):
+            files = fs.find(base, detail=True)
+        found = {n[len(base) :].strip("/"): int(i.get("size") or 0) for n, i in files.items()}
+    else:
+        found = {}
+        for folder, _, names in os.walk(directory):
+            for name in names:
+                full = os.path.join(folder, name)
+                found[os.path.relpath(full, directory)] = os.path.getsize(full)
+    return {n: s for n, s in sorted(found.items()) if n != MARKER and not n.endswith(".tmp")}
+
+
+def commit(
+    tier: Tier | str,
+    step: int,
+    metrics: Mapping[str, float] | None,
+    layout: str = FILE_LAYOUT,
+) -> None:
+    """Writes ``step``'s marker once its files are durable: the step exists from now on.
+    ``layout`` says what the files are: ``"file"`` (``state.safetensors``) or ``"dcp"`` (a
+    DCP checkpoint of several ranks)."""
+    tier = _tier(tier)
     document = {
         "step": step,
-        "files": files,
+        "layout": layout,
+        "files": step_files(tier, step),
         "metrics": {k: float(v) for k, v in (metrics or {}).items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_atomically(os.path.join(directory, MARKER), json.dumps(document).encode())
-    fsync_directory(tier)
+    marker = join(step_dir(tier, step), MARKER)
+    data = json.dumps(document).encode()
+    if tier.is_url:
+        storage.write_whole(marker, data, tier.storage_options)  # one object, whole or absent
+        return
+    write_atomically(marker, data)
+    fsync_directory(tier.location)
 
 
-def marker_of(tier: str, step: int) -> dict[str, Any]:
+def marker_of(tier: Tier | str, step: int) -> dict[str, Any]:
     """The marker of a committed step (its files, metrics and time)."""
-    with open(_marker_path(tier, step), encoding="utf-8") as f:
-        document = json.load(f)
+    tier = _tier(tier)
+    marker = join(step_dir(tier, step), MARKER)
+    document = json.loads(storage.read_whole(marker, tier.storage_options))
     if not isinstance(document, dict) or document.get("step") != step:
-        raise ValueError(f"{_marker_path(tier, step)}: not the marker of step {step}")
+        raise ValueError(f"{marker}: not the marker of step {step}")
     return document
 
 
-def remove_step(tier: str, step: int) -> None:
+def remove_step(tier: Tier | str, step: int) -> None:
     """Deletes a step: its marker first (durably), then its files."""
+    tier = _tier(tier)
     directory = step_dir(tier, step)
+    if tier.is_url:
+        fs, path = tier.fs()
+        base = f"{path}/{os.path.basename(directory)}"
+        with contextlib.suppress(FileNotFoundError), url_errors(directory, "delete"):
+            fs.rm(f"{base}/{MARKER}")
+        with contextlib.suppress(FileNotFoundError), url_errors(directory, "delete"):
+            fs.rm(base, recursive=True)
+        fs.invalidate_cache(path)
+        return
     try:
         os.unlink(os.path.join(directory, MARKER))
         fsync_directory(directory)
     except FileNotFoundError:
         pass
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def abort_unfinished_uploads(tier: Tier | str) -> int:
+    """Aborts the S3 multipart uploads under the step prefixes of ``tier`` that a killed
+    writer left (invisible, but billed until aborted); returns how many. Other tiers have
+    none. Call it only while no save to the tier runs (the manager holds the tier's lease).
+    """
+    tier = _tier(tier)
+    if not tier.is_url:
+        return 0
+    fs, path = tier.fs()
+    if not hasattr(fs, "call_s3"):
+        return 0
+    bucket, prefix, _ = fs.split_path(path)
+    prefix = f"{prefix}/step-" if prefix else "step-"
+    with url_errors(tier.location, "listing unfinished uploads"):
+        listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    aborted = 0
+    for upload in listed.get("Uploads", []):
+        with url_errors(tier.location, "aborting an unfinished upload"):
+            fs.call_s3(
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
+        aborted += 1
+    return aborted

@@ -1,0 +1,346 @@
+"""What a CheckpointManager costs a training loop, and how soon its checkpoints are durable.
+
+A training-like loop (CPU matmuls, then an "optimizer step" that changes every tensor) holds
+an LLM-like state of ``--size`` bytes and checkpoints it every ``--every`` steps, keeping the
+``--keep-last`` newest. Each mode runs in its own process (peak RSS per mode):
+
+- ``manager_disk``: ``CheckpointManager(root)`` with root on the disk (``--dir``);
+- ``manager_fast_disk``: ``CheckpointManager(root, fast=/dev/shm/...)``, root on the disk;
+- ``manager_fast_s3``: the same with root in an S3 bucket on a loopback moto server that
+  the benchmark starts (skipped, with a note, without moto/s3fs or URL roots);
+- ``torch_save``: ``torch.save`` + fsync of each step's file, the oldest deleted by hand;
+- ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of each step's directory (one
+  rank), the oldest deleted by hand.
+
+Reported per mode (medians over the checkpoints): the time a checkpoint blocks the loop, the
+time from the call until the step is durable in root (committed there: for the fast modes
+when the drain's copy is verified and committed, seen by polling root every few ms), the
+loop's total, and the peak RSS above the state's (staging memory and the drain's buffers).
+The manager modes then time a restore: ``manager.restore()`` (which verifies every CRC32C)
+from the fast tier and from root, beside ``fastckpt.load(verify=True)`` of the same file from
+the same place (root's page cache dropped first where permitted).
+
+One run; do not compare figures from different runs (this machine's disk is noisy).
+
+Run: python benchmarks/bench_manager.py [--size 2G] [--steps 12] [--every 4] [--json OUT]
+Smoke: python benchmarks/bench_manager.py --size 64M --steps 4 --every 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastckpt.bench.caches import drop_page_cache, make_durable
+from fastckpt.bench.children import report, run_child
+from fastckpt.bench.measure import Measure
+from fastckpt.bench.units import format_bytes, median
+from fastckpt.config import parse_size
+
+MODES = ("manager_disk", "manager_fast_disk", "manager_fast_s3", "torch_save", "dcp_async")
+_POLL_SECONDS = 0.005
+
+
+# ------------------------------------------------------------------------------- the child
+class _DurableWatch:
+    """Records when each step first appears committed in root (polled in a thread)."""
+
+    def __init__(self, root: Any, interval: float):
+        from fastckpt.series import steps as layout
+
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._root, self._layout, self._interval = root, layout, interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            for step in self._layout.committed_steps(self._root):
+                self.seen.setdefault(step, now)
+            self._stop.wait(self._interval)
+
+    def wait_for(self, step: int, timeout: float = 3600) -> None:
+        deadline = time.monotonic() + timeout
+        while step not in self.seen and time.monotonic() < deadline:
+            time.sleep(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _loop(args: argparse.Namespace, state: dict, checkpoint) -> dict[str, Any]:
+    """The training loop; ``checkpoint(step)`` saves and returns the seconds it blocked."""
+    import torch
+
+    a, b = torch.randn(args.matmul, args.matmul), torch.randn(args.matmul, args.matmul)
+    blocked, called = [], {}
+    with Measure() as m:
+        for step in range(1, args.steps + 1):
+            for _ in range(args.matmuls_per_step):
+                (a @ b).sum()
+            with torch.no_grad():
+                for t in state.values():  # an "optimizer step" that changes every tensor
+                    t.mul_(0.999)
+            if step % args.every == 0:
+                called[step] = time.perf_counter()
+                checkpoint(step)
+                blocked.append(time.perf_counter() - called[step])
+    return {"blocked": blocked, "called": called, **m.as_dict()}
+
+
+def _restore_times(root: Any, fast: str | None, s3: bool) -> dict[str, float]:
+    """manager.restore() and fastckpt.load(verify=True) of its newest step, from each tier."""
+    import fastckpt
+    from fastckpt.series import steps as layout
+
+    times: dict[str, float] = {}
+    places = ([("fast", fast)] if fast else []) + [("root", root)]
+    for name, tier in places:
+        step = layout.committed_steps(tier)[-1]
+        path = layout.join(layout.step_dir(tier, step), layout.STATE_FILE)
+        for what in ("restore", "load"):
+            if name == "root" and not s3:
+                drop_page_cache([path])
+            t0 = time.perf_counter()
+            if what == "restore":
+                with fastckpt.CheckpointManager(tier) as manager:  # that tier alone
+                    manager.restore()
+            else:
+                fastckpt.load(path, verify=True)
+            times[f"{what}_{name}"] = time.perf_counter() - t0
+    return times
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    from fastckpt.bench.synthetic import llm_like_state_dict
+
+    torch.manual_seed(0)
+    state = llm_like_state_dict(args.size)
+    work = Path(args.dir) / args.mode
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    done_at: dict[int, float] = {}
+    result: dict[str, Any] = {"mode": args.mode}
+
+    if args.mode.startswith("manager"):
+        import fastckpt
+        from fastckpt.series.steps import Tier
+
+        s3 = args.mode == "manager_fast_s3"
+        root = f"{args.s3_url}/{uuid.uuid4().hex[:8]}" if s3 else str(work / "root")
+        fast = (
+            tempfile.mkdtemp(prefix="bench-manager-", dir=args.fast_dir)
+            if "fast" in args.mode
+            else None
+        )
+        try:
+            watch = _DurableWatch(Tier(root), 0.05 if s3 else _POLL_SECONDS)
+            with fastckpt.CheckpointManager(root, fast=fast, keep_last=args.keep_last) as manager:
+                res = _loop(args, state, lambda step: manager.save(step, state))
+                t0 = time.perf_counter()
+                manager.wait()
+                res["final_wait"] = time.perf_counter() - t0
+            watch.wait_for(max(res["called"]), timeout=60)
+            watch.stop()
+            done_at = watch.seen
+            del state
+            result.update(_restore_times(root, fast, s3))
+        finally:
+            if fast:
+                shutil.rmtree(fast, ignore_errors=True)
+    elif args.mode == "torch_save":
+        kept: list[Path] = []
+
+        def save(step: int) -> None:
+            path = work / f"step-{step}.pt"
+            torch.save(state, path)
+            make_durable(path)
+            done_at[step] = time.perf_counter()
+            kept.append(path)
+            while len(kept) > args.keep_last:
+                kept.pop(0).unlink()
+
+        res = _loop(args, state, save)
+        res["final_wait"] = 0.0
+    elif args.mode == "dcp_async":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        store = dist.FileStore(str(work / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        futures: list[Any] = []
+        kept_dirs: list[Path] = []
+
+        def save(step: int) -> None:
+            if futures:
+                futures[-1].result()  # DCP allows one async save in flight
+            directory = work / f"step-{step}"
+            response = dcp.async_save(state, checkpoint_id=str(directory))
+            future = getattr(response, "upload_completion", response)
+            future.add_done_callback(lambda _f, s=step: done_at.setdefault(s, time.perf_counter()))
+            futures.append(future)
+            kept_dirs.append(directory)
+            while len(kept_dirs) > args.keep_last + 1:  # the one in flight is not counted
+                shutil.rmtree(kept_dirs.pop(0), ignore_errors=True)
+
+        res = _loop(args, state, save)
+        t0 = time.perf_counter()
+        for future in futures:
+            future.result()
+        res["final_wait"] = time.perf_counter() - t0
+        dist.destroy_process_group()
+    else:
+        raise SystemExit(f"unknown mode {args.mode}")
+    result.update(res)
+    result["durable"] = [done_at[s] - t for s, t in res["called"].items() if s in done_at]
+    result.pop("called")
+    shutil.rmtree(work, ignore_errors=True)
+    report(result)
+
+
+# ------------------------------------------------------------------------------- the parent
+def _start_s3() -> tuple[Any, str, dict[str, Any]] | str:
+    """A moto server and a bucket, or why not."""
+    try:
+        import s3fs
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        return f"needs moto[server] and s3fs ({exc.name} is missing)"
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": f"http://{host}:{port}",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket=bucket)
+    url = f"s3://{bucket}"
+    try:
+        import fastckpt
+
+        os.environ["FASTCKPT_STORAGE_OPTIONS"] = json.dumps(options)
+        fastckpt.CheckpointManager(f"{url}/probe").close()
+    except (ValueError, TypeError) as exc:
+        server.stop()
+        return f"the manager takes no URL root here ({exc})"
+    return server, url, options
+
+
+def _table(rows: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
+    lines = [
+        f"{format_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
+        f"steps, keep_last={args.keep_last}; medians over the checkpoints of one run",
+        "",
+        "| mode | blocks per checkpoint (s) | until durable in root (s) | loop total (s) "
+        "| final wait (s) | peak RSS above the state (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode, row in rows.items():
+        lines.append(
+            f"| {mode} | {median(row['blocked']):.3f} | {median(row['durable']):.3f} | "
+            f"{row['seconds']:.2f} | {row['final_wait']:.2f} | {row['extra_rss'] / 2**20:.0f} |"
+        )
+    restores = {m: r for m, r in rows.items() if "restore_root" in r}
+    if restores:
+        lines += [
+            "",
+            "| mode | restore from fast (s) | fastckpt.load from fast (s) "
+            "| restore from root (s) | fastckpt.load from root (s) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        keys = ("restore_fast", "load_fast", "restore_root", "load_root")
+        for mode, r in restores.items():
+            cells = [f"{r[k]:.3f}" if k in r else "-" for k in keys]
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    lines += [f"\nnote: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("2G"))
+    p.add_argument("--dir", default=None, help="a directory on the disk (default: a temporary one)")
+    p.add_argument("--fast-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--matmul", type=int, default=1024)
+    p.add_argument("--matmuls-per-step", type=int, default=4)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--s3-url", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.mode = args.child
+        child(args)
+        return 0
+
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    notes: list[str] = []
+    if args.fast_dir is None:
+        args.fast_dir = tempfile.gettempdir()
+        notes.append(f"no /dev/shm: the fast tier is in {args.fast_dir}")
+    server = None
+    if "manager_fast_s3" in modes:
+        started = _start_s3()
+        if isinstance(started, str):
+            notes.append(f"manager_fast_s3 skipped: {started}")
+            modes.remove("manager_fast_s3")
+        else:
+            server, args.s3_url, _ = started
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="bench-manager-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for mode in modes:
+            argv_child = [
+                sys.executable, __file__, "--child", mode, "--dir", str(directory),
+                "--fast-dir", args.fast_dir, "--size", str(args.size), "--steps", str(args.steps),
+                "--every", str(args.every), "--keep-last", str(args.keep_last),
+                "--matmul", str(args.matmul), "--matmuls-per-step", str(args.matmuls_per_step),
+            ]  # fmt: skip
+            if args.s3_url:
+                argv_child += ["--s3-url", args.s3_url]
+            res = run_child(argv_child, timeout=3600, env=dict(os.environ))
+            if "error" in res:
+                notes.append(f"{mode} failed: {res['error']}")
+                continue
+            rows[mode] = res
+            print(f"{mode}: blocked {median(res['blocked']):.3f} s a checkpoint", file=sys.stderr)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        if server is not None:
+            server.stop()
+    print(_table(rows, notes, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

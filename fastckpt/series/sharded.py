@@ -1,0 +1,179 @@
+"""Steps of a multi-rank run: the step directory holds a DCP checkpoint (fastckpt's DCP
+storage: one fastckpt file per rank and ``.metadata``, see :mod:`fastckpt.integrations.dcp`)
+instead of ``state.safetensors``, and the ranks follow what rank 0 decides.
+
+:class:`Ranks` says where this process stands (rank, world size, whether collectives run)
+and carries rank 0's decisions to the others (:meth:`Ranks.agree`); :func:`save_step` and
+:func:`load_step` move a step's state through ``dcp.save`` / ``dcp.load``, which shard and
+reshard it (a step saved by N ranks loads on M).
+
+Example (one process: DCP's layout without a process group):
+    >>> import os, tempfile, torch
+    >>> path = os.path.join(tempfile.mkdtemp(), "step")
+    >>> ranks = Ranks(True)
+    >>> ranks.rank, ranks.world, ranks.group
+    (0, 1, False)
+    >>> save_step(path, {"w": torch.arange(4.0), "step": 3}, ranks, None)
+    >>> sorted(os.listdir(path))[0]
+    '.metadata'
+    >>> load_step(path, None, ranks, None)
+    {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+    >>> into = {"w": torch.zeros(4), "step": 0}
+    >>> load_step(path, into, ranks, None)["w"].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from fastckpt.errors import FastCkptError
+
+__all__ = ["DCP_LAYOUT", "Ranks", "load_step", "save_step"]
+
+#: The ``layout`` a step's marker records when the step is a DCP checkpoint.
+DCP_LAYOUT = "dcp"
+T = TypeVar("T")
+
+
+class Ranks:
+    """This process's place in a run.
+
+    Args:
+        distributed: True: steps are DCP checkpoints (in a process group when one is
+            initialized, else by this process alone); False: one ``state.safetensors`` per
+            step; None: DCP checkpoints when a process group of more than one rank is
+            initialized.
+    """
+
+    def __init__(self, distributed: bool | None):
+        dist = torch.distributed
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
+        self.sharded = bool(distributed) if distributed is not None else world > 1
+        #: Whether the ranks meet in collectives (a process group runs and steps are sharded).
+        self.group = self.sharded and initialized
+        self.rank = dist.get_rank() if self.group else 0
+        self.world = world if self.group else 1
+
+    @property
+    def coordinator(self) -> bool:
+        """Whether this is rank 0: the one rank that locks, commits, retains and drains."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Waits for every rank (raises when one died)."""
+        if self.group:
+            torch.distributed.barrier()
+
+    def agree(self, decide: Callable[[], T]) -> T:
+        """Rank 0 runs ``decide``; every rank returns its result, or raises its error (other
+        ranks a ``RuntimeError`` quoting it), so no rank goes on while another stopped."""
+        if not self.group:
+            return decide()
+        outcome: list[Any] = [None]
+        error: BaseException | None = None
+        if self.coordinator:
+            try:
+                outcome[0] = ("ok", decide())
+            except Exception as exc:
+                error = exc
+                outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
+        torch.distributed.broadcast_object_list(outcome, src=0)
+        if error is not None:
+            raise error
+        kind, value = outcome[0]
+        if kind == "error":
+            raise RuntimeError(f"rank 0 of the checkpoint manager failed: {value}")
+        return value  # type: ignore[no-any-return]
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank."""
+        if not self.group:
+            return ok
+        flag = torch.tensor([0 if ok else 1])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+
+@contextlib.contextmanager
+def _one_process(ranks: Ranks) -> Any:
+    """DCP warns whenever it runs without a process group, which is meant here."""
+    with warnings.catch_warnings():
+        if not ranks.group:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def save_step(
+    path: str,
+    state: Any,
+    ranks: Ranks,
+    storage_options: Mapping[str, Any] | None,
+    **options: Any,
+) -> None:
+    """Saves this rank's share of ``state`` into the DCP checkpoint at ``path`` (every rank
+    calls it); returns once every rank's file is durable and ``.metadata`` written.
+    ``options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter` (``checksum``,
+    ``piece_size``, engine settings)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.integrations.dcp import FastCkptWriter
+
+    writer = FastCkptWriter(path, storage_options=_options(storage_options), **options)
+    try:
+        with _one_process(ranks):
+            dcp.save(state, storage_writer=writer, no_dist=not ranks.group)
+    finally:
+        writer.close()
+
+
+def load_step(
+    path: str,
+    state: Any,
+    ranks: Ranks,
+    storage_options: Mapping[str, Any] | None,
+    **options: Any,
+) -> Any:
+    """The DCP checkpoint at ``path`` loaded into ``state`` (in place, resharded to its
+    tensors: DTensors or plain ones) and returned; with ``state`` None (one process only)
+    every value as full tensors. ``options`` go to
+    :class:`~fastckpt.integrations.dcp.FastCkptReader` (which verifies every piece read).
+
+    Raises:
+        FastCkptError: DCP's load failed on some rank (its failures quoted), or a subclass
+            (``ChecksumError``, ``HeaderError``) for this rank's damaged file.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.integrations.dcp import FastCkptReader, load_full
+
+    if state is None:
+        if ranks.group:
+            raise ValueError(
+                f"{path} was saved by several ranks: restoring it in a process group needs "
+                "state=, the state dict to load into (DCP loads in place, resharded to it)"
+            )
+        return load_full(
+            path,
+            storage_options=_options(storage_options),
+            allow_pickle=bool(options.get("allow_pickle", False)),
+        )
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = FastCkptReader(path, storage_options=_options(storage_options), **options)
+    try:
+        with _one_process(ranks):
+            dcp.load(state, storage_reader=reader, no_dist=not ranks.group)
+    except CheckpointException as exc:  # a BaseException: restated so callers can catch it
+        raise FastCkptError(f"{path}: loading the DCP checkpoint failed: {exc}") from exc
+    return state
+
+
+def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if storage_options is None else dict(storage_options)

@@ -1,0 +1,195 @@
+"""Copies of a step's files from one tier to another (the drain): bounded memory, a bandwidth
+cap, and every copy read back and checked before the step is committed at its target.
+
+A file is streamed in chunks of 16 MiB from its source (a local file or a URL) to its target:
+a local file (written, then fsynced) or a URL's atomic sink (on S3 a multipart upload with a
+few parts in flight; the object appears only once complete). At most :data:`COPY_MEMORY`
+bytes are held at once, whatever the file's size (up to 1.25 TiB, S3's 10,000 parts of
+128 MiB).
+
+The copy is then read back from the target, as a stream of the same bounded size, and
+checked twice: its CRC32C must be the source's (computed as the bytes went out), and for a
+fastckpt file each tensor's bytes must have the CRC32C its header records (computed when the
+checkpoint was saved, so damage in the source tier is caught too). Any difference raises
+:class:`~fastckpt.errors.ChecksumError` naming the file (and the tensors).
+
+Example:
+    >>> import tempfile, os, torch
+    >>> from fastckpt.checkpoint import save
+    >>> source = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+    >>> save.save({"w": torch.ones(1000)}, source)
+    >>> crc = copy_file(source, "memory://doc-transfer/a.safetensors")
+    >>> verify_copy("memory://doc-transfer/a.safetensors", crc)
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import ctypes
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from fastckpt import _C, storage
+from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.checkpoint.tensor_crcs import damaged
+from fastckpt.errors import ChecksumError
+from fastckpt.io.commit import fsync_directory
+from fastckpt.storage.url import UrlStorage
+
+__all__ = ["COPY_MEMORY", "copy_file", "verify_copy"]
+
+#: The most bytes a copy or its verification holds at once.
+COPY_MEMORY = 256 << 20
+_CHUNK = 16 << 20
+_READ_AHEAD = 8  # ranged reads of a URL in flight while a copy is read back
+_S3_MAX_PARTS = 10_000
+
+Options = Mapping[str, Any] | None
+
+
+def _size(location: str, options: Options) -> int:
+    local = storage.to_local(location)
+    if local is not None:
+        return os.path.getsize(local)
+    return UrlStorage(location, storage_options=options).size()
+
+
+def _address(data: bytes) -> int:
+    """The address of a bytes object's buffer (kept alive by the caller)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
+def _chunks(
+    location: str, options: Options, total: int, *, rate: float | None, ahead: int
+) -> Iterator[bytes]:
+    """The file's bytes in order, ``_CHUNK`` at a time (``ahead`` ranged reads in flight at
+    a URL), at most ``rate`` bytes a second."""
+    started, done = time.monotonic(), 0
+
+    def pace(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if rate is not None:
+            early = done / rate - (time.monotonic() - started)
+            if early > 0:
+                time.sleep(early)
+
+    local = storage.to_local(location)
+    if local is not None:
+        with open(local, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                yield chunk
+                pace(len(chunk))
+        return
+    source = UrlStorage(location, storage_options=options)
+    offsets = iter(range(0, total, _CHUNK))
+    with concurrent.futures.ThreadPoolExecutor(ahead, "fastckpt-drain-read") as pool:
+        window: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+        try:
+            for offset in offsets:
+                window.append(pool.submit(source.read_bytes, offset, min(_CHUNK, total - offset)))
+                if len(window) >= ahead:
+                    break
+            while window:
+                chunk = window.popleft().result()
+                for offset in offsets:  # one more read replaces the one taken
+                    window.append(
+                        pool.submit(source.read_bytes, offset, min(_CHUNK, total - offset))
+                    )
+                    break
+                yield chunk
+                pace(len(chunk))
+        finally:
+            for future in window:
+                future.cancel()
+
+
+def _upload_shape(total: int) -> tuple[int, int]:
+    """``(part_size, parallel)`` of an upload of ``total`` bytes within ``COPY_MEMORY``: the
+    parts in flight, the one being filled and the chunk being read."""
+    needed = -(-total // _S3_MAX_PARTS)
+    part = max(_CHUNK, -(-needed // (1 << 20)) * (1 << 20))
+    parallel = max(1, min(8, (COPY_MEMORY - _CHUNK) // part - 1))
+    return part, parallel
+
+
+def copy_file(
+    source: str,
+    target: str,
+    *,
+    source_options: Options = None,
+    target_options: Options = None,
+    rate: float | None = None,
+) -> int:
+    """Copies ``source`` to ``target`` (each a local path or a URL) with bounded memory, at
+    most ``rate`` bytes a second; returns the CRC32C of the bytes sent. A local target is
+    fsynced; a URL target appears whole or not at all."""
+    total = _size(source, source_options)
+    crc = 0
+
+    def counted() -> Iterator[bytes]:
+        nonlocal crc
+        for chunk in _chunks(source, source_options, total, rate=rate, ahead=1):
+            crc = _C.crc32c(_address(chunk), len(chunk), crc)
+            yield chunk
+
+    local = storage.to_local(target)
+    if local is None:
+        part, parallel = _upload_shape(total)
+        sink = UrlStorage(target, storage_options=target_options, part_size=part, parallel=parallel)
+        sink.write_atomically(counted(), total)
+        return crc
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    with open(local, "wb") as out:
+        for chunk in counted():
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    with contextlib.suppress(OSError):
+        fsync_directory(os.path.dirname(local))
+    return crc
+
+
+def verify_copy(location: str, crc: int, options: Options = None) -> None:
+    """Reads the copy at ``location`` back (bounded memory) and checks it against ``crc``
+    (the source's CRC32C) and, for a ``.safetensors`` file with checksums, every tensor
+    against its header's CRC32C.
+
+    Raises:
+        ChecksumError: the copy differs, naming the file and the damaged tensors.
+    """
+    total = _size(location, options)
+    entries: list[Any] = []
+    expected: dict[str, int] = {}
+    data_offset = 0
+    if location.endswith(".safetensors"):
+        with open_checkpoint(location, storage_options=options) as reader:
+            if reader.has_checksums:
+                entries = sorted(reader.header.entries.values(), key=lambda e: e.begin)
+                expected = dict(reader.meta.crcs or {})
+                data_offset = reader.header.data_offset
+    actual: dict[str, int] = {e.name: 0 for e in entries}
+    whole, position, index = 0, 0, 0
+    for chunk in _chunks(location, options, total, rate=None, ahead=_READ_AHEAD):
+        address, end = _address(chunk), position + len(chunk)
+        whole = _C.crc32c(address, len(chunk), whole)
+        while index < len(entries):  # the tensors' bytes in this chunk, in file order
+            entry = entries[index]
+            first = max(data_offset + entry.begin, position)
+            last = min(data_offset + entry.end, end)
+            if first < last:
+                actual[entry.name] = _C.crc32c(
+                    address + first - position, last - first, actual[entry.name]
+                )
+            if data_offset + entry.end > end:
+                break
+            index += 1
+        position = end
+    bad = damaged(entries, actual, expected)
+    if bad or whole != crc:
+        detail = f"damaged tensors {bad}" if bad else "its bytes differ from the source's"
+        raise ChecksumError(f"{location}: the copy does not verify: {detail}")

@@ -1,0 +1,81 @@
+"""CheckpointManager in a multi-rank run: 2 real processes (gloo on loopback) save sharded
+state (DTensors) through DCP, restore it on 2 ranks, and one is killed before rank 0 may
+commit a step; this process then restores on 1 rank, resharded."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from manager_ranks import COLS, ROWS, full
+
+import fastckpt
+from fastckpt.integrations.dcp import METADATA_FILE
+from fastckpt.series import steps as layout
+
+RANKS = pathlib.Path(__file__).with_name("manager_ranks.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """2 ranks: steps 1 and 2 saved and restored; step 3 cut short by rank 1's death."""
+    base = tmp_path_factory.mktemp("ranks")
+    root, fast, port = base / "root", base / "fast", _free_port()
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS), str(rank), "2", str(port), str(root), str(fast)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    return root, fast, [child.returncode for child in children], outputs
+
+
+def test_two_ranks_save_sharded_steps_and_restore_them_on_two(two_rank_run):
+    root, fast, codes, outputs = two_rank_run
+    assert codes[0] == 0, outputs[0][1]
+    assert "rank 0 restored 2" in outputs[0][0] and "rank 1 restored 2" in outputs[1][0]
+    assert layout.committed_steps(str(root)) == [1, 2]
+    assert layout.committed_steps(str(fast)) == [2]
+    marker = layout.marker_of(str(root), 2)
+    assert marker["layout"] == "dcp"
+    files = sorted(marker["files"])
+    assert files[0] == METADATA_FILE and len(files) == 3  # one fastckpt file per rank
+    for name in files[1:]:
+        with fastckpt.open(root / "step-000000000002" / name) as reader:
+            assert reader.has_checksums and reader.verify() == []
+
+
+def test_a_rank_killed_before_the_marker_leaves_no_step(two_rank_run):
+    root, fast, codes, outputs = two_rank_run
+    assert codes[1] == -9  # rank 1 was killed
+    assert "rank 0 save 3 failed" in outputs[0][0]
+    # every rank's file and .metadata are there, but without a marker step 3 does not exist
+    assert os.path.exists(fast / "step-000000000003" / METADATA_FILE)
+    assert layout.committed_steps(str(fast)) == [2] and layout.uncommitted_steps(str(fast)) == [3]
+    with fastckpt.CheckpointManager(root, fast=fast) as manager:
+        assert manager.steps() == [1, 2] and layout.uncommitted_steps(str(fast)) == []
+
+
+def test_one_rank_restores_a_two_rank_step_resharded(two_rank_run):
+    root, fast, _, _ = two_rank_run
+    with fastckpt.CheckpointManager(root, fast=fast) as manager:
+        step, state = manager.restore()  # every value, as full tensors
+        assert step == 2 and state["step"] == 2 and torch.equal(state["model"]["w"], full(2))
+        target = {"model": {"w": torch.zeros(ROWS, COLS)}, "step": 0}
+        step, state = manager.restore(1, state=target)
+        assert step == 1 and state is target and torch.equal(target["model"]["w"], full(1))
