@@ -753,6 +753,18 @@ def open_checkpoint(
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
-    return CheckpointReader(
+    reader = CheckpointReader(
         f, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io
     )
+    if reader.meta.references is None:
+        return reader
+    # An incremental checkpoint: its bases are opened alike. (Imported here: the chained
+    # reader is built on this module's reader.)
+    from fastckpt.checkpoint.chained_reader import open_chain
+
+    def open_base(path: str) -> CheckpointReader:
+        return CheckpointReader(
+            path, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io
+        )
+
+    return open_chain(reader, open_base)  # type: ignore[return-value]
