@@ -90,7 +90,9 @@ class HeaderView:
         if meta.hashes is not None:
             unknown = set(meta.hashes) - set(entries)
             if unknown:
-                raise HeaderError(f"{self.path}: XXH3-128 for missing tensor {sorted(unknown)[0]!r}")
+                raise HeaderError(
+                    f"{self.path}: XXH3-128 for missing tensor {sorted(unknown)[0]!r}"
+                )
         if meta.crcs is not None:
             unknown = set(meta.crcs) - set(entries)
             if unknown:

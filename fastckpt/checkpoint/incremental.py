@@ -41,6 +41,7 @@ from typing import Any, Union
 import torch
 
 from fastckpt import format
+from fastckpt.checkpoint import save_order
 from fastckpt.checkpoint.chained_reader import Location, locate, open_checkpoint_chain
 from fastckpt.checkpoint.digests import hash_tensors
 from fastckpt.checkpoint.tensor_records import SaveRecord, previous
@@ -131,6 +132,7 @@ def choose(
     base_path = _check_base(base, destination, checksum)
     assert destination is not None
     target = os.path.realpath(os.path.abspath(destination))
+    save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
     index = base_index(base_path)
     files = {os.path.realpath(loc.file) for loc in index.values()} | {os.path.realpath(base_path)}
     if target in files:

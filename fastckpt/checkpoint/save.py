@@ -116,14 +116,15 @@ class SavePlan:
         (a :class:`~fastckpt.checkpoint.digests.TensorDigest`: it hashes them too)."""
         known = self.known_hashes
         return {
-            e.name: TensorDigest(e.nbytes, self.piece_size, known.get(e.name))
-            for e in self.entries
+            e.name: TensorDigest(e.nbytes, self.piece_size, known.get(e.name)) for e in self.entries
         }
 
     def header_from(self, sums: Mapping[str, PieceCrcs]) -> bytes:
         """The encoded header with the checksums that ``sums`` (fed every byte) hold."""
         hashes = {n: getattr(acc, "strong", None) for n, acc in sums.items()}
         missing = [n for n, h in hashes.items() if h is None]
+        if not self.checksum:  # nothing was fed: no checksums, no hashes
+            return self.header(None)
         if missing:  # a writer fed CRCs without bytes: it must hash them (hash_memory)
             raise AssertionError(f"tensor {missing[0]!r} was not hashed while it was written")
         if self.record is not None:

@@ -107,9 +107,7 @@ class SaveRecord:
         for name, (storage, version, data_ptr, layout) in self._states.items():
             digest = merged.get(name)
             if digest is not None:
-                states[name] = TensorState(
-                    weakref.ref(storage), version, data_ptr, layout, digest
-                )
+                states[name] = TensorState(weakref.ref(storage), version, data_ptr, layout, digest)
         key = _key(self.destination)
         with _lock:
             _records[key] = states
