@@ -187,6 +187,11 @@ class ChainedReader(Reader):
             )
 
     # -- what the header says --------------------------------------------------------------
+    @property
+    def meta(self) -> format.FastckptMeta:
+        """The decoded metadata of this file (its own hashes and its references)."""
+        return self.top.meta
+
     def stored_names(self) -> list[str]:
         """The tensors this file holds itself (in file order)."""
         return list(self.top.header.entries)
