@@ -134,7 +134,8 @@ def choose(
     target = os.path.realpath(os.path.abspath(destination))
     save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
     index = base_index(base_path)
-    files = {os.path.realpath(loc.file) for loc in index.values()} | {os.path.realpath(base_path)}
+    holders = {loc.file for loc in index.values()} | {base_path}
+    files = {os.path.realpath(f) for f in holders}
     if target in files:
         raise ValueError(
             f"cannot save to {destination} with base={base_path}: the new file would replace "

@@ -8,8 +8,8 @@ header still records that hash for it. Guards: the weak reference fails once the
 freed (a new tensor at the same address is not mistaken for the old one); in-place
 operations bump the version counter. Writes through ``tensor.data`` or raw pointers (a
 custom kernel, ``numpy()`` views) do not bump it: callers who write that way must not rely
-on this (hash, pass no record: the option is to save without ``base``) -- see
-docs/incremental.md. Memory: weak references and a few ints per tensor, for the last
+on this guard, and should call :func:`forget` after such writes (the next save then hashes
+every tensor) -- see docs/incremental.md. Memory: weak references and a few ints per tensor, for the last
 :data:`MAX_SERIES` destinations.
 
 Example:
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_SERIES", "SaveRecord", "TensorState", "previous"]
+__all__ = ["MAX_SERIES", "SaveRecord", "TensorState", "forget", "previous"]
 
 #: Destinations whose tensors are remembered (the least recently saved are forgotten).
 MAX_SERIES = 16
@@ -120,3 +120,19 @@ def previous(path: str) -> dict[str, TensorState]:
     """What the last save of this process to ``path`` recorded (empty when none)."""
     with _lock:
         return dict(_records.get(_key(path), {}))
+
+
+def forget(path: str | None = None) -> None:
+    """Forgets what was recorded for ``path`` (for every destination when None): the next
+    incremental save with that base hashes every tensor it is not told is frozen.
+
+    Example:
+        >>> forget("/tmp/fastckpt-rec.safetensors")
+        >>> previous("/tmp/fastckpt-rec.safetensors")
+        {}
+    """
+    with _lock:
+        if path is None:
+            _records.clear()
+        else:
+            _records.pop(_key(path), None)
