@@ -28,7 +28,7 @@ Parts (``--parts``, default all; each is its own function, reporting one JSON-ab
 
 Run: python benchmarks/bench_incremental.py [--base-size 2G] [--trainable 0.015]
      [--checkpoints 10] [--dir DIR] [--repeats 3] [--json out.json]
-     python benchmarks/bench_incremental.py --smoke   # seconds: a tiny state, 3 checkpoints
+     python benchmarks/bench_incremental.py --smoke   # seconds: a tiny state, 2 checkpoints
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny run (seconds), for tests")
     args = p.parse_args(argv)
     if args.smoke:
-        args.base_size, args.checkpoints, args.repeats = parse_size("8M"), 3, 1
+        args.base_size, args.checkpoints, args.repeats = parse_size("2M"), 2, 1
         args.no_drop_caches = True
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(INCREMENTAL_MODES)
