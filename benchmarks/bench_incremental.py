@@ -125,7 +125,7 @@ def _checkpoint_series(
 
 def _timed_loads(path: str, repeats: int, cold: Callable[[list[str]], None]) -> list[float]:
     import fastckpt
-    from fastckpt.checkpoint.chained_reader import dependencies
+    from fastckpt.checkpoint.incremental import dependencies
 
     files = [path, *dependencies(path)]
     times = []

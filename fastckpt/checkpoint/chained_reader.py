@@ -21,8 +21,6 @@ Example:
     >>> with fastckpt.open(os.path.join(d, "1.safetensors")) as r:
     ...     r.keys(), r.get_tensor("a").tolist(), r.stored_names()
     (['b', 'a'], [1.0, 1.0], ['b'])
-    >>> [os.path.basename(p) for p in dependencies(os.path.join(d, "1.safetensors"))]
-    ['0.safetensors']
 """
 
 from __future__ import annotations
@@ -37,14 +35,17 @@ from typing import Any, Callable
 import torch
 
 from fastckpt import format
-from fastckpt.checkpoint.header_view import TensorInfo
+from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
 from fastckpt.checkpoint.range_read import TensorSlice
-from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
 from fastckpt.storage import is_url
 
-__all__ = ["ChainedReader", "Location", "dependencies", "locate", "open_chain", "resolve_path"]
+__all__ = ["ChainedReader", "Location", "files_of", "locate", "open_chain", "resolve_path"]
+
+#: A single-file reader (:class:`fastckpt.checkpoint.read.CheckpointReader`): a Reader with
+#: a header (this module is below the module that defines it).
+SingleFileReader = Any
 
 #: Longest chain of files followed (a file, its base, the base's base, ...).
 MAX_CHAIN = 64
@@ -83,7 +84,7 @@ def locate(reader: Reader, name: str) -> Location:
     """Where tensor ``name`` (an alias is followed) of an opened checkpoint has its bytes."""
     if isinstance(reader, ChainedReader):
         return reader.locate(name)
-    if not isinstance(reader, CheckpointReader):
+    if not isinstance(reader, HeaderView):
         raise TypeError(f"cannot locate tensors of a {type(reader).__name__}")
     e = reader._entry(name)
     hashes = reader.meta.hashes or {}
@@ -92,8 +93,8 @@ def locate(reader: Reader, name: str) -> Location:
 
 
 def open_chain(
-    top: CheckpointReader,
-    opener: Callable[[str], CheckpointReader],
+    top: SingleFileReader,
+    opener: Callable[[str], SingleFileReader],
     _chain: tuple[str, ...] = (),
 ) -> Reader:
     """``top`` itself when it refers to no other file, else a :class:`ChainedReader` over it
@@ -114,8 +115,8 @@ class ChainedReader(Reader):
 
     def __init__(
         self,
-        top: CheckpointReader,
-        opener: Callable[[str], CheckpointReader],
+        top: SingleFileReader,
+        opener: Callable[[str], SingleFileReader],
         chain: tuple[str, ...],
     ):
         self.top = top
@@ -138,7 +139,7 @@ class ChainedReader(Reader):
         self,
         index: int,
         relative: str,
-        opener: Callable[[str], CheckpointReader],
+        opener: Callable[[str], SingleFileReader],
         chain: tuple[str, ...],
     ) -> Reader:
         try:
@@ -361,39 +362,15 @@ class ChainedReader(Reader):
         return self
 
 
-def dependencies(path: str | os.PathLike[str]) -> list[str]:
-    """The files that the checkpoint at ``path`` needs besides itself, to be loaded: every
-    file holding a tensor it refers to, directly or through a chain (absolute paths, sorted).
-    Retention must keep them while it keeps ``path``. A plain checkpoint needs none.
-
-    Raises:
-        MissingBaseError: a file it needs is missing (named).
-        HeaderError, ChecksumError: a reference is broken (see :func:`open_chain`).
-
-    Example:
-        >>> import torch, fastckpt
-        >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-deps.safetensors")
-        >>> dependencies("/tmp/fastckpt-deps.safetensors")
-        []
-    """
-    with open_checkpoint_chain(os.fspath(path)) as reader:
-        return sorted(_files_of(reader) - {_absolute(reader.path)})
-
-
 def _absolute(path: str) -> str:
     return path if is_url(path) else os.path.abspath(path)
 
 
-def _files_of(reader: Reader) -> set[str]:
+def files_of(reader: Reader) -> set[str]:
     """Every file a reader reads from, itself included."""
     if not isinstance(reader, ChainedReader):
         return {_absolute(reader.path)}
     files = {_absolute(reader.path)}
     for base in reader.bases:
-        files |= _files_of(base)
+        files |= files_of(base)
     return files
-
-
-def open_checkpoint_chain(path: str, **options: Any) -> Reader:
-    """Opens ``path`` with the bases it refers to (what ``fastckpt.open`` does)."""
-    return open_checkpoint(path, **options)

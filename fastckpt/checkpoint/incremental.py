@@ -42,14 +42,15 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import save_order
-from fastckpt.checkpoint.chained_reader import Location, locate, open_checkpoint_chain
+from fastckpt.checkpoint.chained_reader import Location, files_of, locate
 from fastckpt.checkpoint.digests import hash_tensors
+from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.tensor_records import SaveRecord, previous
 from fastckpt.errors import HeaderError
 from fastckpt.io import parallel_io
 from fastckpt.storage import is_url
 
-__all__ = ["Choice", "Frozen", "choose", "base_index"]
+__all__ = ["Choice", "Frozen", "base_index", "choose", "dependencies"]
 
 #: ``frozen=``: tensor names, or a predicate on a tensor's name.
 Frozen = Union[None, Iterable[str], Callable[[str], bool]]
@@ -81,8 +82,34 @@ def _frozen_test(frozen: Frozen) -> Callable[[str], bool]:
 def base_index(base: str) -> dict[str, Location]:
     """Every tensor name of the checkpoint at ``base`` (aliases included) -> where its bytes
     are; opening it checks its own references (see :mod:`.chained_reader`)."""
-    with open_checkpoint_chain(base) as reader:
+    with open_checkpoint(base) as reader:
         return {name: locate(reader, name) for name in reader.keys()}
+
+
+def dependencies(path: str | os.PathLike[str]) -> list[str]:
+    """The files that the checkpoint at ``path`` needs besides itself, to be loaded: every
+    file holding a tensor it refers to, directly or through a chain (absolute paths, sorted).
+    Retention must keep them while it keeps ``path``. A plain checkpoint needs none.
+
+    Raises:
+        MissingBaseError: a file it needs is missing (named).
+        HeaderError, ChecksumError: a reference is broken (see
+            :mod:`fastckpt.checkpoint.chained_reader`).
+
+    Example:
+        >>> import os, tempfile, torch, fastckpt
+        >>> d = tempfile.mkdtemp()
+        >>> fastckpt.save({"a": torch.ones(2), "b": torch.ones(2)}, os.path.join(d, "0.safetensors"))
+        >>> fastckpt.save({"a": torch.ones(2), "b": torch.zeros(2)}, os.path.join(d, "1.safetensors"),
+        ...               base=os.path.join(d, "0.safetensors"))
+        >>> [os.path.basename(p) for p in dependencies(os.path.join(d, "1.safetensors"))]
+        ['0.safetensors']
+        >>> dependencies(os.path.join(d, "0.safetensors"))
+        []
+    """
+    with open_checkpoint(os.fspath(path)) as reader:
+        own = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
+        return sorted(files_of(reader) - {own})
 
 
 def _relative(target: str, directory: str) -> str | None:

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fastckpt import format
+from fastckpt.checkpoint.chained_reader import open_chain
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
 from fastckpt.checkpoint.reader import Reader
@@ -758,10 +759,8 @@ def open_checkpoint(
     )
     if reader.meta.references is None:
         return reader
-    # An incremental checkpoint: its bases are opened alike. (Imported here: the chained
-    # reader is built on this module's reader.)
-    from fastckpt.checkpoint.chained_reader import open_chain
 
+    # An incremental checkpoint: its bases are opened alike
     def open_base(path: str) -> CheckpointReader:
         return CheckpointReader(
             path, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io

@@ -128,7 +128,7 @@ class SavePlan:
         if missing:  # a writer fed CRCs without bytes: it must hash them (hash_memory)
             raise AssertionError(f"tensor {missing[0]!r} was not hashed while it was written")
         if self.record is not None:
-            self.record.hashed(hashes)  # type: ignore[arg-type]
+            self.record.hashed(hashes)
         return self.header(
             {name: acc.whole for name, acc in sums.items()},
             {name: acc.pieces for name, acc in sums.items() if acc.pieces},

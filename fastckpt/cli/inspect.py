@@ -261,7 +261,9 @@ def describe_chain(path: str | os.PathLike[str], limit: int = 64) -> list[dict[s
     from fastckpt.format import split_metadata
     from fastckpt.format.schema import tensor_nbytes
 
-    queue, seen, chain = [os.fspath(path)], set(), []
+    queue: list[str] = [os.fspath(path)]
+    seen: set[str] = set()
+    chain: list[dict[str, Any]] = []
     while queue and len(chain) < limit:
         current = queue.pop(0)
         if current in seen:

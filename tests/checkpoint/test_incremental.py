@@ -19,7 +19,7 @@ import xxhash
 import fastckpt
 from fastckpt import format
 from fastckpt.checkpoint import tensor_records
-from fastckpt.checkpoint.chained_reader import dependencies
+from fastckpt.checkpoint.incremental import dependencies
 from fastckpt.cli import main as cli_main
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
 
