@@ -31,7 +31,7 @@ import xxhash
 
 from fastckpt.io.checksums import PieceCrcs
 
-__all__ = ["TensorDigest", "hash_tensor", "hash_tensors", "memory_at"]
+__all__ = ["BufferHasher", "TensorDigest", "hash_tensor", "hash_tensors", "memory_at"]
 
 # Bytes of a device or non-contiguous tensor brought to contiguous host memory at a time.
 _CHUNK_BYTES = 64 << 20
@@ -58,6 +58,10 @@ class TensorDigest(PieceCrcs):
         super().update(address, nbytes)
         self.hash_memory(address, nbytes)
 
+    def update_crc(self, address: int, nbytes: int) -> None:
+        """Feeds the CRC32Cs only (the hash is fed elsewhere, by a :class:`BufferHasher`)."""
+        super().update(address, nbytes)
+
     def hash_memory(self, address: int, nbytes: int) -> None:
         """Feeds the hash only (for writers whose CRCs come from the native engine)."""
         if self._hasher is not None and nbytes:
@@ -72,6 +76,39 @@ class TensorDigest(PieceCrcs):
         if self._hasher is None or self._hashed != self.nbytes:
             return None
         return self._hasher.hexdigest()
+
+
+class BufferHasher:
+    """Hashes staging buffers on one background thread, in the order they are given, while
+    their writes are in flight: a buffer is handed over when full, and waited for
+    (:meth:`wait`) before it is reused. One thread keeps each tensor's bytes in order."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-hash")
+        self._jobs: dict[int, concurrent.futures.Future[None]] = {}
+
+    def start(self, key: int, pieces: list[tuple[Any, int, int]]) -> None:
+        """Hashes ``(digest, address, nbytes)`` pieces of the buffer ``key``, in order."""
+
+        def run() -> None:
+            for digest, address, nbytes in pieces:
+                if isinstance(digest, TensorDigest):
+                    digest.hash_memory(address, nbytes)
+
+        self._jobs[key] = self._pool.submit(run)
+
+    def wait(self, key: int) -> None:
+        """Returns once the buffer ``key`` is hashed (at once if it never was handed over)."""
+        job = self._jobs.pop(key, None)
+        if job is not None:
+            job.result()
+
+    def close(self) -> None:
+        """Waits for every job (ignoring their errors: the save is failing or done)."""
+        for job in self._jobs.values():
+            concurrent.futures.wait([job])
+        self._jobs.clear()
+        self._pool.shutdown(wait=True)
 
 
 def _host_chunks(t: torch.Tensor) -> Any:

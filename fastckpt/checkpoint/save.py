@@ -23,7 +23,7 @@ import torch
 
 from fastckpt import _C, config, format
 from fastckpt.checkpoint import dtypes, incremental, save_order, tree
-from fastckpt.checkpoint.digests import TensorDigest
+from fastckpt.checkpoint.digests import BufferHasher, TensorDigest
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
@@ -292,6 +292,8 @@ class StreamWriter:
         # full buffers not yet written: (buffer, bytes to write, segments)
         self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
         self.sums = plan.checksummers()  # each tensor's (and piece's) CRC32C so far
+        # each full buffer's bytes are hashed (XXH3-128) on a thread while it is written
+        self._hasher = BufferHasher() if plan.checksum else None
         # (op id, buffer, [(tensor name, offset in buffer, length)]) in submission order
         self._inflight: collections.deque[tuple[int, StagingBuffer, list[tuple[str, int, int]]]] = (
             collections.deque()
@@ -323,9 +325,15 @@ class StreamWriter:
             if not self.executor.is_pending(op_id):
                 self._inflight.popleft()
         try:
+            if self._hasher is not None:
+                self._hasher.wait(id(buf))
             if self.plan.checksum:
                 for name, at, n in segments:
-                    self.sums[name].update(buf.address + at, n)
+                    acc = self.sums[name]
+                    if isinstance(acc, TensorDigest):
+                        acc.update_crc(buf.address + at, n)
+                    else:
+                        acc.update(buf.address + at, n)
         except BaseException:
             self.pool.release(buf)
             raise
@@ -350,6 +358,10 @@ class StreamWriter:
         *,
         now: bool = False,
     ) -> None:
+        if self._hasher is not None and not now:  # the buffer is full: hash it meanwhile
+            self._hasher.start(
+                id(buf), [(self.sums[name], buf.address + at, n) for name, at, n in segments]
+            )
         if self._defer and not now:
             self._deferred.append((buf, nbytes, segments))
             return
@@ -426,6 +438,8 @@ class StreamWriter:
         except BaseException:
             self.abort()
             raise
+        if self._hasher is not None:
+            self._hasher.close()
         header = self.plan.header_from(self.sums)
         if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
             raise AssertionError("header size changed between planning and writing")
@@ -439,6 +453,8 @@ class StreamWriter:
         An interrupt (Ctrl-C) while waiting does not cut the wait short: every write is
         collected first (none may outlive the file or the buffers), then it is raised.
         """
+        if self._hasher is not None:
+            self._hasher.close()  # it reads buffers about to be released
         for buf, _, _ in self._deferred:
             self.pool.release(buf)
         self._deferred.clear()
