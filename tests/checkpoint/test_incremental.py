@@ -448,6 +448,15 @@ def test_kill_9_in_a_loop_of_incremental_saves_never_tears_a_file(tmp_path):
 # -- command line ---------------------------------------------------------------------------
 
 
+def test_verify_checks_the_chain_and_fails_on_a_missing_base(pair, capsys):
+    p0, p1 = pair
+    assert cli_main(["verify", str(p1)]) == 0
+    assert "OK" in capsys.readouterr().out
+    os.unlink(p0)
+    assert cli_main(["verify", str(p1)]) == 1
+    assert "s0/state.safetensors, which is missing" in capsys.readouterr().out
+
+
 def test_inspect_shows_the_chain_and_fails_on_a_missing_base(pair, capsys):
     p0, p1 = pair
     assert cli_main(["inspect", str(p1)]) == 0
