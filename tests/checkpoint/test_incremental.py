@@ -326,6 +326,20 @@ def test_hostile_references_are_refused_naming_them(pair, change, message):
         fastckpt.open(p1)
 
 
+def test_a_referenced_tied_copy_that_differs_from_its_target_is_refused(tmp_path):
+    emb = torch.randn(16, 4)
+    state = {"embed.weight": emb, "head.weight": emb, "lora": torch.zeros(2)}
+    fastckpt.save(state, tmp_path / "0.safetensors")
+    state["lora"].add_(1)
+    fastckpt.save(state, tmp_path / "1.safetensors", base=tmp_path / "0.safetensors")
+    _rewrite_references(
+        tmp_path / "1.safetensors",
+        lambda r: r["tensors"]["head.weight"].update(xxh3_128="0" * 32),
+    )
+    with pytest.raises(HeaderError, match="tied tensor 'head.weight'"):
+        fastckpt.load(tmp_path / "1.safetensors")
+
+
 def test_a_reference_cycle_is_refused(pair):
     p0, p1 = pair
     _rewrite_references(p1, lambda r: r.update(files=["state.safetensors"]))  # itself
