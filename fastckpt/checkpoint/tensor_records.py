@@ -104,7 +104,8 @@ class SaveRecord:
         """The hashes of the tensors written: the record is complete and kept."""
         merged = {**self._hashes, **hashes}
         states = {}
-        for name, (storage, version, data_ptr, layout) in self._states.items():
+        taken, self._states = self._states, {}  # from now on, only weak references
+        for name, (storage, version, data_ptr, layout) in taken.items():
             digest = merged.get(name)
             if digest is not None:
                 states[name] = TensorState(weakref.ref(storage), version, data_ptr, layout, digest)
