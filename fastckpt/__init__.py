@@ -57,6 +57,7 @@ _PUBLIC = {
     "UnsafePickleError": ("fastckpt.errors", "UnsafePickleError"),
     "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
     "LazySaveError": ("fastckpt.errors", "LazySaveError"),
+    "MissingBaseError": ("fastckpt.errors", "MissingBaseError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -90,6 +91,7 @@ __all__ = [
     "UnsafePickleError",
     "NoChecksumsError",
     "LazySaveError",
+    "MissingBaseError",
     "CheckpointManager",
     "CuFileError",
 ]
@@ -116,6 +118,7 @@ if TYPE_CHECKING:
         FastCkptError,
         HeaderError,
         LazySaveError,
+        MissingBaseError,
         NoChecksumsError,
         UnsafePickleError,
         WeightsOnlyError,

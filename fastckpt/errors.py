@@ -26,6 +26,7 @@ __all__ = [
     "UnsafePickleError",
     "NoChecksumsError",
     "LazySaveError",
+    "MissingBaseError",
     "checksum_mismatch",
 ]
 
@@ -90,6 +91,11 @@ def checksum_mismatch(
         tensor=tensor,
         filename=filename,
     )
+
+
+class MissingBaseError(FastCkptError, FileNotFoundError):
+    """An incremental checkpoint refers to tensors in an earlier file that is missing; the
+    message names the file and a tensor that needs it (``filename`` is the missing file)."""
 
 
 class EngineUnavailableError(FastCkptError):

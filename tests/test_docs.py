@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.format import schema
+from fastckpt.format import references, schema
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -250,6 +250,8 @@ def test_schema_names_the_codes_dtypes_and_keys():
         schema.KEY_PIECE_CRC32C,
         schema.KEY_ALIASES,
         schema.KEY_TREE,
+        references.KEY_XXH3_128,
+        references.KEY_REFERENCES,
     }
     assert {k for k in keys if k.startswith(schema.META_PREFIX)} == ours
     version = doc["$defs"]["metadata"]["properties"][schema.KEY_VERSION]
@@ -289,6 +291,11 @@ def test_headers_fastckpt_writes_match_the_schema(tmp_path):
     )
     fastckpt.save({"w": torch.arange(6, dtype=torch.int64)}, tmp_path / "flat.safetensors")
     fastckpt.save({"w": torch.ones(2)}, tmp_path / "plain.safetensors", checksum=False)
+    fastckpt.save(
+        {"w": torch.arange(6, dtype=torch.int64), "v": torch.ones(1)},
+        tmp_path / "incremental.safetensors",
+        base=tmp_path / "flat.safetensors",
+    )
     validator = jsonschema.Draft202012Validator(_schema())
     for file in sorted(tmp_path.glob("*.safetensors")):
         validator.validate(_header_of(file))

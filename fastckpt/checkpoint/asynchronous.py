@@ -329,6 +329,8 @@ def async_save(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    base: str | os.PathLike[str] | None = None,
+    frozen: Any = None,
 ) -> SaveFuture:
     """Saves like :func:`fastckpt.save`, returning once the tensors are snapshotted.
 
@@ -362,6 +364,9 @@ def async_save(
             (with ``snapshot=False`` and CPU tensors, straight from the tensors' memory on
             every core, with no staging copy). Default: with ``snapshot=False`` chosen as
             :func:`fastckpt.save` chooses; with a snapshot, O_DIRECT where taken.
+        base, frozen: an incremental save, as :func:`fastckpt.save`'s. What changed is
+            decided in the call (tensors hashed there, unless frozen or unmoved since this
+            process saved them to ``base``), so the references are to the call-time state.
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
@@ -408,6 +413,8 @@ def async_save(
             block_size=block_size,
             queue_depth=queue_depth,
             intra_op_parallelism=intra_op_parallelism,
+            base=base,
+            frozen=frozen,
         )
         if lazy:
             pool = lazy_ring(staging_bytes)

@@ -71,13 +71,28 @@ class HeaderView:
         except HeaderError as exc:
             raise HeaderError(f"{self.path}: {exc}") from None
         entries = header.entries
+        # tensors held by other files (an incremental checkpoint) count as present here
+        referenced = meta.references.tensors if meta.references is not None else {}
         for alias, target in meta.aliases.items():
-            if target not in entries:
+            if target not in entries and target not in referenced:
                 raise HeaderError(
                     f"{self.path}: alias {alias!r} points to missing tensor {target!r}"
                 )
-            if alias in entries:
+            if alias in entries and target in entries:
                 _check_stored_copy(self.path, entries[alias], entries[target], meta.crcs)
+            elif alias in entries or alias in referenced:
+                _check_split_copy(self.path, alias, target, entries, referenced, meta.hashes)
+        both = set(referenced) & set(entries)
+        if both:
+            raise HeaderError(
+                f"{self.path}: tensor {sorted(both)[0]!r} is both stored and referenced"
+            )
+        if meta.hashes is not None:
+            unknown = set(meta.hashes) - set(entries)
+            if unknown:
+                raise HeaderError(
+                    f"{self.path}: XXH3-128 for missing tensor {sorted(unknown)[0]!r}"
+                )
         if meta.crcs is not None:
             unknown = set(meta.crcs) - set(entries)
             if unknown:
@@ -175,6 +190,32 @@ class HeaderView:
             dtypes.torch_shape(e.dtype, e.shape, tensor=name),
             e.nbytes,
             self.header.data_offset + e.begin,
+        )
+
+
+def _check_split_copy(
+    path: str,
+    alias: str,
+    target: str,
+    entries: dict[str, format.TensorEntry],
+    referenced: dict[str, format.Reference],
+    hashes: dict[str, str] | None,
+) -> None:
+    """A tied tensor whose copy and target are not both stored here (one or both held by
+    another file) must still be the same tensor: dtype, shape and XXH3-128."""
+
+    def described(name: str) -> tuple[str, tuple[int, ...], str | None]:
+        if name in entries:
+            e = entries[name]
+            return e.dtype, tuple(e.shape), (hashes or {}).get(name)
+        r = referenced[name]
+        return r.dtype, r.shape, r.xxh3_128
+
+    copy, original = described(alias), described(target)
+    if copy[:2] != original[:2] or (None not in (copy[2], original[2]) and copy[2] != original[2]):
+        raise HeaderError(
+            f"{path}: tied tensor {alias!r} is not the same tensor as its alias target "
+            f"{target!r} (dtype, shape or XXH3-128 differ)"
         )
 
 

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fastckpt import format
+from fastckpt.checkpoint.chained_reader import open_chain
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
 from fastckpt.checkpoint.reader import Reader
@@ -757,6 +758,16 @@ def open_checkpoint(
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
-    return CheckpointReader(
+    reader = CheckpointReader(
         f, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io
     )
+    if reader.meta.references is None:
+        return reader
+
+    # An incremental checkpoint: its bases are opened alike
+    def open_base(path: str) -> CheckpointReader:
+        return CheckpointReader(
+            path, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io
+        )
+
+    return open_chain(reader, open_base)  # type: ignore[return-value]

@@ -22,7 +22,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, save_order, tree
+from fastckpt.checkpoint import dtypes, incremental, save_order, tree
+from fastckpt.checkpoint.digests import BufferHasher, TensorDigest
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
@@ -61,6 +62,10 @@ class SavePlan:
             checksums, only one CRC32C per tensor).
         header_size: bytes before the data section (fixed before the CRCs are known,
             because each CRC is stored as exactly 8 hex digits).
+        references: tensors of the saved object not written but referred to in an earlier
+            file (an incremental save, :mod:`fastckpt.checkpoint.incremental`), or None.
+        known_hashes: stored name -> XXH3-128 already computed (not hashed again).
+        record: what this save remembers of its tensors for the next incremental save.
     """
 
     entries: list[format.TensorEntry]
@@ -72,6 +77,9 @@ class SavePlan:
     alignment: int
     header_size: int = 0
     piece_size: int = format.DEFAULT_PIECE_SIZE
+    references: Any = None  # fastckpt.format.references.References
+    known_hashes: dict[str, str] = dataclasses.field(default_factory=dict)
+    record: Any = None  # fastckpt.checkpoint.incremental.SaveRecord
 
     @property
     def data_size(self) -> int:
@@ -82,10 +90,14 @@ class SavePlan:
         return self.header_size + self.data_size
 
     def header(
-        self, crcs: Mapping[str, int] | None, pieces: Mapping[str, list[int]] | None = None
+        self,
+        crcs: Mapping[str, int] | None,
+        pieces: Mapping[str, list[int]] | None = None,
+        hashes: Mapping[str, str] | None = None,
     ) -> bytes:
         """The encoded header (length prefix, JSON, padding) with these checksums: one
-        CRC32C per tensor, and the pieces' CRC32Cs of the tensors larger than one piece."""
+        CRC32C per tensor, the pieces' CRC32Cs of the tensors larger than one piece, and
+        each tensor's XXH3-128 (``hashes``)."""
         recorded = self.checksum and crcs is not None
         metadata = format.build_metadata(
             self.user_metadata,
@@ -94,18 +106,33 @@ class SavePlan:
             tree=self.tree,
             pieces=pieces if recorded and self.piece_size else None,
             piece_size=self.piece_size or None,
+            hashes=hashes if recorded else None,
+            references=self.references,
         )
         return format.encode_header(self.entries, metadata, self.alignment)
 
     def checksummers(self) -> dict[str, PieceCrcs]:
-        """A :class:`~fastckpt.io.checksums.PieceCrcs` per stored tensor, to feed its bytes."""
-        return {e.name: PieceCrcs(e.nbytes, self.piece_size) for e in self.entries}
+        """A :class:`~fastckpt.io.checksums.PieceCrcs` per stored tensor, to feed its bytes
+        (a :class:`~fastckpt.checkpoint.digests.TensorDigest`: it hashes them too)."""
+        known = self.known_hashes
+        return {
+            e.name: TensorDigest(e.nbytes, self.piece_size, known.get(e.name)) for e in self.entries
+        }
 
     def header_from(self, sums: Mapping[str, PieceCrcs]) -> bytes:
         """The encoded header with the checksums that ``sums`` (fed every byte) hold."""
+        hashes = {n: getattr(acc, "strong", None) for n, acc in sums.items()}
+        missing = [n for n, h in hashes.items() if h is None]
+        if not self.checksum:  # nothing was fed: no checksums, no hashes
+            return self.header(None)
+        if missing:  # a writer fed CRCs without bytes: it must hash them (hash_memory)
+            raise AssertionError(f"tensor {missing[0]!r} was not hashed while it was written")
+        if self.record is not None:
+            self.record.hashed(hashes)
         return self.header(
             {name: acc.whole for name, acc in sums.items()},
             {name: acc.pieces for name, acc in sums.items() if acc.pieces},
+            hashes,  # type: ignore[arg-type]
         )
 
 
@@ -130,8 +157,15 @@ def plan_save(
     checksum: bool = True,
     allow_pickle: bool = False,
     piece_size: int = format.DEFAULT_PIECE_SIZE,
+    base: str | os.PathLike[str] | None = None,
+    frozen: incremental.Frozen = None,
+    destination: str | None = None,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
+
+    With ``base`` (and the ``destination`` path), only the tensors whose bytes differ from
+    ``base``'s are planned; the others become references (:mod:`.incremental`). A
+    ``destination`` also lets the next incremental save skip hashing what has not changed.
 
     Example:
         >>> import torch
@@ -154,10 +188,17 @@ def plan_save(
         _check_tensor(name, t)
         shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
         specs.append((name, dtypes.to_safetensors(t.dtype), shape))
+    choice = incremental.choose(stored, specs, base, destination, frozen=frozen, checksum=checksum)
+    if choice.references is not None:
+        specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
+        stored = {name: stored[name] for name, _, _ in specs}
     entries = format.plan_layout(specs, alignment)
     plan = SavePlan(
         entries=entries,
         tensors=stored,
+        references=choice.references,
+        known_hashes=choice.hashes,
+        record=choice.record,
         user_metadata=dict(metadata) if metadata is not None else None,
         aliases=flat.aliases,
         tree=flat.tree,
@@ -170,10 +211,11 @@ def plan_save(
         e.name: [0] * (format.piece_count(e.nbytes, piece_size) if piece_size else 0)
         for e in entries
     }
+    no_hashes = {e.name: "0" * format.HASH_HEX_DIGITS for e in entries}
     plan.header_size = len(
-        plan.header({e.name: 0 for e in entries}, {n: z for n, z in zeros.items() if z})
+        plan.header({e.name: 0 for e in entries}, {n: z for n, z in zeros.items() if z}, no_hashes)
         if checksum and piece_size
-        else plan.header({e.name: 0 for e in entries} if checksum else None)
+        else plan.header({e.name: 0 for e in entries} if checksum else None, None, no_hashes)
     )
     return plan
 
@@ -250,6 +292,8 @@ class StreamWriter:
         # full buffers not yet written: (buffer, bytes to write, segments)
         self._deferred: list[tuple[StagingBuffer, int, list[tuple[str, int, int]]]] = []
         self.sums = plan.checksummers()  # each tensor's (and piece's) CRC32C so far
+        # each full buffer's bytes are hashed (XXH3-128) on a thread while it is written
+        self._hasher = BufferHasher() if plan.checksum else None
         # (op id, buffer, [(tensor name, offset in buffer, length)]) in submission order
         self._inflight: collections.deque[tuple[int, StagingBuffer, list[tuple[str, int, int]]]] = (
             collections.deque()
@@ -281,9 +325,15 @@ class StreamWriter:
             if not self.executor.is_pending(op_id):
                 self._inflight.popleft()
         try:
+            if self._hasher is not None:
+                self._hasher.wait(id(buf))
             if self.plan.checksum:
                 for name, at, n in segments:
-                    self.sums[name].update(buf.address + at, n)
+                    acc = self.sums[name]
+                    if isinstance(acc, TensorDigest):
+                        acc.update_crc(buf.address + at, n)
+                    else:
+                        acc.update(buf.address + at, n)
         except BaseException:
             self.pool.release(buf)
             raise
@@ -308,6 +358,10 @@ class StreamWriter:
         *,
         now: bool = False,
     ) -> None:
+        if self._hasher is not None and not now:  # the buffer is full: hash it meanwhile
+            self._hasher.start(
+                id(buf), [(self.sums[name], buf.address + at, n) for name, at, n in segments]
+            )
         if self._defer and not now:
             self._deferred.append((buf, nbytes, segments))
             return
@@ -410,6 +464,8 @@ class StreamWriter:
         except BaseException:
             self.abort()
             raise
+        if self._hasher is not None:
+            self._hasher.close()
         header = self.plan.header_from(self.sums)
         if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
             raise AssertionError("header size changed between planning and writing")
@@ -423,6 +479,8 @@ class StreamWriter:
         An interrupt (Ctrl-C) while waiting does not cut the wait short: every write is
         collected first (none may outlive the file or the buffers), then it is raised.
         """
+        if self._hasher is not None:
+            self._hasher.close()  # it reads buffers about to be released
         for buf, _, _ in self._deferred:
             self.pool.release(buf)
         self._deferred.clear()
@@ -453,6 +511,8 @@ def save(
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
     overwrite_readonly: bool = False,
+    base: str | os.PathLike[str] | None = None,
+    frozen: incremental.Frozen = None,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -489,6 +549,12 @@ def save(
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
         overwrite_readonly: replace a file at ``f`` that has no write permission.
+        base: an earlier checkpoint (a local path): write only the tensors whose bytes
+            differ from its tensors of the same name, and record a verified reference to
+            the others (an incremental checkpoint, see docs/incremental.md). Loading it
+            needs the base's files; plain safetensors readers see only the tensors written.
+        frozen: with ``base``, names (or a predicate on names) of tensors the caller
+            promises are unchanged since ``base``: referred to without being hashed.
 
     Example:
         >>> import torch, fastckpt
@@ -510,6 +576,8 @@ def save(
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
+        base=base,
+        frozen=frozen,
     )
     write_plan(
         plan,
@@ -581,9 +649,12 @@ def plan_and_executor(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    base: str | os.PathLike[str] | None = None,
+    frozen: incremental.Frozen = None,
 ) -> tuple[SavePlan, Executor]:
     """What every save of ``obj`` to ``path`` starts with: its plan (checked before any file
-    is touched) and the executor configured for ``path``'s file system."""
+    is touched; with ``base``, only the changed tensors) and the executor configured for
+    ``path``'s file system."""
     plan = plan_save(
         obj,
         metadata=metadata,
@@ -591,6 +662,9 @@ def plan_and_executor(
         checksum=checksum,
         allow_pickle=allow_pickle,
         piece_size=piece_size,
+        base=base,
+        frozen=frozen,
+        destination=path,
     )
     executor = executor_for_destination(
         path,
@@ -690,13 +764,22 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
             spans.append(Span(plan.header_size + e.begin + at, t.data_ptr() + at, n, cuts))
             labels.append(e.name)
     lock = threading.Lock()
+    # The strong hashes are computed from the tensors' memory beside the writes (xxhash
+    # releases the GIL): the engine's workers checksum CRC32C, not XXH3.
+    hashing = _hash_beside(plan, sums) if plan.checksum else None
     with progress_bar(plan.data_size, "saving", enabled=progress) as bar:
 
         def advance(nbytes: int) -> None:
             with lock:
                 bar.update(nbytes)
 
-        found = parallel_io.write_buffered(file, spans, checksum=plan.checksum, on_progress=advance)
+        try:
+            found = parallel_io.write_buffered(
+                file, spans, checksum=plan.checksum, on_progress=advance
+            )
+        finally:
+            if hashing is not None:
+                hashing.join()
         if plan.checksum:
             for name, span, values in zip(labels, spans, found):
                 _add_segments(sums[name], span, values)
@@ -710,6 +793,8 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
                 values = _C.pwrite_crc(
                     file.fd, chunk.data_ptr(), n, offset, piece_ends, True, file.path
                 )
+                if isinstance(acc, TensorDigest):
+                    acc.hash_memory(chunk.data_ptr(), n)
                 _add_segments(acc, Span(offset, chunk.data_ptr(), n, tuple(piece_ends)), values)
                 at += n
                 advance(n)
@@ -718,6 +803,24 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
     if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
         raise AssertionError("header size changed between planning and writing")
     file.pwrite_all(header, 0)
+
+
+def _hash_beside(plan: SavePlan, sums: Mapping[str, PieceCrcs]) -> threading.Thread:
+    """Starts hashing the contiguous tensors of ``plan`` from their memory, on a thread."""
+    jobs = []
+    for e in plan.entries:
+        t = plan.tensors[e.name].detach().resolve_conj().resolve_neg()
+        acc = sums[e.name]
+        if e.nbytes and t.is_contiguous() and isinstance(acc, TensorDigest):
+            jobs.append((acc, t))
+
+    def run() -> None:
+        for acc, t in jobs:
+            acc.hash_memory(t.data_ptr(), t.numel() * t.element_size())
+
+    thread = threading.Thread(target=run, name="fastckpt-hash", daemon=True)
+    thread.start()
+    return thread
 
 
 def _add_segments(acc: PieceCrcs, span: Span, crcs: list[int]) -> None:

@@ -15,6 +15,11 @@
   with ``weights_only=True``, unless ``--allow-pickle``;
   ``--to-dcp`` goes the other way: DST becomes a DCP checkpoint directory of fastckpt files.
 
+- SRC an incremental checkpoint (saved with ``base=``) gives a self-contained DST: every
+  tensor it refers to in earlier files is copied in. ``--materialize`` says so explicitly
+  and also allows DST to be SRC itself (rewritten in place, atomically), so that its bases
+  can then be deleted.
+
 DST is written atomically (a temporary file renamed over it) and never overwritten
 unless ``--force`` is given.
 
@@ -29,6 +34,7 @@ Example (shell)::
     $ fastckpt convert model.safetensors model.pt
     $ fastckpt convert checkpoints/step-1000 step-1000.safetensors
     $ fastckpt convert --to-dcp step-1000.safetensors checkpoints/step-1000-copy
+    $ fastckpt convert --materialize step-9/state.safetensors step-9/state.safetensors
 """
 
 from __future__ import annotations
@@ -78,6 +84,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="write DST as a torch.distributed.checkpoint directory (fastckpt files, loadable "
         "with fastckpt.dcp.FastCkptReader by any number of ranks); a DCP directory as SRC is "
         "always consolidated into the single file DST",
+    )
+    parser.add_argument(
+        "--materialize",
+        action="store_true",
+        help="SRC is an incremental checkpoint: write DST with every tensor it refers to in "
+        "earlier files copied in (self-contained); DST may be SRC itself, rewritten in place "
+        "atomically",
     )
     parser.add_argument(
         "--allow-pickle",
@@ -179,6 +192,15 @@ def _refusal_message(src: str, torch_message: str) -> str:
     )
 
 
+def _referenced_count(src: str) -> int:
+    """How many tensors ``src`` takes from earlier files (0: it is self-contained)."""
+    from fastckpt.cli.inspect import read_header
+    from fastckpt.format import split_metadata
+
+    refs = split_metadata(read_header(src).metadata).references
+    return 0 if refs is None else len(refs.tensors)
+
+
 def _user_metadata(src: str) -> dict[str, str]:
     from fastckpt.cli.inspect import read_header
     from fastckpt.format import split_metadata
@@ -257,7 +279,7 @@ def _check_source(src: str) -> None:
         )
 
 
-def _check_destination(src: str, dst: str, force: bool) -> None:
+def _check_destination(src: str, dst: str, force: bool, in_place: bool = False) -> None:
     from fastckpt.integrations.remote import is_url, url_to_fs
 
     if is_url(dst):
@@ -273,6 +295,8 @@ def _check_destination(src: str, dst: str, force: bool) -> None:
         raise CliError(f"DST {dst} is a directory; name the file to write", USAGE)
     if os.path.exists(dst):
         if not is_url(src) and os.path.samefile(src, dst):
+            if in_place:
+                return  # --materialize rewrites SRC itself
             raise CliError("SRC and DST are the same file", USAGE)
         if not force:
             raise CliError(f"{dst} exists; pass --force to overwrite it", USAGE)
@@ -307,14 +331,20 @@ def _convert(args: argparse.Namespace) -> int:
     if _convert_dcp(args):
         return 0
     _check_source(src)
-    _check_destination(src, dst, args.force)
+    materialize = getattr(args, "materialize", False)
+    _check_destination(src, dst, args.force, in_place=materialize)
     started = time.perf_counter()
     kind = _url_kind(src) if is_url(src) else source_kind(src)
     metadata: dict[str, str] = {}
+    if materialize and kind != "safetensors":
+        raise CliError(f"--materialize: {src} is not a fastckpt/safetensors file", USAGE)
     if kind == "torch":
         obj = _load_torch(src, args.allow_pickle)
     else:
         metadata = _user_metadata(src)
+        from_bases = _referenced_count(src)
+        if from_bases:
+            kind = f"incremental, {from_bases} tensor{'' if from_bases == 1 else 's'} from earlier files"
         if args.allow_pickle:
             warn(
                 f"--allow-pickle: objects pickled in {src} are unpickled, which runs any code "

@@ -2,7 +2,9 @@
 
 For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
 the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
-CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file).
+CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file), and
+for an incremental checkpoint the chain of files it is made of (what each holds and refers
+to; a missing one makes the exit status 1).
 A directory means every safetensors/fastckpt file directly inside it, whatever its suffix
 (Lightning's ``.ckpt`` files written by ``fastckpt.lightning`` included; the kind is read from
 the first bytes, and the other files are listed on stderr as skipped), except a
@@ -179,7 +181,8 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``aligned_4096`` (tensors starting on a 4096-byte boundary), ``metadata`` (the user's),
     ``checksums`` (bool), ``checksummed`` (how many tensors), ``aliases``, ``nested``,
     ``fastckpt_version`` (None for files other writers made), ``read_mode`` (how a load
-    would read the data now and why: ``{"mode", "why"}``).
+    would read the data now and why: ``{"mode", "why"}``), ``chain`` (None unless the file is
+    an incremental checkpoint: see :func:`describe_chain`).
 
     Raises:
         fastckpt.HeaderError, OSError: as :func:`read_header`.
@@ -218,7 +221,78 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "nested": meta.tree is not None,
         "fastckpt_version": meta.version,
         "read_mode": _read_mode(path, header.data_offset, header.data_size),
+        "chain": describe_chain(path) if meta.references is not None else None,
     }
+
+
+def _files_referred(path: str, references: Any) -> list[str]:
+    from fastckpt.storage.locations import is_url
+
+    if is_url(path):
+        import posixpath
+
+        scheme, _, rest = path.partition("://")
+        return [
+            f"{scheme}://{posixpath.normpath(posixpath.join(posixpath.dirname(rest), f))}"
+            for f in references.files
+        ]
+    directory = os.path.dirname(os.path.abspath(path))
+    return [os.path.normpath(os.path.join(directory, f)) for f in references.files]
+
+
+def describe_chain(path: str | os.PathLike[str], limit: int = 64) -> list[dict[str, Any]]:
+    """The files an incremental checkpoint is made of, itself first, then every file it
+    refers to (breadth first, each once): per file ``path``, ``stored_tensors`` and
+    ``stored_bytes`` (what it holds), ``referenced_tensors`` and ``referenced_bytes`` (what
+    it takes from ``refers_to``, the files it names), or ``error`` (missing, unreadable).
+    Headers only; references are resolved as ``fastckpt.load`` resolves them.
+
+    Example:
+        >>> import os, tempfile, torch, fastckpt
+        >>> d = tempfile.mkdtemp()
+        >>> fastckpt.save({"a": torch.ones(4), "b": torch.ones(2)}, os.path.join(d, "0.safetensors"))
+        >>> fastckpt.save({"a": torch.ones(4), "b": torch.zeros(2)}, os.path.join(d, "1.safetensors"),
+        ...               base=os.path.join(d, "0.safetensors"))
+        >>> [(os.path.basename(f["path"]), f["stored_tensors"], f["referenced_tensors"])
+        ...  for f in describe_chain(os.path.join(d, "1.safetensors"))]
+        [('1.safetensors', 1, 1), ('0.safetensors', 2, 0)]
+    """
+    from fastckpt.errors import HeaderError
+    from fastckpt.format import split_metadata
+    from fastckpt.format.schema import tensor_nbytes
+
+    queue: list[str] = [os.fspath(path)]
+    seen: set[str] = set()
+    chain: list[dict[str, Any]] = []
+    while queue and len(chain) < limit:
+        current = queue.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            header = read_header(current)
+            meta = split_metadata(header.metadata)
+        except (HeaderError, OSError) as exc:
+            reason = "missing" if isinstance(exc, FileNotFoundError) else str(exc)
+            chain.append({"path": current, "error": reason})
+            continue
+        refs = meta.references
+        referred = _files_referred(current, refs) if refs is not None else []
+        tensors = refs.tensors.values() if refs is not None else ()
+        chain.append(
+            {
+                "path": current,
+                "stored_tensors": len(header.entries),
+                "stored_bytes": header.data_size,
+                "referenced_tensors": len(tensors),
+                "referenced_bytes": sum(
+                    tensor_nbytes(r.dtype, list(r.shape)) or 0 for r in tensors
+                ),
+                "refers_to": referred,
+            }
+        )
+        queue.extend(referred)
+    return chain
 
 
 def _read_mode(path: str | os.PathLike[str], offset: int, nbytes: int) -> dict[str, str] | None:
@@ -307,6 +381,8 @@ def _print_file(info: dict[str, Any]) -> None:
         print(f"  shared tensors: {shared}")
     if info["nested"]:
         print("  structure: a nested object (fastckpt.load rebuilds it)")
+    if info.get("chain"):
+        _print_chain(info["chain"])
     if info["metadata"]:
         print("  metadata:")
         for key, value in info["metadata"].items():
@@ -314,6 +390,26 @@ def _print_file(info: dict[str, Any]) -> None:
             print(f"    {printable(key)}: {printable(shown)}")
     else:
         print("  metadata: none")
+
+
+def _print_chain(chain: list[dict[str, Any]]) -> None:
+    print(f"  incremental: made of {_plural(len(chain), 'file')} (a load reads each)")
+    for link in chain:
+        where = printable(link["path"])
+        if "error" in link:
+            print(f"    {where}: ERROR {printable(link['error'])}")
+            continue
+        line = (
+            f"    {where}: holds {_plural(link['stored_tensors'], 'tensor')} "
+            f"({format_bytes(link['stored_bytes'])})"
+        )
+        if link["referenced_tensors"]:
+            line += (
+                f", refers to {_plural(link['referenced_tensors'], 'tensor')} "
+                f"({format_bytes(link['referenced_bytes'])}) in "
+                f"{_plural(len(link['refers_to']), 'file')}"
+            )
+        print(line)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -359,6 +455,8 @@ def _inspect(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"{printable(os.fspath(path))}: error: {printable(message)}", flush=True)
         else:
+            if any("error" in link for link in info.get("chain") or ()):
+                status = FAILURE  # an incremental checkpoint missing a base cannot be loaded
             if not args.json:
                 if n:
                     print()

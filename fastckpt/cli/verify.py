@@ -195,6 +195,19 @@ def _check_structure(path: str | os.PathLike[str]) -> None:
         for e in header.entries.values()
         if e.name not in meta.aliases  # a tied tensor's stored copy: the alias resolves it
     }
+    if meta.references is not None:  # an incremental checkpoint: tensors held by its bases
+        stand_ins.update(
+            (
+                name,
+                torch.empty(
+                    dtypes.torch_shape(r.dtype, r.shape, tensor=name),
+                    dtype=dtypes.to_torch(r.dtype),
+                    device="meta",
+                ),
+            )
+            for name, r in meta.references.tensors.items()
+            if name not in meta.aliases
+        )
     tree.validate(meta.tree, stand_ins, meta.aliases)
 
 

@@ -49,6 +49,13 @@ Example:
 from fastckpt.format.header import parse_header, parse_header_length, read_header_from
 from fastckpt.format.layout import encode_header, plan_layout
 from fastckpt.format.metadata import build_metadata, split_metadata
+from fastckpt.format.references import (
+    HASH_HEX_DIGITS,
+    KEY_REFERENCES,
+    KEY_XXH3_128,
+    Reference,
+    References,
+)
 from fastckpt.format.schema import (
     DEFAULT_ALIGNMENT,
     DEFAULT_PIECE_SIZE,
@@ -78,6 +85,11 @@ __all__ = [
     "DEFAULT_ALIGNMENT",
     "DEFAULT_PIECE_SIZE",
     "FORMAT_VERSION",
+    "HASH_HEX_DIGITS",
+    "KEY_REFERENCES",
+    "KEY_XXH3_128",
+    "Reference",
+    "References",
     "HEADER_LIMIT",
     "ITEMSIZE",
     "MAX_PIECE_SIZE",

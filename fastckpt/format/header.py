@@ -317,7 +317,7 @@ def check_integrity(document: dict[str, Any]) -> None:
         >>> check_integrity({"__metadata__": {"fastckpt.version": "9"}})
         Traceback (most recent call last):
         ...
-        fastckpt.errors.HeaderError: written by a newer fastckpt (format version '9'; this one reads versions 1 to 2): upgrade fastckpt to read it
+        fastckpt.errors.HeaderError: written by a newer fastckpt (format version '9'; this one reads versions 1 to 3): upgrade fastckpt to read it
     """
     meta = document.get(METADATA_KEY)
     if not isinstance(meta, dict) or not any(

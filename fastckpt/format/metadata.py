@@ -16,6 +16,16 @@ from typing import Any
 from fastckpt.errors import HeaderError
 from fastckpt.format.header import json_type, loads_strict
 from fastckpt.format.layout import check_metadata
+from fastckpt.format.references import (
+    INCREMENTAL_VERSION,
+    KEY_REFERENCES,
+    KEY_XXH3_128,
+    References,
+    hashes_json,
+    parse_hashes,
+    parse_references,
+    references_json,
+)
 from fastckpt.format.schema import (
     _CRC_PATTERN,
     DEFAULT_ALIGNMENT,
@@ -51,6 +61,8 @@ def build_metadata(
     tree: Any = None,
     pieces: Mapping[str, Sequence[int]] | None = None,
     piece_size: int | None = None,
+    hashes: Mapping[str, str] | None = None,
+    references: References | None = None,
 ) -> dict[str, str]:
     """Assemble ``__metadata__``: ``"format": "pt"``, the user's keys, fastckpt's keys.
 
@@ -64,6 +76,9 @@ def build_metadata(
         pieces: tensor name -> the CRC32C of each of its pieces of ``piece_size`` bytes
             (only tensors larger than one piece; written only when non-empty).
         piece_size: bytes per piece, a positive multiple of ``DEFAULT_ALIGNMENT``.
+        hashes: tensor name -> XXH3-128 hex digest (:mod:`fastckpt.format.references`).
+        references: tensors held by other files; their presence makes the file version
+            :data:`~fastckpt.format.references.INCREMENTAL_VERSION`.
 
     Example:
         >>> build_metadata({"step": "10"}, crcs={"w": 255}, aliases={"b": "w"})
@@ -77,7 +92,7 @@ def build_metadata(
             if key.startswith(META_PREFIX):
                 raise ValueError(f"metadata key {key!r}: the prefix {META_PREFIX!r} is reserved")
         result.update(user)
-    result[KEY_VERSION] = FORMAT_VERSION
+    result[KEY_VERSION] = INCREMENTAL_VERSION if references is not None else FORMAT_VERSION
     if crcs is not None:
         for name, crc in crcs.items():
             if type(crc) is not int or not 0 <= crc < 2**32:
@@ -85,6 +100,10 @@ def build_metadata(
         result[KEY_CRC32C] = _dumps({name: f"{crc:08x}" for name, crc in crcs.items()})
     if pieces:
         result[KEY_PIECE_CRC32C] = _pieces_json(pieces, piece_size)
+    if hashes is not None:
+        result[KEY_XXH3_128] = hashes_json(hashes)
+    if references is not None:
+        result[KEY_REFERENCES] = references_json(references)
     if aliases:
         result[KEY_ALIASES] = _dumps(dict(aliases))
     if tree is not None:
@@ -200,6 +219,21 @@ def split_metadata(meta: Mapping[str, str]) -> FastckptMeta:
         raise HeaderError(f"{KEY_TREE} is null")
     version = meta.get(KEY_VERSION)
     pieces = _parse_pieces(meta[KEY_PIECE_CRC32C]) if KEY_PIECE_CRC32C in meta else None
+    hashes = parse_hashes(meta[KEY_XXH3_128]) if KEY_XXH3_128 in meta else None
+    references = parse_references(meta[KEY_REFERENCES]) if KEY_REFERENCES in meta else None
+    if references is not None and version != INCREMENTAL_VERSION:
+        # an older fastckpt would load such a file without its referenced tensors
+        raise HeaderError(
+            f"{KEY_REFERENCES} in a file of version {short(version)}: files with references "
+            f"are version {INCREMENTAL_VERSION}"
+        )
     return FastckptMeta(
-        user=user, crcs=crcs, aliases=aliases, tree=tree, version=version, pieces=pieces
+        user=user,
+        crcs=crcs,
+        aliases=aliases,
+        tree=tree,
+        version=version,
+        pieces=pieces,
+        hashes=hashes,
+        references=references,
     )

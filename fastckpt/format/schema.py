@@ -59,7 +59,9 @@ METADATA_KEY = "__metadata__"
 #: have none, are still read; a file of a newer version is refused with a clear message.
 FORMAT_VERSION = "2"
 #: Versions this reader understands.
-READABLE_VERSIONS = ("1", "2")
+#: Version 3 marks files with references to tensors in other files (incremental
+#: checkpoints, :mod:`fastckpt.format.references`); files without them stay version 2.
+READABLE_VERSIONS = ("1", "2", "3")
 META_PREFIX = "fastckpt."
 KEY_VERSION = "fastckpt.version"
 #: zlib.crc32 of the canonical JSON of the whole header without this key, as 8 hex digits
@@ -210,6 +212,8 @@ class FastckptMeta:
             safetensors file; the caller decides which versions it reads.
         pieces: the per-piece CRC32Cs, or None when the file records none (written before
             they existed, or without checksums).
+        hashes: stored tensor name -> XXH3-128 hex digest, or None when none are recorded.
+        references: the tensors held by other files (an incremental checkpoint), or None.
     """
 
     user: dict[str, str]
@@ -218,6 +222,8 @@ class FastckptMeta:
     tree: Any = None
     version: str | None = None
     pieces: PieceTable | None = None
+    hashes: dict[str, str] | None = None
+    references: Any = None  # fastckpt.format.references.References
 
 
 # --------------------------------------------------------- checked arithmetic

@@ -90,7 +90,7 @@ def test_changed_headers_are_refused(change):
 
 
 def test_newer_versions_say_so_and_legacy_version_1_still_reads():
-    newer = _with_document(_file(), lambda d: d["__metadata__"].update({"fastckpt.version": "3"}))
+    newer = _with_document(_file(), lambda d: d["__metadata__"].update({"fastckpt.version": "4"}))
     with pytest.raises(HeaderError, match="written by a newer fastckpt"):
         _parse(newer)
     legacy = {k: v for k, v in NESTED_META.items() if k != fmt.KEY_HEADER_CRC}

@@ -1,0 +1,217 @@
+"""Incremental saves: ``save(obj, path, base=earlier)`` writes only the tensors whose bytes
+differ from ``earlier``'s tensor of the same name, and refers to the others.
+
+Deciding what changed, per tensor, cheapest first:
+
+1. ``frozen`` names it (a set of names or a predicate): the caller's promise that it has not
+   changed since ``base`` -- referred to with ``base``'s recorded hash, nothing read.
+2. This process saved it to ``base`` and its storage, version counter, data pointer and
+   layout have not moved since (:mod:`.tensor_records`): referred to without hashing.
+3. Otherwise it is hashed (XXH3-128, on every core) and compared with the hash ``base``
+   records for it.
+
+A tensor ``base`` does not hold (or holds with another dtype or shape, or without a hash) is
+written. References point to the file that holds the bytes: when ``base`` itself refers to an
+earlier file for a tensor, the new file refers to that file directly (so a series of
+incremental saves over one full checkpoint depends on that checkpoint and the files holding
+the tensors that changed, not on every step between), unless that file lies beyond what a
+reference path may reach from the new file; then it refers to ``base`` (a chain).
+
+Example:
+    >>> import os, tempfile, torch, fastckpt
+    >>> d = tempfile.mkdtemp()
+    >>> state = {"frozen": torch.ones(1000), "lora": torch.zeros(10)}
+    >>> fastckpt.save(state, os.path.join(d, "0.safetensors"))
+    >>> _ = state["lora"].add_(1)
+    >>> fastckpt.save(state, os.path.join(d, "1.safetensors"), base=os.path.join(d, "0.safetensors"))
+    >>> from safetensors.torch import load_file
+    >>> list(load_file(os.path.join(d, "1.safetensors")))  # plain safetensors: what was written
+    ['lora']
+    >>> sorted(fastckpt.load(os.path.join(d, "1.safetensors")))
+    ['frozen', 'lora']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import torch
+
+from fastckpt import format
+from fastckpt.checkpoint import save_order
+from fastckpt.checkpoint.chained_reader import Location, files_of, locate
+from fastckpt.checkpoint.digests import hash_tensors
+from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.checkpoint.tensor_records import SaveRecord, previous
+from fastckpt.errors import HeaderError
+from fastckpt.io import parallel_io
+from fastckpt.storage import is_url
+
+__all__ = ["Choice", "Frozen", "base_index", "choose", "dependencies"]
+
+#: ``frozen=``: tensor names, or a predicate on a tensor's name.
+Frozen = Union[None, Iterable[str], Callable[[str], bool]]
+
+
+@dataclasses.dataclass
+class Choice:
+    """What an incremental save refers to instead of writing, the hashes already computed
+    of what it writes, and the record kept for the next save."""
+
+    references: format.References | None
+    hashes: dict[str, str]
+    record: SaveRecord | None
+
+
+def _frozen_test(frozen: Frozen) -> Callable[[str], bool]:
+    if frozen is None:
+        return lambda name: False
+    if callable(frozen):
+        return lambda name: bool(frozen(name))
+    if isinstance(frozen, (str, bytes)) or not isinstance(frozen, Iterable):
+        raise TypeError(
+            f"frozen must be a collection of tensor names or a predicate, got {type(frozen).__name__}"
+        )
+    names = set(frozen)
+    return names.__contains__
+
+
+def base_index(base: str) -> dict[str, Location]:
+    """Every tensor name of the checkpoint at ``base`` (aliases included) -> where its bytes
+    are; opening it checks its own references (see :mod:`.chained_reader`)."""
+    with open_checkpoint(base) as reader:
+        return {name: locate(reader, name) for name in reader.keys()}
+
+
+def dependencies(path: str | os.PathLike[str]) -> list[str]:
+    """The files that the checkpoint at ``path`` needs besides itself, to be loaded: every
+    file holding a tensor it refers to, directly or through a chain (absolute paths, sorted).
+    Retention must keep them while it keeps ``path``. A plain checkpoint needs none.
+
+    Raises:
+        MissingBaseError: a file it needs is missing (named).
+        HeaderError, ChecksumError: a reference is broken (see
+            :mod:`fastckpt.checkpoint.chained_reader`).
+
+    Example:
+        >>> import os, tempfile, torch, fastckpt
+        >>> d = tempfile.mkdtemp()
+        >>> fastckpt.save({"a": torch.ones(2), "b": torch.ones(2)}, os.path.join(d, "0.safetensors"))
+        >>> fastckpt.save({"a": torch.ones(2), "b": torch.zeros(2)}, os.path.join(d, "1.safetensors"),
+        ...               base=os.path.join(d, "0.safetensors"))
+        >>> [os.path.basename(p) for p in dependencies(os.path.join(d, "1.safetensors"))]
+        ['0.safetensors']
+        >>> dependencies(os.path.join(d, "0.safetensors"))
+        []
+    """
+    with open_checkpoint(os.fspath(path)) as reader:
+        own = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
+        return sorted(files_of(reader) - {own})
+
+
+def _relative(target: str, directory: str) -> str | None:
+    """``target`` as a reference path from ``directory``, or None when it is out of reach."""
+    try:
+        return format.references.check_reference_path(os.path.relpath(target, directory))
+    except (HeaderError, ValueError):
+        return None
+
+
+def _check_base(base: Any, destination: str | None, checksum: bool) -> str:
+    if destination is None:
+        raise ValueError("base= needs a destination path (an incremental save of a path)")
+    if not isinstance(base, (str, os.PathLike)):
+        raise TypeError(f"base must be the path of a checkpoint, got {type(base).__name__}")
+    base = os.fspath(base)
+    if is_url(base) or is_url(destination):
+        raise ValueError(f"base={base!r}: incremental saves take local paths only")
+    if not checksum:
+        raise ValueError("base= needs checksum=True: references are checked by hashes")
+    return os.path.abspath(base)
+
+
+def choose(
+    stored: Mapping[str, torch.Tensor],
+    specs: list[tuple[str, str, tuple[int, ...]]],
+    base: str | os.PathLike[str] | None,
+    destination: str | None,
+    *,
+    frozen: Frozen = None,
+    checksum: bool = True,
+) -> Choice:
+    """Which of ``stored`` (stored name -> tensor; ``specs``: their safetensors dtype and
+    shape) to refer to in ``base`` rather than write to ``destination``.
+
+    Raises:
+        ValueError: ``base`` is the destination, or one of the files it depends on (the save
+            would replace bytes it refers to); a URL; or ``checksum=False``.
+        MissingBaseError, HeaderError, ChecksumError: ``base`` cannot be read as it says.
+    """
+    record = SaveRecord(destination, stored) if destination is not None and checksum else None
+    is_frozen = _frozen_test(frozen)
+    if base is None:
+        if frozen is not None:
+            raise ValueError("frozen= needs base=: it names tensors unchanged since the base")
+        return Choice(None, {}, record)
+    base_path = _check_base(base, destination, checksum)
+    assert destination is not None
+    target = os.path.realpath(os.path.abspath(destination))
+    save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
+    index = base_index(base_path)
+    holders = {loc.file for loc in index.values()} | {base_path}
+    files = {os.path.realpath(f) for f in holders}
+    if target in files:
+        raise ValueError(
+            f"cannot save to {destination} with base={base_path}: the new file would replace "
+            "a file it refers to; save to a new path"
+        )
+    described = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
+    earlier = previous(base_path)
+    same: dict[str, str] = {}  # name -> hash, unchanged since base
+    known: dict[str, str] = {}  # name -> hash, changed (written, not hashed again)
+    to_hash: dict[str, torch.Tensor] = {}
+    for name, t in stored.items():
+        loc = index.get(name)
+        if loc is None or loc.xxh3_128 is None or (loc.dtype, loc.shape) != described[name]:
+            continue  # written, hashed as it is written
+        if is_frozen(name):
+            same[name] = loc.xxh3_128
+            continue
+        mine = earlier.get(name)
+        if mine is not None and mine.matches(t):
+            (same if mine.xxh3_128 == loc.xxh3_128 else known)[name] = mine.xxh3_128
+            continue
+        to_hash[name] = t
+    for name, digest in hash_tensors(to_hash, parallel_io.worker_count()).items():
+        (same if digest == index[name].xxh3_128 else known)[name] = digest
+    if record is not None:
+        record.known({**same, **known})
+    if not same:
+        return Choice(None, known, record)
+    return Choice(_references(same, index, base_path, destination), known, record)
+
+
+def _references(
+    same: Mapping[str, str], index: Mapping[str, Location], base: str, destination: str
+) -> format.References:
+    directory = os.path.dirname(os.path.abspath(destination))
+    via_base = _relative(base, directory)
+    files: dict[str, int] = {}
+    tensors: dict[str, format.Reference] = {}
+    for name, digest in same.items():
+        loc = index[name]
+        path, tensor = _relative(loc.file, directory), loc.tensor
+        if path is None:  # the holder is out of reach: refer to the base, which refers on
+            path, tensor = via_base, name
+        if path is None:
+            raise ValueError(
+                f"base={base} cannot be referred to from {destination}: a reference may "
+                f"climb at most {format.references.MAX_PARENT_STEPS} directory above the "
+                "new file's directory"
+            )
+        index_of = files.setdefault(path, len(files))
+        tensors[name] = format.Reference(index_of, tensor, loc.dtype, loc.shape, digest)
+    return format.References(tuple(files), tensors)

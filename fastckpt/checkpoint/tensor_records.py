@@ -1,0 +1,139 @@
+"""What this process remembers of the tensors it saved, so that the next incremental save
+to the same series can tell an unchanged tensor without hashing it.
+
+After a save to ``P``, each tensor's storage (a weak reference), version counter, data
+pointer and layout are kept with the XXH3-128 written for it. A later save with
+``base=P`` refers to a tensor without hashing when all of these still match and ``P``'s
+header still records that hash for it. Guards: the weak reference fails once the storage is
+freed (a new tensor at the same address is not mistaken for the old one); in-place
+operations bump the version counter. Writes through ``tensor.data`` or raw pointers (a
+custom kernel, ``numpy()`` views) do not bump it: callers who write that way must not rely
+on this guard, and should call :func:`forget` after such writes (the next save then hashes
+every tensor) -- see docs/incremental.md. Memory: weak references and a few ints per tensor, for the last
+:data:`MAX_SERIES` destinations.
+
+Example:
+    >>> import torch
+    >>> t = torch.ones(3)
+    >>> record = SaveRecord("/tmp/fastckpt-rec.safetensors", {"t": t})
+    >>> record.hashed({"t": "0" * 32})
+    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].matches(t)
+    True
+    >>> _ = t.add_(1)
+    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].matches(t)
+    False
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_SERIES", "SaveRecord", "TensorState", "forget", "previous"]
+
+#: Destinations whose tensors are remembered (the least recently saved are forgotten).
+MAX_SERIES = 16
+
+_lock = threading.Lock()
+_records: collections.OrderedDict[str, dict[str, TensorState]] = collections.OrderedDict()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorState:
+    """A tensor as it was when saved, and the XXH3-128 of its bytes then."""
+
+    storage: Any  # weakref.ref to the tensor's UntypedStorage
+    version: int
+    data_ptr: int
+    layout: tuple[Any, ...]
+    xxh3_128: str
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the same memory, not modified in place since (see the module)."""
+        state = _state_of(t)
+        if state is None:
+            return False
+        storage, version, data_ptr, layout = state
+        return (
+            self.storage() is storage
+            and self.version == version
+            and self.data_ptr == data_ptr
+            and self.layout == layout
+        )
+
+
+def _state_of(t: torch.Tensor) -> tuple[Any, int, int, tuple[Any, ...]] | None:
+    try:
+        storage = t.untyped_storage()
+        version = t._version
+    except (RuntimeError, NotImplementedError):  # inference tensors have no version counter
+        return None
+    layout = (t.device, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return storage, version, t.data_ptr(), layout
+
+
+def _key(path: str) -> str:
+    return os.path.realpath(os.path.abspath(path))
+
+
+class SaveRecord:
+    """The state of a save's tensors, taken when it is planned; kept for ``destination``
+    once their hashes are known (:meth:`hashed`, called as the header is written)."""
+
+    def __init__(self, destination: str, tensors: Mapping[str, torch.Tensor]):
+        self.destination = destination
+        self._states: dict[str, tuple[Any, int, int, tuple[Any, ...]]] = {}
+        for name, t in tensors.items():
+            state = _state_of(t)
+            if state is not None:
+                self._states[name] = state
+        self._hashes: dict[str, str] = {}
+
+    def known(self, hashes: Mapping[str, str]) -> None:
+        """Hashes known before writing (tensors referred to, or hashed to compare)."""
+        self._hashes.update(hashes)
+
+    def hashed(self, hashes: Mapping[str, str]) -> None:
+        """The hashes of the tensors written: the record is complete and kept."""
+        merged = {**self._hashes, **hashes}
+        states = {}
+        taken, self._states = self._states, {}  # from now on, only weak references
+        for name, (storage, version, data_ptr, layout) in taken.items():
+            digest = merged.get(name)
+            if digest is not None:
+                states[name] = TensorState(weakref.ref(storage), version, data_ptr, layout, digest)
+        key = _key(self.destination)
+        with _lock:
+            _records[key] = states
+            _records.move_to_end(key)
+            while len(_records) > MAX_SERIES:
+                _records.popitem(last=False)
+
+
+def previous(path: str) -> dict[str, TensorState]:
+    """What the last save of this process to ``path`` recorded (empty when none)."""
+    with _lock:
+        return dict(_records.get(_key(path), {}))
+
+
+def forget(path: str | None = None) -> None:
+    """Forgets what was recorded for ``path`` (for every destination when None): the next
+    incremental save with that base hashes every tensor it is not told is frozen.
+
+    Example:
+        >>> forget("/tmp/fastckpt-rec.safetensors")
+        >>> previous("/tmp/fastckpt-rec.safetensors")
+        {}
+    """
+    with _lock:
+        if path is None:
+            _records.clear()
+        else:
+            _records.pop(_key(path), None)
