@@ -127,6 +127,8 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
+            for lock in self._locks:
+                lock.release()
             raise
 
     def _take_over(self, lease_seconds: float) -> None:
@@ -322,13 +324,14 @@ class CheckpointManager:
             self.wait()  # no drain removes a fast step while the ranks read it
         candidates = self._ranks.agree(lambda: self._candidates(step))
         errors = []
-        for candidate, index, kind in candidates:
+        for candidate, index in candidates:
             tier = self._tiers()[index]
             directory = layout.step_dir(tier, candidate)
             try:
-                loaded = self._load(tier, directory, kind, state, load_options)
+                loaded = self._load(tier, candidate, state, load_options)
                 ok = True
-            except (FastCkptError, OSError) as exc:  # checksums, headers, DCP's failures
+            # checksums, headers, DCP's failures, an unreadable marker
+            except (FastCkptError, OSError, ValueError) as exc:
                 ok, loaded, error = False, None, exc
             if self._ranks.all_ok(ok):
                 return candidate, loaded
@@ -343,28 +346,22 @@ class CheckpointManager:
             raise FileNotFoundError(f"{wanted} in {where}")
         raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
 
-    def _candidates(self, step: int | None) -> list[tuple[int, int, str]]:
-        """``(step, tier index, layout)`` to try, newest first, the fast tier's copy first."""
+    def _candidates(self, step: int | None) -> list[tuple[int, int]]:
+        """``(step, tier index)`` to try, newest first, the fast tier's copy first."""
         tiers = self._tiers()
         listed = [set(layout.committed_steps(tier)) for tier in tiers]
         wanted = sorted(set().union(*listed)) if step is None else [step]
-        found = []
-        for candidate in reversed(wanted):
-            for index, tier in enumerate(tiers):
-                if candidate not in listed[index]:
-                    continue
-                try:
-                    kind = layout.marker_of(tier, candidate).get("layout", layout.FILE_LAYOUT)
-                except (OSError, ValueError) as exc:
-                    _log.warning("the marker of step %d in %s: %s", candidate, tier, exc)
-                    continue
-                found.append((candidate, index, str(kind)))
-        return found
+        return [
+            (candidate, index)
+            for candidate in reversed(wanted)
+            for index in range(len(tiers))
+            if candidate in listed[index]
+        ]
 
-    def _load(
-        self, tier: Tier, directory: str, kind: str, state: Any, options: Mapping[str, Any]
-    ) -> Any:
-        if kind == DCP_LAYOUT:
+    def _load(self, tier: Tier, step: int, state: Any, options: Mapping[str, Any]) -> Any:
+        """Step ``step`` of ``tier``, loaded as its marker's layout says."""
+        directory = layout.step_dir(tier, step)
+        if layout.marker_of(tier, step).get("layout") == DCP_LAYOUT:
             return load_step(directory, state, self._ranks, tier.storage_options, **options)
         options = dict(options)
         if tier.is_url:
