@@ -208,6 +208,7 @@ class CheckpointManager:
         return future
 
     def _clear_for(self, tier: Tier, step: int) -> None:
+        self._check_lease()
         if step in layout.committed_steps(tier):
             raise ValueError(f"step {step} is already saved in {tier}")
         layout.remove_step(tier, step)  # a save of this step cut short
@@ -320,8 +321,6 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
-        if self._ranks.group and self._ranks.coordinator:
-            self.wait()  # no drain removes a fast step while the ranks read it
         candidates = self._ranks.agree(lambda: self._candidates(step))
         errors = []
         for candidate, index in candidates:
@@ -348,6 +347,8 @@ class CheckpointManager:
 
     def _candidates(self, step: int | None) -> list[tuple[int, int]]:
         """``(step, tier index)`` to try, newest first, the fast tier's copy first."""
+        if self._ranks.group:  # no drain removes a fast step while the ranks read it
+            concurrent.futures.wait(list(self._pending))  # its errors stay for wait()
         tiers = self._tiers()
         listed = [set(layout.committed_steps(tier)) for tier in tiers]
         wanted = sorted(set().union(*listed)) if step is None else [step]
@@ -403,7 +404,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the CheckpointManager of {self.root} is closed")
-        self._check_lease()
 
     def _check_lease(self) -> None:
         for lock in self._locks:
