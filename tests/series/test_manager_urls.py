@@ -209,3 +209,21 @@ def test_a_drain_to_s3_holds_at_most_256_mib_whatever_the_step_size(s3, tmp_path
     memory = json.loads(child.stdout)
     assert memory["peak"] - memory["before"] < 256 << 20, memory
     assert layout.committed_steps(Tier(root, options)) == [1]
+
+
+def test_a_manager_whose_lease_was_taken_stops_writing():
+    from fastckpt import storage
+    from fastckpt.series.lease import LOCK_NAME
+
+    root = "memory://series-lease/run"
+    manager = fastckpt.CheckpointManager(root, lease_seconds=0.3)
+    manager.save(1, _state(1)).result()
+    # a successor on another host took the lease while this manager stalled
+    taken = {"owner": "other", "host": "elsewhere", "pid": 1, "renewed": time.time()}
+    storage.write_whole(f"{root}/{LOCK_NAME}", json.dumps(taken).encode())
+    time.sleep(0.5)  # the next renewal finds it
+    with pytest.raises(RuntimeError, match="taken by host elsewhere"):
+        manager.save(2, _state(2))
+    manager.close()
+    assert json.loads(storage.read_whole(f"{root}/{LOCK_NAME}"))["owner"] == "other"
+    assert layout.committed_steps(root) == [1]
