@@ -133,17 +133,13 @@ class CheckpointManager:
 
     def _take_over(self, lease_seconds: float) -> None:
         """Rank 0: locks the tiers, removes what an earlier manager left half done, and
-        drains again the committed fast steps that root lacks."""
-        try:
-            for tier in self._tiers():
-                if tier.is_url:
-                    self._locks.append(UrlLease(tier.location, tier.storage_options, lease_seconds))
-                else:
-                    self._locks.append(LocalLock(tier.location))
-        except BaseException:
-            for lock in self._locks:
-                lock.release()
-            raise
+        drains again the committed fast steps that root lacks (a failure here releases the
+        locks taken: see ``__init__``)."""
+        for tier in self._tiers():
+            if tier.is_url:
+                self._locks.append(UrlLease(tier.location, tier.storage_options, lease_seconds))
+            else:
+                self._locks.append(LocalLock(tier.location))
         for tier in self._tiers():
             for step in layout.uncommitted_steps(tier):
                 _log.info(
@@ -178,7 +174,18 @@ class CheckpointManager:
         :func:`fastckpt.async_save`, which takes ``save_options``: ``fence=optimizer`` makes
         it a lazy save that copies nothing before returning). The future is done when the
         step is committed in its first tier (the fast one when set); :meth:`wait` also
-        waits for drains."""
+        waits for drains.
+
+        In a multi-rank run every rank calls this with its share of the state; it returns
+        (a done future) once every rank's file is durable and rank 0 committed the step, and
+        ``save_options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter`
+        (``checksum``, ``piece_size``, engine settings).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int, is already saved, or the
+                manager is closed.
+            RuntimeError: a URL tier's lease was taken by another manager.
+        """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
