@@ -449,9 +449,11 @@ def kills(work: Path, count: int, seed: int, mb: int = 64) -> dict[str, Any]:
 
 _MANAGED_RUN = textwrap.dedent(
     """
-    import sys, torch, fastckpt
-    root, fast = sys.argv[1], sys.argv[2]
-    manager = fastckpt.CheckpointManager(root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20)
+    import json, sys, torch, fastckpt
+    root, fast, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    manager = fastckpt.CheckpointManager(
+        root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20, storage_options=options
+    )
     step = max(manager.steps(), default=0)
     while True:
         step += 1
@@ -465,17 +467,52 @@ _MANAGED_RUN = textwrap.dedent(
 
 def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
     """kill -9 a run of CheckpointManager saves and drains at random times; the next manager
-    must restore a whole step, never older than the last one reported durable in root."""
+    must restore a whole step, never older than the last one reported durable in root. Run
+    with root a local directory, then (when moto's server and s3fs are installed) an s3://
+    prefix on a local S3 server, where kills also land mid-upload."""
+    report = _manager_kill_runs(work / "managed-root", work / "managed-fast", None, count, seed)
+    try:
+        from moto.server import ThreadedMotoServer
+
+        from fastckpt.storage import url_to_fs
+    except ImportError:
+        report["s3 root"] = "skipped: needs moto[server] and s3fs"
+        return report
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server logs every request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        options = {
+            "key": "torture",
+            "secret": "torture",
+            "endpoint_url": f"http://{host}:{port}",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        fs, _ = url_to_fs("s3://x", options)
+        fs.call_s3("create_bucket", Bucket="managed")
+        s3 = _manager_kill_runs("s3://managed/run", work / "managed-s3-fast", options, count, seed)
+    finally:
+        server.stop()
+    report.update({f"{k} (s3 root)": v for k, v in s3.items()})
+    return report
+
+
+def _manager_kill_runs(
+    root: Any, fast: Path, options: dict[str, Any] | None, count: int, seed: int
+) -> dict[str, Any]:
     from fastckpt.api import load
     from fastckpt.series import steps as layout
     from fastckpt.series.manager import CheckpointManager
 
     rng = random.Random(seed)
-    root, fast = work / "managed-root", work / "managed-fast"
+    tier = layout.Tier(str(root), options)
     lost, partial, unrestorable, left = 0, 0, 0, 0
     for _ in range(count):
         child = subprocess.Popen(
-            [sys.executable, "-c", _MANAGED_RUN, str(root), str(fast)],
+            [sys.executable, "-c", _MANAGED_RUN, str(root), str(fast), json.dumps(options)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -483,22 +520,21 @@ def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
         child.send_signal(signal.SIGKILL)
         out, _ = child.communicate()
         durable = [int(line.split()[1]) for line in out.splitlines() if line.startswith("durable")]
-        with CheckpointManager(root, fast=fast, keep_last=2) as manager:
+        with CheckpointManager(root, fast=fast, keep_last=2, storage_options=options) as manager:
             manager.wait()
-            left += len(layout.uncommitted_dirs(str(root))) + len(
-                layout.uncommitted_dirs(str(fast))
-            )
+            left += len(layout.uncommitted_dirs(tier)) + len(layout.uncommitted_dirs(str(fast)))
             try:
                 step, state = manager.restore()
             except FileNotFoundError:
                 unrestorable += int(bool(durable))
                 continue
-            if durable and max(layout.committed_steps(str(root)), default=0) < durable[-1]:
+            if durable and max(layout.committed_steps(tier), default=0) < durable[-1]:
                 lost += 1
             if state["step"] != step or not bool((state["w"] == float(step)).all()):
                 partial += 1
-            for s in layout.committed_steps(str(root)):  # every kept step loads whole
-                load(Path(layout.step_dir(str(root), s)) / layout.STATE_FILE, verify=True)
+            for s in layout.committed_steps(tier):  # every kept step loads whole
+                path = layout.join(layout.step_dir(tier, s), layout.STATE_FILE)
+                load(path, verify=True, storage_options=options)
     return {
         "kills": count,
         "durable steps lost": lost,
@@ -1124,7 +1160,9 @@ def main(argv: list[str] | None = None) -> int:
                 bad += _set_bad(report)
             elif part == "manager-kills":
                 report = manager_kills(work, args.set_kills, args.seed)
-                bad += sum(v for k, v in report.items() if k != "kills")
+                bad += sum(
+                    v for k, v in report.items() if not k.startswith("kills") and isinstance(v, int)
+                )
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]

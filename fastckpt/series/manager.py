@@ -127,21 +127,19 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
+            for lock in self._locks:
+                lock.release()
             raise
 
     def _take_over(self, lease_seconds: float) -> None:
         """Rank 0: locks the tiers, removes what an earlier manager left half done, and
-        drains again the committed fast steps that root lacks."""
-        try:
-            for tier in self._tiers():
-                if tier.is_url:
-                    self._locks.append(UrlLease(tier.location, tier.storage_options, lease_seconds))
-                else:
-                    self._locks.append(LocalLock(tier.location))
-        except BaseException:
-            for lock in self._locks:
-                lock.release()
-            raise
+        drains again the committed fast steps that root lacks (a failure here releases the
+        locks taken: see ``__init__``)."""
+        for tier in self._tiers():
+            if tier.is_url:
+                self._locks.append(UrlLease(tier.location, tier.storage_options, lease_seconds))
+            else:
+                self._locks.append(LocalLock(tier.location))
         for tier in self._tiers():
             for step in layout.uncommitted_steps(tier):
                 _log.info(
@@ -176,7 +174,18 @@ class CheckpointManager:
         :func:`fastckpt.async_save`, which takes ``save_options``: ``fence=optimizer`` makes
         it a lazy save that copies nothing before returning). The future is done when the
         step is committed in its first tier (the fast one when set); :meth:`wait` also
-        waits for drains."""
+        waits for drains.
+
+        In a multi-rank run every rank calls this with its share of the state; it returns
+        (a done future) once every rank's file is durable and rank 0 committed the step, and
+        ``save_options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter`
+        (``checksum``, ``piece_size``, engine settings).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int, is already saved, or the
+                manager is closed.
+            RuntimeError: a URL tier's lease was taken by another manager.
+        """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -206,6 +215,7 @@ class CheckpointManager:
         return future
 
     def _clear_for(self, tier: Tier, step: int) -> None:
+        self._check_lease()
         if step in layout.committed_steps(tier):
             raise ValueError(f"step {step} is already saved in {tier}")
         layout.remove_step(tier, step)  # a save of this step cut short
@@ -318,17 +328,16 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
-        if self._ranks.group and self._ranks.coordinator:
-            self.wait()  # no drain removes a fast step while the ranks read it
         candidates = self._ranks.agree(lambda: self._candidates(step))
         errors = []
-        for candidate, index, kind in candidates:
+        for candidate, index in candidates:
             tier = self._tiers()[index]
             directory = layout.step_dir(tier, candidate)
             try:
-                loaded = self._load(tier, directory, kind, state, load_options)
+                loaded = self._load(tier, candidate, state, load_options)
                 ok = True
-            except (FastCkptError, OSError) as exc:  # checksums, headers, DCP's failures
+            # checksums, headers, DCP's failures, an unreadable marker
+            except (FastCkptError, OSError, ValueError) as exc:
                 ok, loaded, error = False, None, exc
             if self._ranks.all_ok(ok):
                 return candidate, loaded
@@ -343,28 +352,24 @@ class CheckpointManager:
             raise FileNotFoundError(f"{wanted} in {where}")
         raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
 
-    def _candidates(self, step: int | None) -> list[tuple[int, int, str]]:
-        """``(step, tier index, layout)`` to try, newest first, the fast tier's copy first."""
+    def _candidates(self, step: int | None) -> list[tuple[int, int]]:
+        """``(step, tier index)`` to try, newest first, the fast tier's copy first."""
+        if self._ranks.group:  # no drain removes a fast step while the ranks read it
+            concurrent.futures.wait(list(self._pending))  # its errors stay for wait()
         tiers = self._tiers()
         listed = [set(layout.committed_steps(tier)) for tier in tiers]
         wanted = sorted(set().union(*listed)) if step is None else [step]
-        found = []
-        for candidate in reversed(wanted):
-            for index, tier in enumerate(tiers):
-                if candidate not in listed[index]:
-                    continue
-                try:
-                    kind = layout.marker_of(tier, candidate).get("layout", layout.FILE_LAYOUT)
-                except (OSError, ValueError) as exc:
-                    _log.warning("the marker of step %d in %s: %s", candidate, tier, exc)
-                    continue
-                found.append((candidate, index, str(kind)))
-        return found
+        return [
+            (candidate, index)
+            for candidate in reversed(wanted)
+            for index in range(len(tiers))
+            if candidate in listed[index]
+        ]
 
-    def _load(
-        self, tier: Tier, directory: str, kind: str, state: Any, options: Mapping[str, Any]
-    ) -> Any:
-        if kind == DCP_LAYOUT:
+    def _load(self, tier: Tier, step: int, state: Any, options: Mapping[str, Any]) -> Any:
+        """Step ``step`` of ``tier``, loaded as its marker's layout says."""
+        directory = layout.step_dir(tier, step)
+        if layout.marker_of(tier, step).get("layout") == DCP_LAYOUT:
             return load_step(directory, state, self._ranks, tier.storage_options, **options)
         options = dict(options)
         if tier.is_url:
@@ -406,7 +411,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the CheckpointManager of {self.root} is closed")
-        self._check_lease()
 
     def _check_lease(self) -> None:
         for lock in self._locks:

@@ -90,7 +90,7 @@ class Ranks:
         kind, value = outcome[0]
         if kind == "error":
             raise RuntimeError(f"rank 0 of the checkpoint manager failed: {value}")
-        return value  # type: ignore[no-any-return]
+        return value
 
     def all_ok(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank."""

@@ -4,8 +4,8 @@ cap, and every copy read back and checked before the step is committed at its ta
 A file is streamed in chunks of 16 MiB from its source (a local file or a URL) to its target:
 a local file (written, then fsynced) or a URL's atomic sink (on S3 a multipart upload with a
 few parts in flight; the object appears only once complete). At most :data:`COPY_MEMORY`
-bytes are held at once, whatever the file's size (up to 1.25 TiB, S3's 10,000 parts of
-128 MiB).
+bytes are held at once, the HTTP client's copies included, whatever the file's size up to
+160 GiB (S3 takes at most 10,000 parts, so a larger file needs larger parts: one in flight).
 
 The copy is then read back from the target, as a stream of the same bounded size, and
 checked twice: its CRC32C must be the source's (computed as the bytes went out), and for a
@@ -45,7 +45,10 @@ __all__ = ["COPY_MEMORY", "copy_file", "verify_copy"]
 #: The most bytes a copy or its verification holds at once.
 COPY_MEMORY = 256 << 20
 _CHUNK = 16 << 20
-_READ_AHEAD = 8  # ranged reads of a URL in flight while a copy is read back
+_READ_AHEAD = 4  # ranged reads of a URL in flight while a copy is read back
+# Measured: each part in flight costs twice its size (ours, and the HTTP client's copy), and
+# the client's and the threads' own buffers about this much.
+_HEADROOM = 64 << 20
 _S3_MAX_PARTS = 10_000
 
 Options = Mapping[str, Any] | None
@@ -110,11 +113,22 @@ def _chunks(
 
 def _upload_shape(total: int) -> tuple[int, int]:
     """``(part_size, parallel)`` of an upload of ``total`` bytes within ``COPY_MEMORY``: the
-    parts in flight, the one being filled and the chunk being read."""
+    parts in flight (each held twice: ours and the HTTP client's copy), the one being
+    filled, the chunk read from the source with its copy on the way into that part, and the
+    client's own buffers. S3 takes at most 10,000 parts, so files over 160 GiB need larger
+    parts: one in flight then, and the bound grows with them.
+
+    Example:
+        >>> [_upload_shape(n) == (16 << 20, 4) for n in (1, 100 << 30)]
+        [True, True]
+        >>> part, parallel = _upload_shape(1 << 40)
+        >>> part >> 20, parallel
+        (105, 1)
+    """
     needed = -(-total // _S3_MAX_PARTS)
     part = max(_CHUNK, -(-needed // (1 << 20)) * (1 << 20))
-    parallel = max(1, min(8, (COPY_MEMORY - _CHUNK) // part - 1))
-    return part, parallel
+    parallel = (COPY_MEMORY - _HEADROOM - part - 2 * _CHUNK) // (2 * part)
+    return part, max(1, min(8, parallel))
 
 
 def copy_file(

@@ -165,3 +165,20 @@ def test_a_lazy_fenced_save_through_the_manager_holds_the_call_time_state(tmp_pa
         step, state = manager.restore()
     assert step == 1
     assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
+
+
+def test_distributed_true_in_one_process_saves_dcp_steps_and_drains_them(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with fastckpt.CheckpointManager(root, fast=fast, distributed=True, keep_last=1) as manager:
+        for step in (1, 2):
+            future = manager.save(step, {"w": torch.full((4, 3), float(step)), "step": step})
+            assert future.done()  # a DCP save returns once committed in its first tier
+        manager.wait()
+    assert layout.committed_steps(str(root)) == [2]
+    marker = layout.marker_of(str(root), 2)
+    assert marker["layout"] == "dcp" and ".metadata" in marker["files"]
+    with fastckpt.CheckpointManager(root) as manager:
+        step, state = manager.restore()
+        assert step == 2 and state["step"] == 2 and torch.equal(state["w"], torch.full((4, 3), 2.0))
+        target = {"w": torch.zeros(4, 3), "step": 0}
+        assert manager.restore(2, state=target)[1] is target and target["step"] == 2

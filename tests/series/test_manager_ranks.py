@@ -1,9 +1,11 @@
 """CheckpointManager in a multi-rank run: 2 real processes (gloo on loopback) save sharded
-state (DTensors) through DCP, restore it on 2 ranks, and one is killed before rank 0 may
-commit a step; this process then restores on 1 rank, resharded."""
+state (DTensors) through DCP, to local tiers and (slow) to an S3 root (moto's server in
+this process), restore it on 2 ranks, and one is killed before rank 0 may commit a step; this
+process then restores on 1 rank, resharded."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import socket
@@ -27,22 +29,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    """2 ranks: steps 1 and 2 saved and restored; step 3 cut short by rank 1's death."""
-    base = tmp_path_factory.mktemp("ranks")
-    root, fast, port = base / "root", base / "fast", _free_port()
+def _run_ranks(*args: str) -> tuple[list[int], list[tuple[str, str]]]:
+    """Runs 2 ranks of manager_ranks.py; their exit codes and (stdout, stderr)."""
+    port = _free_port()
     children = [
         subprocess.Popen(
-            [sys.executable, str(RANKS), str(rank), "2", str(port), str(root), str(fast)],
+            [sys.executable, str(RANKS), str(rank), "2", str(port), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in (0, 1)
     ]
-    outputs = [child.communicate(timeout=120) for child in children]
-    return root, fast, [child.returncode for child in children], outputs
+    outputs = [child.communicate(timeout=180) for child in children]
+    return [child.returncode for child in children], outputs
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """2 ranks: steps 1 and 2 saved and restored; step 3 cut short by rank 1's death."""
+    base = tmp_path_factory.mktemp("ranks")
+    root, fast = base / "root", base / "fast"
+    codes, outputs = _run_ranks("local", str(root), str(fast))
+    return root, fast, codes, outputs
 
 
 def test_two_ranks_save_sharded_steps_and_restore_them_on_two(two_rank_run):
@@ -79,3 +88,19 @@ def test_one_rank_restores_a_two_rank_step_resharded(two_rank_run):
         target = {"model": {"w": torch.zeros(ROWS, COLS)}, "step": 0}
         step, state = manager.restore(1, state=target)
         assert step == 1 and state is target and torch.equal(target["model"]["w"], full(1))
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_an_s3_root_and_one_restores_it(s3):
+    bucket, options, _ = s3
+    root = f"{bucket}/run"
+    codes, outputs = _run_ranks("url", root, json.dumps(options))
+    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert all(f"rank {r} restored 5 from {root}" in outputs[r][0] for r in (0, 1))
+    tier = layout.Tier(root, options)
+    assert layout.committed_steps(tier) == [5]
+    assert sorted(layout.marker_of(tier, 5)["files"])[0] == METADATA_FILE
+    with fastckpt.CheckpointManager(root, storage_options=options) as manager:
+        target = {"model": {"w": torch.zeros(ROWS, COLS)}, "step": 0}
+        step, state = manager.restore(state=target)
+        assert step == 5 and state["step"] == 5 and torch.equal(target["model"]["w"], full(5))

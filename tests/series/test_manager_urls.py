@@ -168,3 +168,62 @@ def test_kill_9_during_a_drain_to_s3_then_the_next_manager_finishes_it(s3, tmp_p
     assert layout.uncommitted_steps(Tier(root, options)) == []
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket_name)
     assert uploads.get("Uploads", []) == []  # the killed upload was aborted
+
+
+_DRAIN_ONLY = textwrap.dedent(
+    """
+    import json, os, sys, fastckpt
+    from fastckpt.series import transfer
+    fast, root, options, small = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    # a small copy first: everything a drain imports and sets up is in memory before
+    crc = transfer.copy_file(small, root + "-warm-up", target_options=options)
+    transfer.verify_copy(root + "-warm-up", crc, options)
+    def kib(field):  # VmHWM: this process's peak RSS (ru_maxrss counts the parent's at fork)
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) << 10
+    before = kib("VmRSS")
+    with fastckpt.CheckpointManager(root, fast=fast, storage_options=options) as manager:
+        manager.wait()  # the committed fast step that root lacks is drained on start
+    print(json.dumps({"before": before, "peak": kib("VmHWM")}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_drain_to_s3_holds_at_most_256_mib_whatever_the_step_size(s3, tmp_path):
+    bucket, options, _ = s3
+    root, fast = f"{bucket}/big", tmp_path / "fast"
+    path = layout.join(layout.step_dir(str(fast), 1), layout.STATE_FILE)
+    (fast / "step-000000000001").mkdir(parents=True)
+    fastckpt.save({"w": torch.arange(96 << 20, dtype=torch.float32)}, path)  # 384 MiB
+    layout.commit(str(fast), 1, None)
+    small = tmp_path / "small.safetensors"
+    fastckpt.save({"w": torch.ones(1 << 20)}, small)
+    child = subprocess.run(
+        [sys.executable, "-c", _DRAIN_ONLY, str(fast), root, json.dumps(options), str(small)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    memory = json.loads(child.stdout)
+    assert memory["peak"] - memory["before"] < 256 << 20, memory
+    assert layout.committed_steps(Tier(root, options)) == [1]
+
+
+def test_a_manager_whose_lease_was_taken_stops_writing():
+    from fastckpt import storage
+    from fastckpt.series.lease import LOCK_NAME
+
+    root = "memory://series-lease/run"
+    manager = fastckpt.CheckpointManager(root, lease_seconds=0.3)
+    manager.save(1, _state(1)).result()
+    # a successor on another host took the lease while this manager stalled
+    taken = {"owner": "other", "host": "elsewhere", "pid": 1, "renewed": time.time()}
+    storage.write_whole(f"{root}/{LOCK_NAME}", json.dumps(taken).encode())
+    time.sleep(0.5)  # the next renewal finds it
+    with pytest.raises(RuntimeError, match="taken by host elsewhere"):
+        manager.save(2, _state(2))
+    manager.close()
+    assert json.loads(storage.read_whole(f"{root}/{LOCK_NAME}"))["owner"] == "other"
+    assert layout.committed_steps(root) == [1]
