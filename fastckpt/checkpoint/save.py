@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, save_order, tree
+from fastckpt.checkpoint import compressed_tensors, dtypes, save_order, tree
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
 from fastckpt.io import page_cache, parallel_io
@@ -72,6 +72,10 @@ class SavePlan:
     alignment: int
     header_size: int = 0
     piece_size: int = format.DEFAULT_PIECE_SIZE
+    #: compressed tensors' true dtype, shape and CRC32C (their frames are in ``tensors``)
+    compressed: dict[str, format.compressed.CompressedTensor] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def data_size(self) -> int:
@@ -95,6 +99,10 @@ class SavePlan:
             pieces=pieces if recorded and self.piece_size else None,
             piece_size=self.piece_size or None,
         )
+        if self.compressed:
+            metadata[format.compressed.KEY_COMPRESSED] = format.compressed.encode_table(
+                self.compressed
+            )
         return format.encode_header(self.entries, metadata, self.alignment)
 
     def checksummers(self) -> dict[str, PieceCrcs]:
@@ -130,6 +138,7 @@ def plan_save(
     checksum: bool = True,
     allow_pickle: bool = False,
     piece_size: int = format.DEFAULT_PIECE_SIZE,
+    compress: bool | str | None = None,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
 
@@ -142,6 +151,7 @@ def plan_save(
     if isinstance(alignment, bool) or not isinstance(alignment, int):
         raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
     _check_piece_size(piece_size)
+    compression = compressed_tensors.check_compress(compress)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
     flat = tree.flatten(obj, allow_pickle=allow_pickle)
@@ -154,6 +164,16 @@ def plan_save(
         _check_tensor(name, t)
         shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
         specs.append((name, dtypes.to_safetensors(t.dtype), shape))
+    compressed: dict[str, format.compressed.CompressedTensor] = {}
+    if compression is not None:  # frames replace the tensors worth compressing
+        stored, compressed = compressed_tensors.compress_tensors(stored, compression)
+        specs = [
+            (n, format.compressed.COMPRESSED_DTYPE, tuple(stored[n].shape))
+            if n in compressed
+            else spec
+            for spec in specs
+            for n in [spec[0]]
+        ]
     entries = format.plan_layout(specs, alignment)
     plan = SavePlan(
         entries=entries,
@@ -164,6 +184,7 @@ def plan_save(
         checksum=checksum,
         alignment=alignment,
         piece_size=piece_size,
+        compressed=compressed,
     )
     # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
     zeros = {
@@ -427,6 +448,7 @@ def save(
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
     overwrite_readonly: bool = False,
+    compress: bool | str | None = None,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -463,6 +485,10 @@ def save(
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
         overwrite_readonly: replace a file at ``f`` that has no write permission.
+        compress: store tensors compressed, losslessly (default None: off). ``True``
+            chooses per dtype (byte planes + zstd for floating point, zstd for the rest);
+            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Only fastckpt
+            reads such a file: plain safetensors readers refuse it (see docs/compression.md).
 
     Example:
         >>> import torch, fastckpt
@@ -484,6 +510,7 @@ def save(
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
+        compress=compress,
     )
     write_plan(
         plan,
@@ -512,6 +539,7 @@ def save_into(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    compress: bool | str | None = None,
 ) -> None:
     """:func:`save` into a staged file that the caller commits or aborts (a file of a
     multi-file checkpoint, :class:`fastckpt.io.commit_set.CommitSet`); same options.
@@ -536,6 +564,7 @@ def save_into(
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
+        compress=compress,
     )
     write_into(
         plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
@@ -555,6 +584,7 @@ def plan_and_executor(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    compress: bool | str | None = None,
 ) -> tuple[SavePlan, Executor]:
     """What every save of ``obj`` to ``path`` starts with: its plan (checked before any file
     is touched) and the executor configured for ``path``'s file system."""
@@ -565,6 +595,7 @@ def plan_and_executor(
         checksum=checksum,
         allow_pickle=allow_pickle,
         piece_size=piece_size,
+        compress=compress,
     )
     executor = executor_for_destination(
         path,
