@@ -286,12 +286,21 @@ def read_range(
     itemsize = format.ITEMSIZE[c.dtype]
     with reader._reading():  # noqa: SLF001
         reader.require_checksums(verify)
-        head = _stored_range(reader, e, 0, min(e.nbytes, layout.HEAD_BYTES), verify)
+        pieces = reader.meta.pieces
+        whole = None
+        if verify and (pieces is None or e.name not in pieces.digests):
+            # checked only as a whole: read (and check) the stored bytes once
+            whole = _stored_range(reader, e, 0, e.nbytes, verify)
+
+        def fetch(lo: int, hi: int) -> bytes:
+            return whole[lo:hi] if whole is not None else _stored_range(reader, e, lo, hi, verify)
+
+        head = fetch(0, min(e.nbytes, layout.HEAD_BYTES))
         length = layout.head_length(head)
         if length > e.nbytes:
             raise HeaderError(f"{where}: compressed frame's table runs past its {e.nbytes} bytes")
         if length > len(head):
-            head = _stored_range(reader, e, 0, length, verify)
+            head = fetch(0, length)
         table = layout.parse_frame_head(head, c.nbytes, itemsize, where=where)
         layout.check_frame_size(table, e.nbytes, where)
         if stop == start:
@@ -300,7 +309,7 @@ def read_range(
             first, last = start // table.chunk_bytes, (stop - 1) // table.chunk_bytes
             offsets = table.plane_offsets()
             lo, hi = offsets[first * table.planes], offsets[(last + 1) * table.planes]
-            stored = memoryview(_stored_range(reader, e, lo, hi, verify))
+            stored = memoryview(fetch(lo, hi))
 
             def plane(i: int) -> memoryview:
                 return stored[offsets[i] - lo : offsets[i + 1] - lo]
