@@ -10,7 +10,7 @@ piece) are those of the stored, compressed bytes.
 
 A reader reads a compressed tensor's stored bytes (verified against those CRC32Cs when asked)
 and decompresses them on every core, checking the uncompressed bytes' CRC32C. A range or a
-slice (``get_slice``) decompresses only the chunks that hold it (1 MiB each by default),
+slice (``get_slice``) decompresses only the chunks that hold it (2 MiB each by default),
 after reading only their stored bytes; it checks the stored bytes' pieces when ``verify=True``,
 and zstd's own checksum of each compressed plane always, but not the whole tensor's CRC32C.
 
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: Tensors smaller than this are stored as they are: a frame's head would eat the gain.
-MIN_BYTES = 4096
+MIN_BYTES = 4 << 10
 #: dtypes that the automatic choice (``compress=True``) stores as byte planes.
 _FLOATS = frozenset({"F16", "BF16", "F32", "F64"})
 _MODES = ("zstd", "byteplane")
@@ -287,13 +287,19 @@ def read_range(
     with reader._reading():  # noqa: SLF001
         reader.require_checksums(verify)
         pieces = reader.meta.pieces
-        whole = None
-        if verify and (pieces is None or e.name not in pieces.digests):
-            # checked only as a whole: read (and check) the stored bytes once
-            whole = _stored_range(reader, e, 0, e.nbytes, verify)
+        # Verified, whole checksummed pieces are read (the whole tensor when it has no piece
+        # checksums): keep the last ones read, since the head and the planes often share one.
+        step = pieces.piece_size if pieces is not None and e.name in pieces.digests else e.nbytes
+        held: list[Any] = [0, b""]
 
         def fetch(lo: int, hi: int) -> bytes:
-            return whole[lo:hi] if whole is not None else _stored_range(reader, e, lo, hi, verify)
+            if not verify:
+                return _stored_range(reader, e, lo, hi, False)
+            at, data = held
+            if not (at <= lo and hi <= at + len(data)):
+                at, end = lo // step * step, min(e.nbytes, -(-hi // step) * step)
+                held[:] = at, data = at, _stored_range(reader, e, at, end, True)
+            return data[lo - at : hi - at]
 
         head = fetch(0, min(e.nbytes, layout.HEAD_BYTES))
         length = layout.head_length(head)

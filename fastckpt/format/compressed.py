@@ -38,8 +38,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastckpt.errors import HeaderError
+from fastckpt.format.header import json_type, loads_strict
 from fastckpt.format.schema import (
     _CRC_PATTERN,
+    COMPRESSED_DTYPE,
     DTYPES,
     ITEMSIZE,
     META_PREFIX,
@@ -49,8 +51,6 @@ from fastckpt.format.schema import (
     tensor_nbytes,
 )
 
-#: The dtype name of a compressed tensor's entry: no safetensors reader accepts it.
-COMPRESSED_DTYPE = "fastckpt.compressed"
 #: ``__metadata__`` key of the table of compressed tensors (true dtype, shape, raw CRC32C).
 KEY_COMPRESSED = META_PREFIX + "compressed"
 
@@ -285,8 +285,6 @@ def parse_table(metadata: Mapping[str, str], entries: Mapping[str, Any]) -> dict
         >>> parse_table(meta, {"w": TensorEntry("w", COMPRESSED_DTYPE, (40,), 0, 40)})["w"].nbytes
         12
     """
-    from fastckpt.format.header import json_type, loads_strict
-
     marked = [name for name, e in entries.items() if e.dtype == COMPRESSED_DTYPE]
     text = metadata.get(KEY_COMPRESSED)
     if text is None:

@@ -15,9 +15,9 @@ import struct
 from typing import Any, Callable
 
 from fastckpt.errors import HeaderError
-from fastckpt.format.compressed import COMPRESSED_DTYPE
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
+    COMPRESSED_DTYPE,
     DTYPES,
     FORMAT_VERSION,
     HEADER_LIMIT,

@@ -13,8 +13,8 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from fastckpt.format.compressed import COMPRESSED_DTYPE
 from fastckpt.format.schema import (
+    COMPRESSED_DTYPE,
     DEFAULT_ALIGNMENT,
     DTYPES,
     HEADER_LIMIT,
