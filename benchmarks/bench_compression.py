@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -130,7 +131,9 @@ def codec_methods(dtype: torch.dtype) -> dict[str, tuple[Callable[..., Any], Cal
         lambda blob, n: np.frombuffer(zstandard.ZstdDecompressor().decompress(blob), np.uint8),
     )
     try:
-        import zipnn
+        with warnings.catch_warnings():  # zipnn's import uses torch.jit.script, deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import zipnn
     except ImportError:
         log("zipnn is not installed (pip install zipnn): left out")
         return methods
