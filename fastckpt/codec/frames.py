@@ -126,6 +126,19 @@ def _crc(data: np.ndarray) -> int:
     return _C.crc32c(data.ctypes.data, data.nbytes) if data.nbytes else 0
 
 
+#: Bytes of a mantissa plane compressed to decide whether the rest is worth compressing.
+PROBE_BYTES = 64 << 10
+
+
+def _worth_trying(zstd: Any, plane: np.ndarray) -> bool:
+    """Whether a plane other than the exponent's may shrink: its first :data:`PROBE_BYTES`
+    must shrink by 1%. Mantissa planes are nearly random, and zstd spends as long failing
+    to shrink them as it spends on the exponent plane."""
+    if plane.nbytes <= 2 * PROBE_BYTES:
+        return True
+    return len(zstd.compress(plane[:PROBE_BYTES])) < 0.99 * PROBE_BYTES
+
+
 def compress(
     data: np.ndarray,
     codec: str,
@@ -160,7 +173,10 @@ def compress(
         piece = data[index * chunk_bytes : (index + 1) * chunk_bytes]
         stored: list[Any] = []
         zstd = _compressor(code)
-        for plane in byteplane.split(piece, planes):
+        for p, plane in enumerate(byteplane.split(piece, planes)):
+            if p and not _worth_trying(zstd, plane):  # a mantissa plane: stored raw
+                stored.append(plane)
+                continue
             packed = zstd.compress(plane)
             stored.append(packed if len(packed) < plane.nbytes else plane)
         return stored, _crc(piece)
