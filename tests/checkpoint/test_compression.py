@@ -165,6 +165,11 @@ def test_compressed_saves_reach_file_objects_and_urls(tmp_path):
     assert torch.equal(fastckpt.load_bytes(buffer.getvalue())["w"], w)
     fastckpt.save({"w": w}, "memory://compression-test/w.safetensors", compress="zstd")
     assert torch.equal(fastckpt.load("memory://compression-test/w.safetensors")["w"], w)
+    shards = {f"layer{i}": _compressible(torch.bfloat16, 1 << 18) for i in range(3)}
+    fastckpt.save(shards, tmp_path / "sharded/", max_shard_size="600KB", compress=True)
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    back = fastckpt.load(tmp_path / "sharded")
+    assert all(torch.equal(back[k], v) for k, v in shards.items())
 
 
 def test_a_damaged_stored_byte_is_caught(tmp_path):
@@ -325,3 +330,18 @@ def test_kill_9_during_a_compressed_save_leaves_the_old_file(tmp_path):
         assert list(back) in (["old"], ["w"])
         if "old" in back:
             assert torch.equal(back["old"], old)
+
+
+def test_load_into_a_module_decompresses_in_place(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)).to(
+        torch.bfloat16
+    )
+    path = tmp_path / "model.safetensors"
+    fastckpt.save(model.state_dict(), path, compress=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)).to(
+        torch.bfloat16
+    )
+    fastckpt.load_into(fresh, path)
+    for name, t in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
