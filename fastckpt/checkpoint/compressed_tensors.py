@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -101,6 +102,26 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split_work(jobs: Mapping[Any, Any], run: Any, size: Any) -> dict[Any, Any]:
+    """``run(job, threads)`` for every job: those of several chunks one after the other, each
+    on every core; those of one chunk side by side, one core each."""
+    from fastckpt.codec.frames import DEFAULT_CHUNK_BYTES
+    from fastckpt.io.parallel_io import worker_count
+
+    small = [key for key, job in jobs.items() if size(job) <= DEFAULT_CHUNK_BYTES]
+    done = {key: run(job, None) for key, job in jobs.items() if key not in small}
+    if len(small) > 1 and worker_count() > 1:
+        with concurrent.futures.ThreadPoolExecutor(worker_count(), "fastckpt-codec-small") as pool:
+            done.update(zip(small, pool.map(lambda key: run(jobs[key], 1), small)))
+    else:
+        done.update({key: run(jobs[key], None) for key in small})
+    return done
+
+
 def compress_tensors(
     tensors: Mapping[str, torch.Tensor], mode: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, layout.CompressedTensor]]:
@@ -116,24 +137,28 @@ def compress_tensors(
     """
     from fastckpt.codec import frames
 
+    jobs: dict[int, tuple[str, torch.Tensor, str, str]] = {}  # once per tensor, tied or not
+    for name, t in tensors.items():
+        dtype = dtypes.to_safetensors(t.dtype)
+        codec = codec_for(dtype, mode)
+        if id(t) not in jobs and codec is not None and _nbytes(t) >= MIN_BYTES:
+            jobs[id(t)] = (name, t, dtype, codec)
+
+    def run(job: tuple[str, torch.Tensor, str, str], threads: int | None) -> Any:
+        name, t, dtype, codec = job
+        frame, crc = frames.compress(
+            _bytes_of(t).numpy(), codec, format.ITEMSIZE[dtype], threads=threads
+        )
+        if len(frame) >= _nbytes(t):
+            return None  # stored as it is
+        shape = tuple(dtypes.stored_shape(t.dtype, t.shape, name=name))
+        return torch.from_numpy(frame), layout.CompressedTensor(dtype, shape, _nbytes(t), crc)
+
+    done = _split_work(jobs, run, lambda job: _nbytes(job[1]))
     stored: dict[str, torch.Tensor] = {}
     table: dict[str, layout.CompressedTensor] = {}
-    done: dict[int, tuple[torch.Tensor, layout.CompressedTensor] | None] = {}
     for name, t in tensors.items():
-        key = id(t)
-        if key not in done:
-            done[key] = None
-            dtype = dtypes.to_safetensors(t.dtype)
-            codec = codec_for(dtype, mode)
-            nbytes = t.numel() * t.element_size()
-            if codec is not None and nbytes >= MIN_BYTES:
-                raw = _bytes_of(t)
-                frame, crc = frames.compress(raw.numpy(), codec, format.ITEMSIZE[dtype])
-                if len(frame) < nbytes:
-                    shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
-                    described = layout.CompressedTensor(dtype, tuple(shape), nbytes, crc)
-                    done[key] = (torch.from_numpy(frame), described)
-        found = done[key]
+        found = done.get(id(t))
         if found is None:
             stored[name] = t
         else:
@@ -188,7 +213,7 @@ def _where(reader: Any, name: str) -> str:
     return f"{reader.path}: tensor {name!r}"
 
 
-def decode(reader: Any, name: str, blob: torch.Tensor) -> torch.Tensor:
+def decode(reader: Any, name: str, blob: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """The tensor that the frame ``blob`` (its stored bytes, on the CPU) holds, checked
     against the CRC32C of its uncompressed bytes."""
     from fastckpt.codec import frames
@@ -199,7 +224,7 @@ def decode(reader: Any, name: str, blob: torch.Tensor) -> torch.Tensor:
     frame = blob.numpy()
     frames.read_table(frame, c.nbytes, itemsize, where=where)  # before allocating the tensor
     out = torch.empty(c.nbytes, dtype=torch.uint8)
-    frames.decompress(frame, out.numpy(), itemsize, crc32c=c.crc32c, where=where)
+    frames.decompress(frame, out.numpy(), itemsize, crc32c=c.crc32c, where=where, threads=threads)
     shape = dtypes.torch_shape(c.dtype, c.shape, tensor=name)
     return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
@@ -227,9 +252,15 @@ def read_decoded(
         blobs = reader._read_entries(  # noqa: SLF001
             packed, pin_memory=False, verify=verify, progress=progress
         )
-    for e in packed:
-        tensor = decode(reader, e.name, blobs.pop(e.name))
-        result[e.name] = tensor if reader.device.type == "cpu" else tensor.to(reader.device)
+    jobs = {e.name: blobs.pop(e.name) for e in packed}
+    sizes = {name: reader.compressed[name].nbytes for name in jobs}
+    tensors = _split_work(
+        {name: (name, blob) for name, blob in jobs.items()},
+        lambda job, threads: decode(reader, job[0], job[1], threads=threads),
+        lambda job: sizes[job[0]],
+    )
+    for name, tensor in tensors.items():
+        result[name] = tensor if reader.device.type == "cpu" else tensor.to(reader.device)
     return result
 
 
