@@ -345,3 +345,16 @@ def test_load_into_a_module_decompresses_in_place(tmp_path):
     fastckpt.load_into(fresh, path)
     for name, t in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], t), name
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_are_compressed_and_load_back_to_the_device(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    w = _compressible(torch.bfloat16, 1 << 18).cuda()
+    path = tmp_path / "cuda.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    back = fastckpt.load(path, map_location="cuda")
+    assert back["w"].is_cuda and torch.equal(back["w"], w)
+    with fastckpt.open(path, device="cuda") as r:
+        assert torch.equal(r.get_slice("w")[5:9], w[5:9])
