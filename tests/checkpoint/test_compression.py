@@ -358,3 +358,18 @@ def test_cuda_tensors_are_compressed_and_load_back_to_the_device(tmp_path):
     assert back["w"].is_cuda and torch.equal(back["w"], w)
     with fastckpt.open(path, device="cuda") as r:
         assert torch.equal(r.get_slice("w")[5:9], w[5:9])
+
+
+def test_fastckpt_verify_checks_a_compressed_file(tmp_path):
+    from fastckpt.cli.verify import verify_file
+
+    path = tmp_path / "v.safetensors"
+    fastckpt.save(
+        {"w": _compressible(torch.bfloat16, 1 << 16), "b": torch.ones(2)}, path, compress=True
+    )
+    assert verify_file(path).ok
+    data = bytearray(path.read_bytes())
+    data[-50] ^= 1
+    path.write_bytes(bytes(data))
+    result = verify_file(path)
+    assert not result.ok and "w" in str(result)
