@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "alignment.h"
+#include "byteplane.h"
 #include "crc32c.h"
 #include "cufile.h"
 #include "engine.h"
@@ -158,4 +159,5 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
 
   bind_cufile(m);
+  bind_byteplane(m);
 }

@@ -64,7 +64,15 @@ def _for_url(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # What a save into a file object can honour: the file's contents, not how a disk is written.
-_STREAM_OPTIONS = ("metadata", "alignment", "checksum", "allow_pickle", "piece_size", "progress")
+_STREAM_OPTIONS = (
+    "metadata",
+    "alignment",
+    "checksum",
+    "allow_pickle",
+    "piece_size",
+    "progress",
+    "compress",
+)
 
 
 def _save_to_file_object(obj: Any, f: Any, options: Mapping[str, Any]) -> None:

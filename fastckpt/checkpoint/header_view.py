@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastckpt import format
-from fastckpt.checkpoint import dtypes
+from fastckpt.checkpoint import compressed_tensors, dtypes
 from fastckpt.errors import HeaderError
 
 __all__ = ["HeaderView", "TensorInfo", "read_header"]
@@ -61,6 +61,8 @@ class HeaderView:
     path: str
     header: format.Header
     meta: format.FastckptMeta
+    #: name -> true dtype, shape and CRC32C of each compressed tensor (compressed_tensors.py)
+    compressed: dict[str, format.compressed.CompressedTensor]
 
     def _adopt_header(self, header: format.Header) -> None:
         """Takes a parsed header, checking what ties its parts together (HeaderError naming
@@ -101,7 +103,11 @@ class HeaderView:
                 )
         if meta.pieces is not None:
             self._check_pieces(meta.pieces, entries)
+        # compressed tensors: their true dtypes and shapes are checked with the table
+        self.compressed = compressed_tensors.table_of(header, self.path)
         for entry in entries.values():
+            if entry.name in self.compressed:
+                continue
             # HeaderError for a dtype torch cannot hold, or a shape it cannot hold it in
             dtypes.torch_shape(entry.dtype, entry.shape, tensor=entry.name)
             dtypes.to_torch(entry.dtype)
@@ -184,6 +190,11 @@ class HeaderView:
         """dtype, shape, size and file offset of a tensor, without reading it."""
         self._check_open()
         e = self._entry(name)
+        if e.name in self.compressed:  # its true dtype, shape and (uncompressed) size
+            c = self.compressed[e.name]
+            shape = dtypes.torch_shape(c.dtype, c.shape, tensor=name)
+            offset = self.header.data_offset + e.begin
+            return TensorInfo(name, dtypes.to_torch(c.dtype), shape, c.nbytes, offset)
         return TensorInfo(
             name,
             dtypes.to_torch(e.dtype),

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fastckpt import format
+from fastckpt.checkpoint import compressed_tensors
 from fastckpt.checkpoint.chained_reader import open_chain
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
@@ -254,6 +255,8 @@ class CheckpointReader(HeaderView, Reader):
             ...     r.read_range("w", 8, 20, out=out, verify=True).tolist()
             [2, 3, 4]
         """
+        if compressed_tensors.asks_compressed(self, [name]):  # decompresses the chunks needed
+            return compressed_tensors.read_range(self, name, start, stop, out=out, verify=verify)
         with self._reading():
             e, dest = self._range_request(name, start, stop, out)
             self.require_checksums(verify)
@@ -294,18 +297,24 @@ class CheckpointReader(HeaderView, Reader):
         """
         self._check_open()
         e = self._entry(name)
+        if e.name in self.compressed:
+            return compressed_tensors.get_slice(self, e, verify)
         return TensorSlice(e, lambda lo, hi: self.read_range(e.name, lo, hi, verify=verify))
 
     def _entries_of(self, names: Sequence[str] | None) -> dict[str, format.TensorEntry]:
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
         if names is None:
-            return self._shared_entries()
-        entries = {}
-        for n in names:
-            e = self._entry(n)
-            entries[e.name] = e
-        return entries
+            entries = self._shared_entries()
+        else:
+            entries = {}
+            for n in names:
+                e = self._entry(n)
+                entries[e.name] = e
+        # compressed tensors are read as their stored bytes (compressed_tensors.py)
+        return (
+            compressed_tensors.as_stored(entries, self.compressed) if self.compressed else entries
+        )
 
     def read(
         self,
@@ -321,6 +330,10 @@ class CheckpointReader(HeaderView, Reader):
         Prefetched tensors are taken from their prefetch (verified now when ``verify`` asks
         and the prefetch did not; read again when ``pin_memory`` asks and it was not pinned).
         """
+        if compressed_tensors.asks_compressed(self, names):  # read, then decompressed
+            return compressed_tensors.read_decoded(
+                self, names, pin_memory=pin_memory, verify=verify, progress=progress
+            )
         with self._reading():
             entries = self._entries_of(names)
             self.require_checksums(verify)
@@ -375,6 +388,8 @@ class CheckpointReader(HeaderView, Reader):
             ...     f.map()["w"].tolist()
             [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         """
+        if compressed_tensors.asks_compressed(self, names):  # those decompressed into memory
+            return compressed_tensors.map_decoded(self, names, verify=verify)
         with self._reading():
             if self.device.type != "cpu":
                 raise ValueError(f"mapping gives CPU tensors; this reader loads to {self.device}")

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import dtypes, incremental, save_order, tree
+from fastckpt.checkpoint import compressed_tensors, dtypes, incremental, save_order, tree
 from fastckpt.checkpoint.digests import BufferHasher, TensorDigest
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
@@ -80,6 +80,10 @@ class SavePlan:
     references: Any = None  # fastckpt.format.references.References
     known_hashes: dict[str, str] = dataclasses.field(default_factory=dict)
     record: Any = None  # fastckpt.checkpoint.incremental.SaveRecord
+    #: compressed tensors' true dtype, shape and CRC32C (their frames are in ``tensors``)
+    compressed: dict[str, format.compressed.CompressedTensor] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def data_size(self) -> int:
@@ -109,6 +113,10 @@ class SavePlan:
             hashes=hashes if recorded else None,
             references=self.references,
         )
+        if self.compressed:
+            metadata[format.compressed.KEY_COMPRESSED] = format.compressed.encode_table(
+                self.compressed
+            )
         return format.encode_header(self.entries, metadata, self.alignment)
 
     def checksummers(self) -> dict[str, PieceCrcs]:
@@ -160,6 +168,7 @@ def plan_save(
     base: str | os.PathLike[str] | None = None,
     frozen: incremental.Frozen = None,
     destination: str | None = None,
+    compress: bool | str | None = None,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
 
@@ -176,6 +185,7 @@ def plan_save(
     if isinstance(alignment, bool) or not isinstance(alignment, int):
         raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
     _check_piece_size(piece_size)
+    compression = compressed_tensors.check_compress(compress)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
     flat = tree.flatten(obj, allow_pickle=allow_pickle)
@@ -192,6 +202,16 @@ def plan_save(
     if choice.references is not None:
         specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
         stored = {name: stored[name] for name, _, _ in specs}
+    compressed: dict[str, format.compressed.CompressedTensor] = {}
+    if compression is not None:  # frames replace the tensors worth compressing
+        stored, compressed = compressed_tensors.compress_tensors(stored, compression)
+        specs = [
+            (n, format.compressed.COMPRESSED_DTYPE, tuple(stored[n].shape))
+            if n in compressed
+            else spec
+            for spec in specs
+            for n in [spec[0]]
+        ]
     entries = format.plan_layout(specs, alignment)
     plan = SavePlan(
         entries=entries,
@@ -205,6 +225,7 @@ def plan_save(
         checksum=checksum,
         alignment=alignment,
         piece_size=piece_size,
+        compressed=compressed,
     )
     # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
     zeros = {
@@ -513,6 +534,7 @@ def save(
     overwrite_readonly: bool = False,
     base: str | os.PathLike[str] | None = None,
     frozen: incremental.Frozen = None,
+    compress: bool | str | None = None,
 ) -> None:
     """Saves ``obj`` to the path ``f`` as a safetensors file laid out for direct I/O.
 
@@ -555,6 +577,10 @@ def save(
             needs the base's files; plain safetensors readers see only the tensors written.
         frozen: with ``base``, names (or a predicate on names) of tensors the caller
             promises are unchanged since ``base``: referred to without being hashed.
+        compress: store tensors compressed, losslessly (default None: off). ``True``
+            chooses per dtype (byte planes + zstd for floating point, zstd for the rest);
+            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Only fastckpt
+            reads such a file: plain safetensors readers refuse it (see docs/compression.md).
 
     Example:
         >>> import torch, fastckpt
@@ -578,6 +604,7 @@ def save(
         intra_op_parallelism=intra_op_parallelism,
         base=base,
         frozen=frozen,
+        compress=compress,
     )
     write_plan(
         plan,
@@ -606,6 +633,7 @@ def save_into(
     block_size: int | None = None,
     queue_depth: int | None = None,
     intra_op_parallelism: int | None = None,
+    compress: bool | str | None = None,
 ) -> None:
     """:func:`save` into a staged file that the caller commits or aborts (a file of a
     multi-file checkpoint, :class:`fastckpt.io.commit_set.CommitSet`); same options.
@@ -630,6 +658,7 @@ def save_into(
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
+        compress=compress,
     )
     write_into(
         plan, out, executor, default_pool(staging_bytes), progress=progress, direct_io=direct_io
@@ -651,6 +680,7 @@ def plan_and_executor(
     intra_op_parallelism: int | None = None,
     base: str | os.PathLike[str] | None = None,
     frozen: incremental.Frozen = None,
+    compress: bool | str | None = None,
 ) -> tuple[SavePlan, Executor]:
     """What every save of ``obj`` to ``path`` starts with: its plan (checked before any file
     is touched; with ``base``, only the changed tensors) and the executor configured for
@@ -665,6 +695,7 @@ def plan_and_executor(
         base=base,
         frozen=frozen,
         destination=path,
+        compress=compress,
     )
     executor = executor_for_destination(
         path,

@@ -77,6 +77,7 @@ def save_to_stream(
     checksum: bool = True,
     allow_pickle: bool = False,
     piece_size: int = format.DEFAULT_PIECE_SIZE,
+    compress: bool | str | None = None,
     argname: str = "f",
 ) -> None:
     """Writes ``obj`` as a checkpoint into the writable binary file object ``f``, from its
@@ -102,6 +103,7 @@ def save_to_stream(
         checksum=checksum,
         allow_pickle=allow_pickle,
         piece_size=piece_size,
+        compress=compress,
     )
     header = _header(plan)
     if len(header) != plan.header_size:  # the data would not start where the header says
@@ -115,7 +117,7 @@ def save_to_stream(
 def save_bytes(obj: Any, **options: Any) -> bytes:
     """``obj`` saved as a checkpoint, as bytes (like ``safetensors.torch.save``); the
     options are :func:`fastckpt.save`'s format options (``metadata``, ``checksum``,
-    ``alignment``, ``allow_pickle``, ``piece_size``).
+    ``alignment``, ``allow_pickle``, ``piece_size``, ``compress``).
 
     Example:
         >>> import torch

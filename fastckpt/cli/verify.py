@@ -184,15 +184,20 @@ def _check_structure(path: str | os.PathLike[str]) -> None:
     on ``meta`` tensors, reading no data and unpickling nothing)."""
     import torch
 
-    from fastckpt.checkpoint import dtypes, tree
+    from fastckpt.checkpoint import compressed_tensors, dtypes, tree
     from fastckpt.cli.inspect import read_header
     from fastckpt.format import split_metadata
 
     header = read_header(path)
     meta = split_metadata(header.metadata)
+    packed = compressed_tensors.table_of(header, os.fspath(path))  # their true dtypes and shapes
+    entries = [
+        compressed_tensors.logical_entry(e, packed[e.name]) if e.name in packed else e
+        for e in header.entries.values()
+    ]
     stand_ins = {
         e.name: torch.empty(e.shape, dtype=dtypes.to_torch(e.dtype), device="meta")
-        for e in header.entries.values()
+        for e in entries
         if e.name not in meta.aliases  # a tied tensor's stored copy: the alias resolves it
     }
     if meta.references is not None:  # an incremental checkpoint: tensors held by its bases

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from fastckpt.errors import HeaderError
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
+    COMPRESSED_DTYPE,
     DTYPES,
     FORMAT_VERSION,
     HEADER_LIMIT,
@@ -41,7 +42,8 @@ from fastckpt.format.schema import (
 )
 from fastckpt.format.torch_save import torch_save_format
 
-_DTYPE_NAMES = {name: name for name in DTYPES}
+# a compressed tensor's blob is one more dtype here, of bytes (see compressed.py)
+_DTYPE_NAMES = {name: name for name in DTYPES | {COMPRESSED_DTYPE}}
 
 _TORCH_SAVE_KINDS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a tar archive"}
 
@@ -224,8 +226,9 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
 def _checked_entry(
     where: str, name: str, dtype: Any, shape: Any, offsets: Any, data_size: int
 ) -> TensorEntry:
-    if type(dtype) is not str or dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in _DTYPE_NAMES:
         raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
+    sized_as = "U8" if dtype == COMPRESSED_DTYPE else dtype  # a compressed blob counts bytes
     if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
         raise HeaderError(f"{where}: shape {short(shape)} must be a list of integers in [0, 2**64)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))):
@@ -243,14 +246,14 @@ def _checked_entry(
     if too_big is not None:
         raise HeaderError(f"{where}: shape {short(shape)}: {too_big}, the most torch can hold")
     try:
-        nbytes = tensor_nbytes(dtype, shape)
+        nbytes = tensor_nbytes(sized_as, shape)
     except ValueError as exc:
         raise HeaderError(f"{where}: shape {exc}") from None
     if nbytes is None:
         raise HeaderError(f"{where}: shape {short(shape)} of {dtype} overflows 64 bits")
     if nbytes != end - begin:
         raise HeaderError(
-            f"{where}: shape {short(shape)} of {dtype} ({element_bits(dtype)} bits each) "
+            f"{where}: shape {short(shape)} of {dtype} ({element_bits(sized_as)} bits each) "
             f"does not fill data_offsets [{begin}, {end}] ({end - begin} bytes)"
         )
     # The table's own string for the dtype: one shared object instead of one per entry.

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fastckpt.format.schema import (
+    COMPRESSED_DTYPE,
     DEFAULT_ALIGNMENT,
     DTYPES,
     HEADER_LIMIT,
@@ -40,8 +41,9 @@ def _check_alignment(alignment: int) -> None:
 
 def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
     """(shape as a tuple, byte size) of a tensor to write; ValueError if no reader could read it."""
-    if dtype not in DTYPES:
+    if dtype not in DTYPES and dtype != COMPRESSED_DTYPE:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    sized_as = "U8" if dtype == COMPRESSED_DTYPE else dtype  # a compressed blob counts bytes
     dims = tuple(shape)
     if not all(type(dim) is int and dim >= 0 for dim in dims):
         raise ValueError(f"tensor {name!r}: shape {list(dims)} must hold non-negative ints")
@@ -49,7 +51,7 @@ def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> tuple[tuple[
     if too_big is not None:
         raise ValueError(f"tensor {name!r}: shape {list(dims)}: {too_big}")
     try:
-        nbytes = tensor_nbytes(dtype, list(dims))
+        nbytes = tensor_nbytes(sized_as, list(dims))
     except ValueError as exc:
         raise ValueError(f"tensor {name!r}: shape {exc}") from None
     if nbytes is None:
@@ -94,7 +96,7 @@ def plan_layout(
     def order(item: tuple[str, str, tuple[int, ...], int]) -> tuple[bool, int, str]:
         name, dtype, _, nbytes = item
         fills_blocks = nbytes > 0 and nbytes % alignment == 0
-        return (not fills_blocks, -element_bits(dtype), name)
+        return (not fills_blocks, -element_bits("U8" if dtype == COMPRESSED_DTYPE else dtype), name)
 
     entries = []
     offset = 0

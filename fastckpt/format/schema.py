@@ -49,6 +49,10 @@ PACKED_BITS: dict[str, int] = {
 #: Every safetensors dtype name a header may hold (all that safetensors 0.8 knows).
 DTYPES: frozenset[str] = frozenset(ITEMSIZE) | frozenset(PACKED_BITS)
 
+#: The dtype name of a compressed tensor's entry (:mod:`fastckpt.format.compressed`): no
+#: safetensors reader accepts it, so they refuse such a file instead of misreading it.
+COMPRESSED_DTYPE = "fastckpt.compressed"
+
 #: Largest header accepted, the same cap as the reference reader.
 HEADER_LIMIT = 100 * 1024 * 1024
 DEFAULT_ALIGNMENT = 4096

@@ -85,6 +85,7 @@ def save(
     allow_pickle: bool = False,
     part_size: int = DEFAULT_PART_SIZE,
     parallel: int = DEFAULT_PARALLEL,
+    compress: bool | str | None = None,
     **local_options: Any,
 ) -> None:
     """Saves ``obj`` at ``url`` (what ``fastckpt.save`` does for a URL).
@@ -120,11 +121,17 @@ def save(
             alignment=alignment,
             checksum=checksum,
             allow_pickle=allow_pickle,
+            compress=compress,
             **local_options,
         )
         return
     plan = plan_save(
-        obj, allow_pickle=allow_pickle, metadata=metadata, alignment=alignment, checksum=checksum
+        obj,
+        allow_pickle=allow_pickle,
+        metadata=metadata,
+        alignment=alignment,
+        checksum=checksum,
+        compress=compress,
     )
     write_plan(plan, url, storage_options=storage_options, part_size=part_size, parallel=parallel)
 

@@ -1,0 +1,373 @@
+"""Compressed tensors in checkpoints: compressing a state's tensors before its layout is
+planned, and reading them back through a reader, decompressed.
+
+``save(..., compress=...)`` replaces each tensor worth compressing by its frame (a uint8
+tensor, see :mod:`fastckpt.codec.frames`), stored under dtype
+:data:`~fastckpt.format.compressed.COMPRESSED_DTYPE`; its true dtype, shape and the CRC32C of
+its uncompressed bytes go into the header (:data:`~fastckpt.format.compressed.KEY_COMPRESSED`).
+The writer then writes frames like any tensor, so the file's own CRC32Cs (whole and per
+piece) are those of the stored, compressed bytes.
+
+A reader reads a compressed tensor's stored bytes (verified against those CRC32Cs when asked)
+and decompresses them on every core, checking the uncompressed bytes' CRC32C. A range or a
+slice (``get_slice``) decompresses only the chunks that hold it (2 MiB each by default),
+after reading only their stored bytes; it checks the stored bytes' pieces when ``verify=True``,
+and zstd's own checksum of each compressed plane always, but not the whole tensor's CRC32C.
+
+Example:
+    >>> import torch, fastckpt
+    >>> w = torch.randn(256, 256).to(torch.bfloat16)
+    >>> fastckpt.save({"w": w}, "/tmp/fastckpt-compressed.safetensors", compress=True)
+    >>> with fastckpt.open("/tmp/fastckpt-compressed.safetensors") as r:
+    ...     r.info("w").dtype, torch.equal(r.get_tensor("w"), w), torch.equal(r.get_slice("w")[3:5], w[3:5])
+    (torch.bfloat16, True, True)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastckpt import format
+from fastckpt.checkpoint import dtypes
+from fastckpt.checkpoint.range_read import (
+    RangeSource,
+    TensorSlice,
+    check_byte_range,
+    read_byte_range,
+)
+from fastckpt.errors import HeaderError
+from fastckpt.format import compressed as layout
+
+__all__ = [
+    "MIN_BYTES",
+    "check_compress",
+    "codec_for",
+    "compress_tensors",
+    "table_of",
+]
+
+#: Tensors smaller than this are stored as they are: a frame's head would eat the gain.
+MIN_BYTES = 4 << 10
+#: dtypes that the automatic choice (``compress=True``) stores as byte planes.
+_FLOATS = frozenset({"F16", "BF16", "F32", "F64"})
+_MODES = ("zstd", "byteplane")
+
+
+def check_compress(compress: Any) -> str | None:
+    """The compression mode that ``save``'s ``compress`` asks for: ``None`` (off),
+    ``"auto"`` (``True``: byte planes for floating point, zstd for the rest), ``"zstd"`` or
+    ``"byteplane"`` (byte planes for every dtype of 2 bytes or more).
+
+    Example:
+        >>> check_compress(True), check_compress(None), check_compress("zstd")
+        ('auto', None, 'zstd')
+    """
+    if compress is None or compress is False:
+        return None
+    if compress is True:
+        return "auto"
+    if isinstance(compress, str) and compress in _MODES:
+        return compress
+    raise ValueError(f"compress must be True, False, None, 'zstd' or 'byteplane', got {compress!r}")
+
+
+def codec_for(dtype: str, mode: str) -> str | None:
+    """The codec that stores a tensor of safetensors ``dtype`` in ``mode``; None for dtypes
+    stored uncompressed (the packed sub-byte ones).
+
+    Example:
+        >>> codec_for("BF16", "auto"), codec_for("I64", "auto"), codec_for("I64", "byteplane")
+        ('byteplane', 'zstd', 'byteplane')
+    """
+    itemsize = format.ITEMSIZE.get(dtype)
+    if itemsize is None:
+        return None
+    if mode == "zstd" or itemsize == 1 or itemsize not in (2, 4, 8):
+        return "zstd"
+    if mode == "byteplane" or dtype in _FLOATS:
+        return "byteplane"
+    return "zstd"
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes in row-major order as a contiguous CPU uint8 tensor."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split_work(jobs: Mapping[Any, Any], run: Any, size: Any) -> dict[Any, Any]:
+    """``run(job, threads)`` for every job: those of several chunks one after the other, each
+    on every core; those of one chunk side by side, one core each."""
+    from fastckpt.codec.frames import DEFAULT_CHUNK_BYTES
+    from fastckpt.io.parallel_io import worker_count
+
+    small = [key for key, job in jobs.items() if size(job) <= DEFAULT_CHUNK_BYTES]
+    done = {key: run(job, None) for key, job in jobs.items() if key not in small}
+    if len(small) > 1 and worker_count() > 1:
+        with concurrent.futures.ThreadPoolExecutor(worker_count(), "fastckpt-codec-small") as pool:
+            done.update(zip(small, pool.map(lambda key: run(jobs[key], 1), small)))
+    else:
+        done.update({key: run(jobs[key], None) for key in small})
+    return done
+
+
+def compress_tensors(
+    tensors: Mapping[str, torch.Tensor], mode: str
+) -> tuple[dict[str, torch.Tensor], dict[str, layout.CompressedTensor]]:
+    """Each tensor worth compressing replaced by its frame; returns the tensors to store and
+    the compressed ones' descriptions. A tensor under several names (tied weights) is
+    compressed once; one that does not shrink is stored as it is.
+
+    Example:
+        >>> import torch
+        >>> stored, table = compress_tensors({"z": torch.zeros(4096), "s": torch.ones(2)}, "auto")
+        >>> stored["z"].dtype, stored["s"].dtype, list(table)
+        (torch.uint8, torch.float32, ['z'])
+    """
+    from fastckpt.codec import frames
+
+    jobs: dict[int, tuple[str, torch.Tensor, str, str]] = {}  # once per tensor, tied or not
+    for name, t in tensors.items():
+        dtype = dtypes.to_safetensors(t.dtype)
+        codec = codec_for(dtype, mode)
+        if id(t) not in jobs and codec is not None and _nbytes(t) >= MIN_BYTES:
+            jobs[id(t)] = (name, t, dtype, codec)
+
+    def run(job: tuple[str, torch.Tensor, str, str], threads: int | None) -> Any:
+        name, t, dtype, codec = job
+        frame, crc = frames.compress(
+            _bytes_of(t).numpy(), codec, format.ITEMSIZE[dtype], threads=threads
+        )
+        if len(frame) >= _nbytes(t):
+            return None  # stored as it is
+        shape = tuple(dtypes.stored_shape(t.dtype, t.shape, name=name))
+        return torch.from_numpy(frame), layout.CompressedTensor(dtype, shape, _nbytes(t), crc)
+
+    done = _split_work(jobs, run, lambda job: _nbytes(job[1]))
+    stored: dict[str, torch.Tensor] = {}
+    table: dict[str, layout.CompressedTensor] = {}
+    for name, t in tensors.items():
+        found = done.get(id(t))
+        if found is None:
+            stored[name] = t
+        else:
+            stored[name], table[name] = found
+    return stored, table
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def table_of(header: format.Header, where: str) -> dict[str, layout.CompressedTensor]:
+    """The compressed tensors of a parsed header, each of a dtype and shape torch can hold
+    (HeaderError naming ``where`` otherwise)."""
+    try:
+        table = layout.parse_table(header.metadata, header.entries)
+        for name, c in table.items():
+            dtypes.to_torch(c.dtype)
+            dtypes.torch_shape(c.dtype, c.shape, tensor=name)
+    except HeaderError as exc:
+        raise HeaderError(f"{where}: {exc}") from None
+    return table
+
+
+def stored_entry(e: format.TensorEntry) -> format.TensorEntry:
+    """A compressed tensor's entry as the bytes it stores (read like any U8 tensor)."""
+    return format.TensorEntry(e.name, "U8", e.shape, e.begin, e.end)
+
+
+def logical_entry(e: format.TensorEntry, c: layout.CompressedTensor) -> format.TensorEntry:
+    """A compressed tensor's entry as the tensor it holds (its offsets are not the file's)."""
+    return format.TensorEntry(e.name, c.dtype, c.shape, 0, c.nbytes)
+
+
+def as_stored(
+    entries: dict[str, format.TensorEntry], table: Mapping[str, Any]
+) -> dict[str, format.TensorEntry]:
+    """``entries`` with every compressed one as its stored bytes."""
+    return {n: stored_entry(e) if n in table else e for n, e in entries.items()}
+
+
+def asks_compressed(reader: Any, names: Sequence[str] | None) -> bool:
+    """Whether reading ``names`` (None: all) from ``reader`` reads a compressed tensor."""
+    if not reader.compressed:
+        return False
+    if names is None or isinstance(names, str):
+        return True  # (a str is refused by the read itself)
+    aliases = reader.aliases
+    return any(aliases.get(n, n) in reader.compressed for n in names)
+
+
+def _where(reader: Any, name: str) -> str:
+    return f"{reader.path}: tensor {name!r}"
+
+
+def decode(reader: Any, name: str, blob: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """The tensor that the frame ``blob`` (its stored bytes, on the CPU) holds, checked
+    against the CRC32C of its uncompressed bytes."""
+    from fastckpt.codec import frames
+
+    c = reader.compressed[name]
+    itemsize = format.ITEMSIZE[c.dtype]
+    where = _where(reader, name)
+    frame = blob.numpy()
+    frames.read_table(frame, c.nbytes, itemsize, where=where)  # before allocating the tensor
+    out = torch.empty(c.nbytes, dtype=torch.uint8)
+    frames.decompress(frame, out.numpy(), itemsize, crc32c=c.crc32c, where=where, threads=threads)
+    shape = dtypes.torch_shape(c.dtype, c.shape, tensor=name)
+    return out.view(dtypes.to_torch(c.dtype)).view(shape)
+
+
+def read_decoded(
+    reader: Any,
+    names: Sequence[str] | None,
+    *,
+    pin_memory: bool,
+    verify: bool,
+    progress: bool | None,
+) -> dict[str, torch.Tensor]:
+    """:meth:`~fastckpt.checkpoint.read.CheckpointReader.read` of names some of which are
+    compressed: the others are read as usual, the compressed ones' stored bytes into host
+    memory (verified when asked), then decompressed; keyed by stored name."""
+    entries = reader._entries_of(names)  # noqa: SLF001 - the reader's own helper
+    packed = [e for n, e in entries.items() if n in reader.compressed]
+    plain = [n for n in entries if n not in reader.compressed]
+    result = reader.read(plain, pin_memory=pin_memory, verify=verify, progress=progress)
+    with reader._reading():  # noqa: SLF001
+        reader.require_checksums(verify)
+        with reader._lock:  # noqa: SLF001 - a prefetch of the stored bytes is not reused
+            for e in packed:
+                reader._prefetched.pop(e.name, None)  # noqa: SLF001
+        blobs = reader._read_entries(  # noqa: SLF001
+            packed, pin_memory=False, verify=verify, progress=progress
+        )
+    jobs = {e.name: blobs.pop(e.name) for e in packed}
+    sizes = {name: reader.compressed[name].nbytes for name in jobs}
+    tensors = _split_work(
+        {name: (name, blob) for name, blob in jobs.items()},
+        lambda job, threads: decode(reader, job[0], job[1], threads=threads),
+        lambda job: sizes[job[0]],
+    )
+    for name, tensor in tensors.items():
+        result[name] = tensor if reader.device.type == "cpu" else tensor.to(reader.device)
+    return result
+
+
+def map_decoded(reader: Any, names: Sequence[str] | None, *, verify: bool) -> dict[str, Any]:
+    """:meth:`~fastckpt.checkpoint.read.CheckpointReader.map` of names some of which are
+    compressed: those are read and decompressed into memory of their own."""
+    entries = reader._entries_of(names)  # noqa: SLF001
+    plain = [n for n in entries if n not in reader.compressed]
+    packed = [n for n in entries if n in reader.compressed]
+    result = reader.map(plain, verify=verify) if plain else {}
+    result.update(reader.read(packed, verify=verify))
+    return result
+
+
+def _stored_range(reader: Any, e: format.TensorEntry, lo: int, hi: int, verify: bool) -> bytes:
+    """Stored bytes ``[lo, hi)`` of a compressed tensor, verified by pieces when asked."""
+    base = reader.header.data_offset
+    mode = reader._mode((base + e.begin + lo, hi - lo))  # noqa: SLF001
+    source = RangeSource(
+        reader.storage, reader.path, base, reader.meta.crcs, reader.meta.pieces, mode
+    )
+    data = read_byte_range(
+        source,
+        stored_entry(e),
+        lo,
+        hi,
+        out=None,
+        verify=verify,
+        span_bytes=reader.storage.span_bytes(hi - lo, mode),
+        on_read=reader._count,  # noqa: SLF001
+    )
+    return data.numpy().tobytes()
+
+
+def read_range(
+    reader: Any,
+    name: str,
+    start: int,
+    stop: int,
+    *,
+    out: torch.Tensor | None,
+    verify: bool,
+) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of the uncompressed tensor ``name``: only the chunks that
+    hold them are read and decompressed."""
+    from fastckpt.checkpoint.range_read import byte_view
+    from fastckpt.codec import frames
+
+    e = reader._entry(name)  # noqa: SLF001
+    c = reader.compressed[e.name]
+    where = _where(reader, e.name)
+    check_byte_range(name, c.nbytes, start, stop, reader.path)
+    dest = None if out is None else byte_view(out, stop - start)
+    itemsize = format.ITEMSIZE[c.dtype]
+    with reader._reading():  # noqa: SLF001
+        reader.require_checksums(verify)
+        pieces = reader.meta.pieces
+        # Verified, whole checksummed pieces are read (the whole tensor when it has no piece
+        # checksums): keep the last ones read, since the head and the planes often share one.
+        step = pieces.piece_size if pieces is not None and e.name in pieces.digests else e.nbytes
+        held: list[Any] = [0, b""]
+
+        def fetch(lo: int, hi: int) -> bytes:
+            if not verify:
+                return _stored_range(reader, e, lo, hi, False)
+            at, data = held
+            if not (at <= lo and hi <= at + len(data)):
+                at, end = lo // step * step, min(e.nbytes, -(-hi // step) * step)
+                held[:] = at, data = at, _stored_range(reader, e, at, end, True)
+            return data[lo - at : hi - at]
+
+        head = fetch(0, min(e.nbytes, layout.HEAD_BYTES))
+        length = layout.head_length(head)
+        if length > e.nbytes:
+            raise HeaderError(f"{where}: compressed frame's table runs past its {e.nbytes} bytes")
+        if length > len(head):
+            head = fetch(0, length)
+        table = layout.parse_frame_head(head, c.nbytes, itemsize, where=where)
+        layout.check_frame_size(table, e.nbytes, where)
+        if stop == start:
+            part = np.empty(0, np.uint8)
+        else:
+            first, last = start // table.chunk_bytes, (stop - 1) // table.chunk_bytes
+            offsets = table.plane_offsets()
+            lo, hi = offsets[first * table.planes], offsets[(last + 1) * table.planes]
+            stored = memoryview(fetch(lo, hi))
+
+            def plane(i: int) -> memoryview:
+                return stored[offsets[i] - lo : offsets[i + 1] - lo]
+
+            chunks = range(first, last + 1)
+            raw = np.empty(sum(table.chunk_raw_bytes(i) for i in chunks), np.uint8)
+            frames.decompress_chunks(table, plane, raw, chunks, itemsize, where=where)
+            at = start - first * table.chunk_bytes
+            part = raw[at : at + (stop - start)]
+    result = torch.from_numpy(part)
+    if dest is not None:
+        dest.copy_(result)
+        return out  # type: ignore[return-value]
+    return result if reader.device.type == "cpu" else result.to(reader.device)
+
+
+def get_slice(reader: Any, e: format.TensorEntry, verify: bool) -> TensorSlice:
+    """A :class:`~fastckpt.checkpoint.range_read.TensorSlice` of compressed tensor ``e``:
+    each slice decompresses only the chunks holding its rows."""
+    c = reader.compressed[e.name]
+    return TensorSlice(
+        logical_entry(e, c),
+        lambda lo, hi: read_range(reader, e.name, lo, hi, out=None, verify=verify),
+    )
