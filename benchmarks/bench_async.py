@@ -373,7 +373,6 @@ def run_mode(spec: dict[str, Any]) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore")  # DCP's and Lightning's notices
-    import_everything()  # every mode pays the same imports before the RSS baseline
     model, optimizer, state, batch = build(spec)
     rss_base = TreeRss.sample()  # the model and its state: what every mode starts from
     mode = spec["mode"]
@@ -547,6 +546,7 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
+        import_everything()  # every mode pays the same imports before its RSS baseline
         sys.exit(child_main(args.child, {"mode": run_mode, "calibrate": calibrate}))
 
     modes = [m for m in args.modes.split(",") if m]

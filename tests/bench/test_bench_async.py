@@ -29,7 +29,15 @@ def _bench():
 # In this process: the modes that need no process group (the DCP ones are run below).
 @pytest.mark.parametrize(
     "mode",
-    ["none", "copy", "eager", "lazy", "lazy_capped", "lightning_async", "lightning_fastckpt"],
+    [
+        "none",
+        "copy",
+        "eager",
+        "lazy",
+        "lazy_capped",
+        "lightning_fastckpt",
+        pytest.param("lightning_async", marks=pytest.mark.slow),
+    ],
 )
 def test_each_mode_saves_the_state_at_its_call(tmp_path, mode):
     spec = {
