@@ -71,6 +71,7 @@ import sys
 import tempfile
 import threading
 import types
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -557,33 +558,77 @@ def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
     return module.startswith("torch.optim.")
 
 
+# The lazy saves that the next step of an optimizer fences: by optimizer, or for every
+# optimizer. One step pre-hook for the whole process reads them, registered once and never
+# removed: a save ends on its own thread, and removing a hook there while a step iterates
+# the hooks would break that step ("OrderedDict mutated during iteration").
+_fences_lock = threading.Lock()
+_fences_by_optimizer: weakref.WeakKeyDictionary[Any, list[SaveFuture]] = weakref.WeakKeyDictionary()
+_fences_everywhere: list[SaveFuture] = []
+_fences_hook: Any = None
+
+
 def _fence_optimizer_steps(future: SaveFuture, optimizers: Any) -> None:
     """Fences ``future`` at the next step of each of ``optimizers`` (every optimizer of
     the process when None): after the step's closure when the optimizer evaluates it first
     (Lightning runs forward and backward inside the closure, which then overlap the save),
-    else before the step. The hooks go when the save is done."""
+    else before the step. The save is forgotten when it is done."""
+    global _fences_hook
+    with _fences_lock:
+        if _fences_hook is None:
+            _fences_hook = register_optimizer_step_pre_hook(_fence_before_step)
+        if optimizers is None:
+            lists = [_fences_everywhere]
+        else:
+            lists = [_fences_by_optimizer.setdefault(opt, []) for opt in optimizers]
+        for pending in lists:
+            pending.append(future)
 
-    def before_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        positional = len(args) > 1  # args[0] is the optimizer itself
-        closure = args[1] if positional else kwargs.get("closure")
-        if closure is None or not _evaluates_closure_first(optimizer):
+    def forget(_: Any) -> None:
+        with _fences_lock:
+            for pending in lists:
+                if future in pending:
+                    pending.remove(future)
+
+    future.add_done_callback(forget)
+
+
+def _fence_before_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+    """The step pre-hook: fences the saves pending on ``optimizer`` (see above)."""
+    with _fences_lock:
+        futures = [*_fences_by_optimizer.get(optimizer, ()), *_fences_everywhere]
+    if not futures:
+        return None
+
+    def fence() -> None:
+        for future in futures:
             future.fence()
-            return None
 
-        def fenced_closure() -> Any:
-            loss = closure()
-            future.fence()
-            return loss
+    positional = len(args) > 1  # args[0] is the optimizer itself
+    closure = args[1] if positional else kwargs.get("closure")
+    if closure is None or not _evaluates_closure_first(optimizer):
+        fence()
+        return None
 
-        if positional:
-            return (args[0], fenced_closure, *args[2:]), kwargs
-        return args, {**kwargs, "closure": fenced_closure}
+    def fenced_closure() -> Any:
+        loss = closure()
+        fence()
+        return loss
 
-    if optimizers is None:
-        handles = [register_optimizer_step_pre_hook(before_step)]
-    else:
-        handles = [opt.register_step_pre_hook(before_step) for opt in optimizers]
-    future.add_done_callback(lambda _: [handle.remove() for handle in handles])
+    if positional:
+        return (args[0], fenced_closure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": fenced_closure}
+
+
+def _forget_fences_in_child() -> None:
+    global _fences_lock
+    _fences_lock = threading.Lock()  # a save thread of the parent may have held it
+    _fences_by_optimizer.clear()
+    _fences_everywhere.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_fences_in_child)
 
 
 class AsyncFastCkptIO(FastCkptIO):

@@ -47,3 +47,24 @@ def test_a_reservation_refused_fails_the_lazy_save_through_its_future(tmp_path):
     assert info.value.errno == errno.EFBIG
     assert os.listdir(tmp_path) == ["w.safetensors"]  # no temporary file left
     assert fastckpt.load(path)["w"].tolist() == [0.0] * 4  # the previous checkpoint stays
+
+
+def test_two_pending_saves_fenced_on_one_optimizer_let_it_step(tmp_path):
+    """A save that ends while the step runs the fences leaves the step's hooks alone (it
+    used to remove its hook from its own thread: "OrderedDict mutated during iteration")."""
+    w = torch.nn.Parameter(torch.randn(16 << 20 >> 2))  # 16 MiB through an 8 MiB ring
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    w.grad = torch.ones_like(w)
+    for i in range(5):
+        expected = w.detach().clone()
+        futures = [
+            fastckpt.async_save(
+                {"w": w}, tmp_path / f"{i}{n}.safetensors", fence=optimizer, staging_bytes=8 << 20
+            )
+            for n in "ab"
+        ]
+        optimizer.step()  # both fences run; the first save may end meanwhile
+        for future in futures:
+            future.result()
+            assert torch.equal(fastckpt.load(future.path)["w"], expected)
+    assert len(optimizer._optimizer_step_pre_hooks) == 1

@@ -11,7 +11,6 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from torch.optim import optimizer as optimizer_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import fastckpt  # noqa: E402
@@ -132,8 +131,9 @@ class _LetGoAfterTheStep(_HoldTheRing):
 def _run(tmp_path, io: AsyncFastCkptIO, steps: int, *extra: Callback):
     dirpath = str(tmp_path / "ckpt")
     capture = _StateAtSave(dirpath)
+    # Two saves a step (last.ckpt too), both pending at the next step's fence.
     checkpoint = ModelCheckpoint(
-        dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=-1
+        dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last=True
     )
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
@@ -249,10 +249,13 @@ def test_the_fence_follows_the_closure_of_torch_optimizers(
     optimizer.step(closure)
     future.result()
     assert events[:2] == order
-    hooks = optimizer._optimizer_step_pre_hooks
-    if not trainer_optimizers:
-        hooks = optimizer_module._global_optimizer_pre_hooks
-    deadline = time.monotonic() + 10  # removed by the future's done callback, just after
-    while hooks and time.monotonic() < deadline:
+    pending = fastckpt_lightning._fences_by_optimizer
+    deadline = time.monotonic() + 10  # forgotten by the future's done callback, just after
+    while (pending.get(optimizer) or fastckpt_lightning._fences_everywhere) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.01)
-    assert not hooks
+    assert not pending.get(optimizer) and not fastckpt_lightning._fences_everywhere
+    events.clear()
+    optimizer.step(closure)  # no save pending: no fence
+    assert events == ["closure"]
