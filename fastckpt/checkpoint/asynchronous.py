@@ -436,7 +436,7 @@ def async_save(
                 out.reserve(plan.file_size)
                 writer.fill()
             finally:
-                guard.finish()  # fences return, hooks go: no tensor is read any more
+                guard.finish()  # fences return, steps stop fencing: no tensor is read any more
             writer.finish()
 
     elif from_tensors:

@@ -102,7 +102,7 @@ class LazyGuard:
                 self._lock.notify_all()
 
     def finish(self) -> None:
-        """The save ended (committed or failed): fences return at once; hooks removed."""
+        """The save ended (committed or failed): fences return at once; no step fences it."""
         with self._lock:
             self._finished = True
             self._snapshots.clear()
