@@ -54,7 +54,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -96,7 +98,7 @@ class LazyGuard:
         self._done: set[str] = set()  # copied (or snapshotted, see _snapshots)
         self._snapshots: dict[str, torch.Tensor] = {}  # host copies; device: flat clones
         self._finished = False
-        self._hooks: list[Any] = []
+        self._fenced_on: list[torch.optim.Optimizer] = []
         self.snapshot_bytes = 0  # host memory the fences took, for the docs' figures
         self.device_snapshot_bytes = 0  # device memory the fences took
         # -- CUDA tensors (see the module's description)
@@ -199,7 +201,7 @@ class LazyGuard:
             event.synchronize()
 
     def finish(self) -> None:
-        """The save ended (committed or failed): fences return at once; hooks removed.
+        """The save ended (committed or failed): fences return at once; no step fences it.
         Calls after the first do nothing."""
         if self._finished:
             return
@@ -211,9 +213,12 @@ class LazyGuard:
             self._queued.clear()
             self._tensors = {}  # the future outlives the save: it must not keep the state
             self._lock.notify_all()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        with _fenced_lock:
+            for optimizer in self._fenced_on:
+                pending = _fenced.get(optimizer, [])
+                if self in pending:
+                    pending.remove(self)
+        self._fenced_on.clear()
 
     def rebind(self, names: Mapping[str, str | torch.Tensor]) -> None:
         """Renames the guarded tensors to the names the writer stores them under: ``new ->
@@ -328,7 +333,41 @@ class LazyGuard:
                     "fence takes a torch.optim.Optimizer or a list of them, got "
                     f"{type(optimizer).__name__}"
                 )
-            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.fence()))
+            with _fenced_lock:
+                pending = _fenced.get(optimizer)
+                if pending is None:
+                    pending = _fenced[optimizer] = []
+                    optimizer.register_step_pre_hook(_fence_pending_saves)
+                pending.append(self)
+            self._fenced_on.append(optimizer)
+
+
+# One step pre-hook per fenced optimizer, kept for the optimizer's life: it fences the lazy
+# saves pending on it. Saves come and go through this registry rather than by adding and
+# removing hooks, since a save ends on its own thread, and removing a hook there while a
+# step iterates the optimizer's hooks breaks that step ("OrderedDict mutated during
+# iteration").
+_fenced_lock = threading.Lock()
+_fenced: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[LazyGuard]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _fence_pending_saves(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    with _fenced_lock:
+        pending = list(_fenced.get(optimizer, ()))
+    for guard in pending:
+        guard.fence()
+
+
+def _after_fork_in_child() -> None:
+    global _fenced_lock
+    _fenced_lock = threading.Lock()  # a save thread of the parent may have held it
+    _fenced.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- CUDA, kept to these few calls (tests stand host memory in for the device) ---------------

@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import importlib
 import inspect
@@ -74,6 +75,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastckpt.checkpoint import config_objects, tree
 from fastckpt.checkpoint.asynchronous import SaveFuture, async_save
@@ -428,24 +430,28 @@ def _trainer_save_checkpoint_codes() -> tuple[Any, ...]:
     return tuple(codes)
 
 
-def _outside_a_run() -> bool:
-    """Whether this save comes from ``Trainer.save_checkpoint`` called while the Trainer is
-    not running (no ``fit``/``validate``... whose teardown would wait for it).
+def _calling_trainer() -> pl.Trainer | None:
+    """The Trainer whose ``Trainer.save_checkpoint`` called this save, or None.
 
     The ``CheckpointIO`` interface gives no Trainer; the calling ``Trainer.save_checkpoint``
-    frame has it, a few frames up.
+    frame has it, a few frames up (every ``ModelCheckpoint`` save goes through it).
     """
     codes = _trainer_save_checkpoint_codes()
     frame: types.FrameType | None = sys._getframe(1)
     for _ in range(8):
         frame = frame.f_back if frame is not None else None
         if frame is None:
-            return False
+            return None
         if frame.f_code in codes:
-            trainer = frame.f_locals.get("self")
-            status = getattr(getattr(trainer, "state", None), "status", None)
-            return status is not None and str(getattr(status, "value", status)) != "running"
-    return False
+            return frame.f_locals.get("self")
+    return None
+
+
+def _outside_a_run(trainer: Any) -> bool:
+    """Whether ``trainer`` (the caller of this save) is not running (no ``fit``/
+    ``validate``... whose teardown would wait for the save)."""
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return status is not None and str(getattr(status, "value", status)) != "running"
 
 
 class FastCkptLoadingMixin:
@@ -514,12 +520,140 @@ class _Removal:
         return all(f.exception() is None for f in self.waiting_on)
 
 
-class AsyncFastCkptIO(FastCkptIO):
-    """A ``CheckpointIO`` whose saves block the training loop only for the snapshot.
+#: Tensors below this size are copied at a lazy save's call: normalisation statistics and
+#: counters, which a forward pass changes before any optimizer step, cost next to nothing.
+_COPIED_AT_CALL_BYTES = 1 << 20
 
-    ``save_checkpoint`` returns once the tensors are copied into staging memory
-    (:func:`fastckpt.async_save`); writing, fsync and the atomic rename go on in the
-    background, so the model may be changed at once. Guarantees:
+
+def _copy_changed_by_forward(flat: tree.Flat, module: Any) -> tree.Flat:
+    """``flat`` with copies of the tensors a forward pass may change in place: the small
+    ones, and those that share memory with a buffer of ``module`` (a LightningModule, or
+    None when the Trainer is not known). The lazy save then reads only parameters and
+    optimizer state, which change at the fenced optimizer step.
+
+    Example:
+        >>> import torch
+        >>> from fastckpt.checkpoint import tree
+        >>> w, n = torch.zeros(1 << 20), torch.zeros(2)
+        >>> out = _copy_changed_by_forward(tree.flatten({"w": w, "n": n}), None)
+        >>> out.tensors["w"] is w, out.tensors["n"] is n
+        (True, False)
+    """
+    buffers = set()
+    if isinstance(module, torch.nn.Module):
+        buffers = {b.data_ptr() for b in module.buffers() if b.numel()}
+    tensors = {}
+    for name, tensor in flat.tensors.items():
+        small = tensor.numel() * tensor.element_size() < _COPIED_AT_CALL_BYTES
+        if small or (tensor.numel() and tensor.data_ptr() in buffers):
+            tensor = tensor.detach().clone()
+        tensors[name] = tensor
+    return dataclasses.replace(flat, tensors=tensors)
+
+
+def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` calls the closure before changing anything: so
+    for torch's own optimizers (and subclasses that keep their ``step``)."""
+    module = getattr(type(optimizer).step, "__module__", "") or ""
+    return module.startswith("torch.optim.")
+
+
+# The lazy saves that the next step of an optimizer fences: by optimizer, or for every
+# optimizer. One step pre-hook for the whole process reads them, registered once and never
+# removed: a save ends on its own thread, and removing a hook there while a step iterates
+# the hooks would break that step ("OrderedDict mutated during iteration").
+_fences_lock = threading.Lock()
+_fences_by_optimizer: weakref.WeakKeyDictionary[Any, list[SaveFuture]] = weakref.WeakKeyDictionary()
+_fences_everywhere: list[SaveFuture] = []
+_fences_hook: Any = None
+
+
+def _fence_optimizer_steps(future: SaveFuture, optimizers: Any) -> None:
+    """Fences ``future`` at the next step of each of ``optimizers`` (every optimizer of
+    the process when None): after the step's closure when the optimizer evaluates it first
+    (Lightning runs forward and backward inside the closure, which then overlap the save),
+    else before the step. The save is forgotten when it is done."""
+    global _fences_hook
+    with _fences_lock:
+        if _fences_hook is None:
+            _fences_hook = register_optimizer_step_pre_hook(_fence_before_step)
+        if optimizers is None:
+            lists = [_fences_everywhere]
+        else:
+            lists = [_fences_by_optimizer.setdefault(opt, []) for opt in optimizers]
+        for pending in lists:
+            pending.append(future)
+
+    def forget(_: Any) -> None:
+        with _fences_lock:
+            for pending in lists:
+                if future in pending:
+                    pending.remove(future)
+
+    future.add_done_callback(forget)
+
+
+def _fence_before_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+    """The step pre-hook: fences the saves pending on ``optimizer`` (see above)."""
+    with _fences_lock:
+        futures = [*_fences_by_optimizer.get(optimizer, ()), *_fences_everywhere]
+    if not futures:
+        return None
+
+    def fence() -> None:
+        for future in futures:
+            future.fence()
+
+    positional = len(args) > 1  # args[0] is the optimizer itself
+    closure = args[1] if positional else kwargs.get("closure")
+    if closure is None or not _evaluates_closure_first(optimizer):
+        fence()
+        return None
+
+    def fenced_closure() -> Any:
+        loss = closure()
+        fence()
+        return loss
+
+    if positional:
+        return (args[0], fenced_closure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": fenced_closure}
+
+
+def _forget_fences_in_child() -> None:
+    global _fences_lock
+    _fences_lock = threading.Lock()  # a save thread of the parent may have held it
+    _fences_by_optimizer.clear()
+    _fences_everywhere.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_fences_in_child)
+
+
+class AsyncFastCkptIO(FastCkptIO):
+    """A ``CheckpointIO`` whose saves barely block the training loop.
+
+    By default (``lazy=True``) ``save_checkpoint`` returns without copying the tensors
+    (:func:`fastckpt.async_save` with ``lazy=True``): a background thread streams them
+    through a fixed staging ring to the file while the next batch's forward and backward
+    run, and the optimizers of the Trainer that saves are fenced. Their next ``step()``
+    first lets the save copy, or snapshot into host memory (up to ``fence_bytes``), the
+    tensors it has not reached, so the file holds the state at the save call. The fence
+    comes after the step's closure (forward, backward, ``on_before_optimizer_step``) for
+    torch's own optimizers, which evaluate the closure before they change anything, and
+    before the step for others. Small tensors (under 1 MiB: normalisation statistics,
+    counters) and the module's buffers, which a forward pass changes, are copied at the
+    call. A tensor changed in place by anything else (an EMA callback, a manual loop)
+    before the save copied it fails that save with :class:`~fastckpt.errors.LazySaveError`
+    (raised by the next save or at the end of ``fit``); nothing mixed is committed. Such
+    code calls :meth:`fence` first, or the plugin is made with ``lazy=False``.
+
+    With ``lazy=False`` ``save_checkpoint`` returns once the tensors are copied into
+    staging memory (a snapshot the size of the checkpoint); the write goes on in the
+    background and the model may change at once. URLs are always saved this way.
+
+    Either way, writing, fsync and the atomic rename happen in the background. Guarantees:
 
     - at most one save in flight per path: saving to a path still being written (``last.ckpt``
       every few steps) first waits for that write;
@@ -534,6 +668,10 @@ class AsyncFastCkptIO(FastCkptIO):
     Args:
         allow_pickle: as :class:`FastCkptIO`.
         max_pending: at most this many saves in flight; a further save waits for the oldest.
+        lazy: stream the tensors while training goes on, fenced at the optimizers' steps
+            (the default), rather than snapshot them all before returning.
+        fence_bytes: cap on the host memory one fence may snapshot (default: no cap); past
+            it the step waits for the ring, at the storage's speed.
         save_options: other keyword options of :func:`fastckpt.async_save`.
 
     Example:
@@ -544,9 +682,19 @@ class AsyncFastCkptIO(FastCkptIO):
         >>> io.teardown()  # waits for pending saves; Lightning calls it after fit()
     """
 
-    def __init__(self, *, allow_pickle: bool = False, max_pending: int = 2, **save_options: Any):
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        max_pending: int = 2,
+        lazy: bool = True,
+        fence_bytes: int | None = None,
+        **save_options: Any,
+    ):
         super().__init__(allow_pickle=allow_pickle, **save_options)
         self.max_pending = max_pending
+        self.lazy = lazy
+        self.fence_bytes = fence_bytes
         self._reset_runtime_state()
 
     def _reset_runtime_state(self) -> None:
@@ -588,9 +736,18 @@ class AsyncFastCkptIO(FastCkptIO):
                 removal.cancelled = True  # this save replaces the file: do not delete it later
         flat = _flatten(checkpoint, path, self.allow_pickle)
         _make_parent(path)
+        trainer = _calling_trainer()
+        outside = _outside_a_run(trainer)
+        lazy = self.lazy and not outside and not is_url(path)
         before = set(threading.enumerate())
-        save = remote.async_save if is_url(path) else async_save
-        future = save(flat, path, max_pending=self.max_pending, **self.save_options)
+        if lazy:
+            flat = _copy_changed_by_forward(flat, getattr(trainer, "lightning_module", None))
+            options = {"lazy": True, "fence_bytes": self.fence_bytes, **self.save_options}
+            future = async_save(flat, path, max_pending=self.max_pending, **options)
+            _fence_optimizer_steps(future, getattr(trainer, "optimizers", None))
+        else:
+            save = remote.async_save if is_url(path) else async_save
+            future = save(flat, path, max_pending=self.max_pending, **self.save_options)
         self._threads.extend(
             t
             for t in threading.enumerate()
@@ -604,7 +761,7 @@ class AsyncFastCkptIO(FastCkptIO):
             if isinstance(error, TypeError):
                 raise _explain_refusal(error, path) from error
             raise error
-        if _outside_a_run():
+        if outside:
             # Trainer.save_checkpoint() after (or before) fit: nothing would wait for this
             # save, and the caller expects the file there when the call returns.
             future.wait()
@@ -656,6 +813,18 @@ class AsyncFastCkptIO(FastCkptIO):
         """
         future = self._latest.get(os.fspath(path))
         return future is not None and not future.done()
+
+    def fence(self) -> None:
+        """Returns once the tensors of every save in flight may be changed: call it before
+        changing the model or optimizer state in place other than through an optimizer
+        step (an EMA update in a callback, say). At once with ``lazy=False``.
+
+        Example:
+            >>> from fastckpt.lightning import AsyncFastCkptIO
+            >>> AsyncFastCkptIO().fence()
+        """
+        for future in list(self._latest.values()):
+            future.fence()
 
     def wait(self) -> None:
         """Waits for every save and pending deletion, like :meth:`teardown`.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.checkpoint import asynchronous
+from fastckpt.checkpoint import asynchronous, lazy_guard
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -48,7 +48,8 @@ def test_a_fenced_optimizer_steps_on_and_the_file_holds_the_call_time_values(tmp
     back = fastckpt.load(tmp_path / "ckpt.safetensors")
     assert all(torch.equal(back["model"][k], v) for k, v in expected.items())
     assert not all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
-    assert not optimizer._optimizer_step_pre_hooks  # the fence is gone with the save
+    assert not lazy_guard._fenced.get(optimizer)  # the fence is gone with the save
+    assert len(optimizer._optimizer_step_pre_hooks) == 1  # one hook per optimizer, for good
 
 
 def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):

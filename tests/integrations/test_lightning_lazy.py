@@ -1,0 +1,261 @@
+"""AsyncFastCkptIO's lazy saves with a real Lightning Trainer: each file holds the state at
+its save call while training goes on, and a change the fence does not cover fails the save."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import fastckpt  # noqa: E402
+from fastckpt.checkpoint import asynchronous  # noqa: E402
+from fastckpt.errors import LazySaveError  # noqa: E402
+from fastckpt.integrations import lightning as fastckpt_lightning  # noqa: E402
+from fastckpt.lightning import AsyncFastCkptIO  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*number of training batches.*"),
+    pytest.mark.filterwarnings("ignore:.*is smaller than the logging interval.*"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty.*"),
+]
+
+WIDTH = 1024  # two 4 MiB weights and their Adam moments: 24 MiB, three times the ring
+RING = 8 << 20
+
+
+class WideModel(pl.LightningModule):
+    """Wide linear layers around a BatchNorm (whose statistics change in the forward pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, WIDTH),
+            torch.nn.BatchNorm1d(WIDTH),
+            torch.nn.Tanh(),
+            torch.nn.Linear(WIDTH, WIDTH),
+            torch.nn.Tanh(),
+            torch.nn.Linear(WIDTH, WIDTH),
+            torch.nn.Linear(WIDTH, 1),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _loader(batches: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * batches, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+class _StateAtSave(Callback):
+    """A copy of the model and optimizer state at each save call, by global step, and how
+    many batches began while the previous step's save was still being written."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath = dirpath
+        self.at_save: dict[int, dict] = {}
+        self.overlapped = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.at_save[checkpoint["global_step"]] = {
+            "state_dict": _clone(checkpoint["state_dict"]),
+            "optimizer_states": _clone(checkpoint["optimizer_states"]),
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        io = trainer.strategy.checkpoint_io
+        if io.in_flight(os.path.join(self.dirpath, f"step={trainer.global_step}.ckpt")):
+            self.overlapped += 1
+
+
+class _HoldTheRing(Callback):
+    """Holds every buffer of the lazy saves' staging ring from the first save on, so the
+    save of step 1 waits before its first copy, until :meth:`let_go` (a slow disk, made
+    certain)."""
+
+    def __init__(self):
+        self.held: list = []
+        self.ring = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if checkpoint["global_step"] == 1:
+            self.ring = asynchronous._lazy_ring(RING)
+            while (buf := self.ring.try_acquire()) is not None:
+                self.held.append(buf)
+
+    def let_go(self):
+        while self.held:
+            self.ring.release(self.held.pop())
+
+
+class _ChangeWeightsAtBatchStart(_HoldTheRing):
+    """An in-place change outside the optimizer (as an EMA callback makes), before the step
+    that would fence the save of the previous batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.mul_(0.999)
+            self.let_go()
+
+
+class _LetGoAfterTheStep(_HoldTheRing):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.let_go()  # the optimizer step of batch 2 has changed the weights by now
+
+
+def _run(tmp_path, io: AsyncFastCkptIO, steps: int, *extra: Callback):
+    dirpath = str(tmp_path / "ckpt")
+    capture = _StateAtSave(dirpath)
+    # Two saves a step (last.ckpt too), both pending at the next step's fence.
+    checkpoint = ModelCheckpoint(
+        dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last=True
+    )
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[capture, *extra, checkpoint],
+        plugins=[io],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    return trainer, capture, dirpath
+
+
+def _assert_equal(saved, expected, where: str):
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(saved, expected), where
+    elif isinstance(expected, dict):
+        assert sorted(saved, key=str) == sorted(expected, key=str), where
+        for key in expected:
+            _assert_equal(saved[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(saved) == len(expected), where
+        for i, (a, b) in enumerate(zip(saved, expected)):
+            _assert_equal(a, b, f"{where}[{i}]")
+    else:
+        assert saved == expected, where
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_each_file_holds_the_state_at_its_save_call(tmp_path, lazy):
+    io = AsyncFastCkptIO(lazy=lazy, staging_bytes=RING)
+    trainer, capture, dirpath = _run(tmp_path, io, 4)
+    trainer.fit(WideModel(), _loader(4))
+    assert sorted(capture.at_save) == [1, 2, 3, 4]
+    for step, expected in capture.at_save.items():
+        saved = fastckpt.load(os.path.join(dirpath, f"step={step}.ckpt"))
+        assert saved["global_step"] == step
+        _assert_equal(saved["state_dict"], expected["state_dict"], f"step {step} weights")
+        _assert_equal(saved["optimizer_states"], expected["optimizer_states"], f"step {step} adam")
+    first, last = capture.at_save[1]["state_dict"], capture.at_save[4]["state_dict"]
+    assert not torch.equal(first["net.0.weight"], last["net.0.weight"])  # training moved on
+    assert not torch.equal(first["net.1.running_mean"], last["net.1.running_mean"])
+    # Every save took longer than the next batch's start: the writes overlapped training.
+    assert capture.overlapped >= 1
+
+
+def test_a_capped_fence_waits_and_still_saves_the_state_at_the_call(tmp_path):
+    io = AsyncFastCkptIO(staging_bytes=RING, fence_bytes=0)
+    trainer, capture, dirpath = _run(tmp_path, io, 3)
+    trainer.fit(WideModel(), _loader(3))
+    for step, expected in capture.at_save.items():
+        saved = fastckpt.load(os.path.join(dirpath, f"step={step}.ckpt"))
+        _assert_equal(saved["state_dict"], expected["state_dict"], f"step {step} weights")
+
+
+def test_a_change_outside_the_optimizer_fails_the_save(tmp_path):
+    io = AsyncFastCkptIO(staging_bytes=RING)
+    trainer, _, dirpath = _run(tmp_path, io, 3, _ChangeWeightsAtBatchStart())
+    with pytest.raises(LazySaveError, match="changed after async_save"):
+        trainer.fit(WideModel(), _loader(3))
+    for name in os.listdir(dirpath):  # whatever was committed is a complete, valid file
+        assert not name.endswith(".tmp")
+        fastckpt.load(os.path.join(dirpath, name))
+
+
+def test_without_the_fence_the_optimizer_step_fails_the_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(fastckpt_lightning, "_fence_optimizer_steps", lambda *_: None)
+    io = AsyncFastCkptIO(staging_bytes=RING)
+    trainer, _, _ = _run(tmp_path, io, 3, _LetGoAfterTheStep())
+    with pytest.raises(LazySaveError, match="changed after async_save"):
+        trainer.fit(WideModel(), _loader(3))
+
+
+class _OwnStep(torch.optim.SGD):
+    """An optimizer with a step of its own: it may change parameters before its closure."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize(
+    ("make", "order"),
+    [
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), ["closure", "fence"]),
+        (lambda ps: _OwnStep(ps, lr=0.1), ["fence", "closure"]),
+    ],
+    ids=["torch-optimizer", "own-step"],
+)
+@pytest.mark.parametrize("trainer_optimizers", [True, False], ids=["listed", "every"])
+def test_the_fence_follows_the_closure_of_torch_optimizers(
+    tmp_path, make, order, trainer_optimizers
+):
+    model = torch.nn.Linear(8, 8)
+    optimizer = make(model.parameters())
+    future = fastckpt.async_save(model.state_dict(), str(tmp_path / "f.safetensors"), lazy=True)
+    events: list[str] = []
+    fence = future.fence
+    future.fence = lambda: (events.append("fence"), fence())[1]
+    listed = [optimizer] if trainer_optimizers else None
+    fastckpt_lightning._fence_optimizer_steps(future, listed)
+
+    def closure():
+        events.append("closure")
+        loss = model(torch.ones(2, 8)).sum()
+        loss.backward()
+        return loss
+
+    if future.done():
+        pytest.skip("the save finished before the step: its hooks are gone")
+    optimizer.step(closure)
+    future.result()
+    assert events[:2] == order
+    pending = fastckpt_lightning._fences_by_optimizer
+    deadline = time.monotonic() + 10  # forgotten by the future's done callback, just after
+    while (pending.get(optimizer) or fastckpt_lightning._fences_everywhere) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert not pending.get(optimizer) and not fastckpt_lightning._fences_everywhere
+    events.clear()
+    optimizer.step(closure)  # no save pending: no fence
+    assert events == ["closure"]
