@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_ranks import full_values, make_mesh, make_state
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fastckpt.checkpoint import lazy_guard
 from fastckpt.dcp import FastCkptLazyStager, FastCkptWriter, load_full
 
 
@@ -60,7 +61,7 @@ def fenced_and_unfenced(rank, world, base):
     assert torch.equal(saved["plain"], full["plain"]) and saved["cfg"]["lr"] == 0.1
     assert all(torch.equal(saved["net"][k], v) for k, v in before.items())
     assert torch.equal(saved["optim"]["state"]["0"]["exp_avg"], moments)
-    assert not optimizer._optimizer_step_pre_hooks  # the fence went with the save
+    assert not lazy_guard._fenced.get(optimizer)  # the fence went with the save
 
     big = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(16)}  # 16 MiB per rank
     path = base + "/unfenced"

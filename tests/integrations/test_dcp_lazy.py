@@ -17,6 +17,7 @@ from dcp_lazy_ranks import fenced_and_unfenced
 from dcp_ranks import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fastckpt.checkpoint import lazy_guard
 from fastckpt.dcp import FastCkptLazyStager, FastCkptWriter, load_full
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -67,7 +68,7 @@ def test_a_fenced_optimizer_steps_at_once_and_the_checkpoint_holds_the_call_time
         torch.equal(saved["optim"]["state"][str(i)]["exp_avg"], m) for i, m in moments.items()
     )
     assert saved["step"] == 1
-    assert not optimizer._optimizer_step_pre_hooks  # the fence went with the save
+    assert not lazy_guard._fenced.get(optimizer)  # the fence went with the save
     assert not all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     stager.close()
 
@@ -113,9 +114,9 @@ def test_staging_copies_nothing_and_returns_stand_ins_over_the_live_tensors():
         assert staged["model"][key] is not value
         assert staged["model"][key].data_ptr() == value.data_ptr()  # no copy
     assert staged["cfg"] == state["cfg"] and staged["cfg"]["lr"] is not state["cfg"]["lr"]
-    assert optimizer._optimizer_step_pre_hooks  # fenced until the save ends...
+    assert lazy_guard._fenced.get(optimizer)  # fenced until the save ends...
     stager.close()  # ...or, never written (no save took it), until the stager closes
-    assert not optimizer._optimizer_step_pre_hooks
+    assert not lazy_guard._fenced.get(optimizer)
     _step(model, optimizer)  # no fence left to wait on
 
 
@@ -124,7 +125,7 @@ def test_a_stage_dropped_unwritten_ends_and_leaves_no_fence(tmp_path):
     stager = FastCkptLazyStager(fence=optimizer, fence_bytes=0)
     staged = stager.stage({"model": model.state_dict()})
     del staged  # a save that failed before its writer started drops it
-    assert not optimizer._optimizer_step_pre_hooks
+    assert not lazy_guard._fenced.get(optimizer)
     _step(model, optimizer)  # would wait forever for a writer that never comes
 
 

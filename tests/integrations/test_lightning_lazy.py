@@ -102,7 +102,7 @@ class _HoldTheRing(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if checkpoint["global_step"] == 1:
-            self.ring = asynchronous._lazy_ring(RING)
+            self.ring = asynchronous.lazy_ring(RING)
             while (buf := self.ring.try_acquire()) is not None:
                 self.held.append(buf)
 
