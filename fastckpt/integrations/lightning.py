@@ -1146,7 +1146,7 @@ class _ManagerCheckpointIO(CheckpointIO):
         flat = _flatten(checkpoint, os.fspath(path), self.allow_pickle)
         future = self.manager.save(step, flat, metrics=metrics)
         self._saves.append(future)
-        if not self.asynchronous or _outside_a_run():
+        if not self.asynchronous or _outside_a_run(_calling_trainer()):
             future.result()
         self._raise_failures()
 
