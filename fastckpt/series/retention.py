@@ -1,5 +1,7 @@
 """Which steps a tier keeps.
 
+:func:`with_bases` adds the steps that kept incremental steps need.
+
 Example:
     >>> policy = Retention(keep_last=2, keep_every=100)
     >>> sorted(policy.kept([50, 100, 150, 200, 250, 300]))
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-__all__ = ["Retention"]
+__all__ = ["Retention", "with_bases"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +63,25 @@ class Retention:
             scored.sort(key=lambda s: (metrics or {})[s][metric], reverse=mode == "max")
             keep.update(scored[:count])
         return keep
+
+
+def with_bases(kept: set[int], needs: Mapping[int, Sequence[int]]) -> dict[int, set[int]]:
+    """The steps that ``kept`` steps need besides themselves (``needs``: step -> the steps
+    its files refer to), each with the kept steps that need it, followed through bases'
+    own needs; steps already in ``kept`` are not listed.
+
+    Example:
+        >>> with_bases({5, 6}, {6: [4], 5: [4], 4: [2]})
+        {4: {5, 6}, 2: {4}}
+    """
+    added: dict[int, set[int]] = {}
+    todo = sorted(kept, reverse=True)
+    while todo:
+        step = todo.pop()
+        for base in needs.get(step, ()):
+            if base in kept:
+                continue
+            if base not in added:
+                todo.append(base)
+            added.setdefault(base, set()).add(step)
+    return added
