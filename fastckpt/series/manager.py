@@ -413,7 +413,9 @@ class CheckpointManager:
                 kept = self.retention.kept(committed, self._metrics_of(tier, committed))
             kept |= {s for (where, s) in self._bases_in_use if where == tier.location}
             kept |= self._needed_by(tier, kept, committed)
-            for step in committed:
+            # newest first: a step goes before the older ones it needs, so a crash
+            # mid-way never leaves a committed step without its base
+            for step in reversed(committed):
                 if step not in kept:
                     layout.remove_step(tier, step)
                     self._markers.pop((tier.location, step), None)
