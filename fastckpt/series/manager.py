@@ -71,7 +71,7 @@ from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
 from fastckpt.series.lease import LocalLock, UrlLease
-from fastckpt.series.retention import Retention, with_bases
+from fastckpt.series.retention import Retention, kept_bases
 from fastckpt.series.sharded import DCP_LAYOUT, Ranks, load_step, save_step
 from fastckpt.series.steps import Tier
 
@@ -424,20 +424,15 @@ class CheckpointManager:
         """The steps that ``kept`` steps need (their markers' ``depends_on``, through every
         chain); a step whose marker cannot be read keeps every older step (what it needs is
         unknown). Steps kept only for others are logged once."""
-        needs: dict[int, list[int]] = {}
-        todo, seen = sorted(kept), set()
-        while todo:
-            step = todo.pop()
-            if step in seen or step not in committed:
-                continue
-            seen.add(step)
+
+        def depends_on(step: int) -> list[int]:
             try:
-                needs[step] = [int(s) for s in self._marker(tier, step).get("depends_on", [])]
+                return list(self._marker(tier, step).get("depends_on", []))
             except (OSError, ValueError) as exc:
                 _log.warning("keeping the steps before %d in %s: its marker: %s", step, tier, exc)
-                needs[step] = [s for s in committed if s < step]
-            todo += needs[step]
-        added = with_bases(kept, needs)
+                return [s for s in committed if s < step]
+
+        added = kept_bases(kept, committed, depends_on)
         for base, users in sorted(added.items()):
             if base not in committed:
                 _log.error(
