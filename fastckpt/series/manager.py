@@ -529,30 +529,57 @@ class CheckpointManager:
 
     def _quarantine_damaged(self, failed: list[tuple[Tier, int]]) -> None:
         """Moves out of the series the single-file steps of ``failed`` (steps that did not
-        load) whose own file is damaged, then those that need a step moved so."""
+        load) whose own file is damaged, and those of ``failed`` that need one of them; but
+        never a step that another committed step, staying, needs (it may load still)."""
         concurrent.futures.wait(list(self._pending))  # no drain reads a step moved away
-        moved: set[tuple[str, int]] = set()
-        intact: list[tuple[Tier, int]] = []
-        for tier, step in failed:
+        for tier in self._tiers():
+            steps = sorted(step for where, step in failed if where == tier)
+            if steps:
+                self._quarantine_in(tier, steps)
+
+    def _quarantine_in(self, tier: Tier, failed: list[int]) -> None:
+        why: dict[int, str] = {}
+        intact: list[int] = []
+        for step in failed:
             try:
-                marker = self._marker(tier, step)
-                if marker.get("layout", layout.FILE_LAYOUT) != layout.FILE_LAYOUT:
+                if self._marker(tier, step).get("layout", layout.FILE_LAYOUT) != layout.FILE_LAYOUT:
                     continue
                 damage = own_damage(tier, step)
             except (OSError, ValueError) as exc:  # unreadable: nothing is moved on a guess
                 _log.warning("step %d in %s is left as it is: %s", step, tier, exc)
                 continue
             if damage is None:
-                intact.append((tier, step))
+                intact.append(step)
             else:
-                self._quarantine(tier, step, damage)
-                moved.add((tier.location, step))
-        for tier, step in sorted(intact, key=lambda found: found[1]):  # bases first
-            needs = self._marker(tier, step).get("depends_on", [])
-            lost = [s for s in needs if (tier.location, s) in moved]
+                why[step] = damage
+        if not why:
+            return
+        needs = {}
+        for step in layout.committed_steps(tier):
+            try:
+                needs[step] = set(self._marker(tier, step).get("depends_on", []))
+            except (OSError, ValueError):
+                needs[step] = {s for s in layout.committed_steps(tier) if s < step}
+        for step in intact:  # failed, and needs a damaged step: moved with it
+            lost = sorted(needs.get(step, set()) & set(why))
             if lost:
-                self._quarantine(tier, step, f"it needs step {lost[0]}, quarantined")
-                moved.add((tier.location, step))
+                why[step] = f"it needs step {lost[0]}, whose file is damaged"
+        staying = True
+        while staying:  # a step that a staying step needs stays too
+            staying = False
+            for step in sorted(why):
+                users = [s for s, n in needs.items() if step in n and s not in why]
+                if users:
+                    _log.warning(
+                        "step %d in %s is damaged (%s) but left in the series: steps %s need it",
+                        step,
+                        tier,
+                        why.pop(step),
+                        users,
+                    )
+                    staying = True
+        for step in sorted(why, reverse=True):  # dependents before their bases
+            self._quarantine(tier, step, why[step])
 
     def _quarantine(self, tier: Tier, step: int, why: str) -> None:
         with self._guard:

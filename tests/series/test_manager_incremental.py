@@ -232,6 +232,21 @@ def test_a_damaged_base_quarantines_it_and_the_steps_that_need_it(tmp_path):
     ]
 
 
+def test_a_damaged_step_that_a_loading_step_needs_stays(tmp_path, caplog):
+    with fastckpt.CheckpointManager(tmp_path, keep_last=None, incremental=True) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step))
+        manager.wait()
+    _damage(_state_file(tmp_path, 1), "w")  # step 2 holds its own "w": it needs 1's "frozen"
+    caplog.set_level(logging.WARNING, logger="fastckpt")
+    with fastckpt.CheckpointManager(tmp_path, keep_last=None) as manager:
+        with pytest.raises(FileNotFoundError, match="could be restored"):
+            manager.restore(1)
+        assert manager.steps() == [1, 2]  # 1 stays: 2 needs it
+        assert _equal(manager.restore()[1], _state(2))
+    assert "left in the series: steps [2] need it" in caplog.text
+
+
 _KILLED_RUN = textwrap.dedent(
     """
     import sys, torch, fastckpt
