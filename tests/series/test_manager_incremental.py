@@ -90,6 +90,24 @@ def test_save_incremental_per_step_and_refusals(tmp_path):
         fastckpt.CheckpointManager(tmp_path / "other", full_every=0)
 
 
+def test_lazy_fenced_incremental_saves_hold_the_call_time_state(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    frozen = torch.arange(_FROZEN, dtype=torch.float32)
+    with fastckpt.CheckpointManager(tmp_path, keep_last=None, incremental=True) as manager:
+        for step in (1, 2, 3):
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+            manager.save(step, {"model": model.state_dict(), "frozen": frozen}, fence=optimizer)
+            model(torch.randn(2, 64)).sum().backward()
+            optimizer.step()  # waits on the fence, then changes every parameter
+            manager.wait()
+            state = manager.restore(step)[1]
+            assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
+            assert torch.equal(state["frozen"], frozen)
+    assert layout.marker_of(str(tmp_path), 3)["depends_on"] == [1]
+
+
 def test_retention_keeps_a_base_while_a_kept_step_needs_it(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="fastckpt")
     with fastckpt.CheckpointManager(
