@@ -451,13 +451,19 @@ _MANAGED_RUN = textwrap.dedent(
     """
     import json, sys, torch, fastckpt
     root, fast, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    incremental = sys.argv[4] == "incremental"
     manager = fastckpt.CheckpointManager(
-        root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20, storage_options=options
+        root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20, storage_options=options,
+        incremental=incremental, full_every=3,
     )
+    frozen = torch.arange(4 << 20, dtype=torch.float32)  # incremental steps refer to it
     step = max(manager.steps(), default=0)
     while True:
         step += 1
-        manager.save(step, {"w": torch.full((4 << 20,), float(step)), "step": step})
+        state = {"w": torch.full((4 << 20,), float(step)), "step": step}
+        if incremental:
+            state["frozen"] = frozen
+        manager.save(step, state)
         if step % 2 == 0:
             manager.wait()  # drained: durable in root from here on
             print("durable", step, flush=True)
@@ -468,9 +474,19 @@ _MANAGED_RUN = textwrap.dedent(
 def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
     """kill -9 a run of CheckpointManager saves and drains at random times; the next manager
     must restore a whole step, never older than the last one reported durable in root. Run
-    with root a local directory, then (when moto's server and s3fs are installed) an s3://
-    prefix on a local S3 server, where kills also land mid-upload."""
+    with root a local directory, then with incremental steps (every kept step must load with
+    its bases), then (when moto's server and s3fs are installed) an s3:// prefix on a local S3
+    server, where kills also land mid-upload."""
     report = _manager_kill_runs(work / "managed-root", work / "managed-fast", None, count, seed)
+    incremental = _manager_kill_runs(
+        work / "managed-incremental-root",
+        work / "managed-incremental-fast",
+        None,
+        count,
+        seed,
+        incremental=True,
+    )
+    report.update({f"{k} (incremental)": v for k, v in incremental.items()})
     try:
         from moto.server import ThreadedMotoServer
 
@@ -501,18 +517,35 @@ def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
 
 
 def _manager_kill_runs(
-    root: Any, fast: Path, options: dict[str, Any] | None, count: int, seed: int
+    root: Any,
+    fast: Path,
+    options: dict[str, Any] | None,
+    count: int,
+    seed: int,
+    *,
+    incremental: bool = False,
 ) -> dict[str, Any]:
+    import torch
+
     from fastckpt.api import load
     from fastckpt.series import steps as layout
     from fastckpt.series.manager import CheckpointManager
 
     rng = random.Random(seed)
     tier = layout.Tier(str(root), options)
-    lost, partial, unrestorable, left = 0, 0, 0, 0
+    lost, partial, unrestorable, left, broken = 0, 0, 0, 0, 0
+    frozen = torch.arange(4 << 20, dtype=torch.float32)
     for _ in range(count):
         child = subprocess.Popen(
-            [sys.executable, "-c", _MANAGED_RUN, str(root), str(fast), json.dumps(options)],
+            [
+                sys.executable,
+                "-c",
+                _MANAGED_RUN,
+                str(root),
+                str(fast),
+                json.dumps(options),
+                "incremental" if incremental else "full",
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -532,15 +565,23 @@ def _manager_kill_runs(
                 lost += 1
             if state["step"] != step or not bool((state["w"] == float(step)).all()):
                 partial += 1
-            for s in layout.committed_steps(tier):  # every kept step loads whole
-                path = layout.join(layout.step_dir(tier, s), layout.STATE_FILE)
-                load(path, verify=True, storage_options=options)
+            for t in (tier, layout.Tier(str(fast))):  # every kept step loads whole
+                for s in layout.committed_steps(t):
+                    path = layout.join(layout.step_dir(t, s), layout.STATE_FILE)
+                    try:
+                        kept = load(path, verify=True, storage_options=t.storage_options)
+                    except FileNotFoundError:  # a base missing: a kept step that cannot load
+                        broken += 1
+                        continue
+                    if incremental and not bool((kept["frozen"] == frozen).all()):
+                        partial += 1
     return {
         "kills": count,
         "durable steps lost": lost,
         "partial or mixed steps restored": partial,
         "runs with nothing restorable": unrestorable,
         "uncommitted step directories left": left,
+        "kept steps that do not load": broken,
     }
 
 

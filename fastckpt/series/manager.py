@@ -22,6 +22,19 @@ committed by rank 0 only after every rank's file is durable, and :meth:`restore`
 into the given ``state``, resharded to whatever world size runs now. Locks, cleanup,
 retention and drains are rank 0's alone; the other ranks follow its decisions.
 
+With ``incremental=True`` a single-file step is saved against the previous committed step
+of its tier (``fastckpt.save(..., base=)``: only the tensors that changed are written, the
+others referred to), and every ``full_every``-th step is written whole so chains stay short.
+Retention keeps every step a kept step needs (its marker's ``depends_on``), in every tier;
+a drained step is committed in ``root`` only when its references resolve to ``root``'s own
+copies (:mod:`fastckpt.series.bases`). Multi-rank (DCP) steps, and steps saved to a tier at a
+URL, are always full.
+
+A step whose own file fails verification at :meth:`restore` is moved out of the series
+(:func:`~fastckpt.series.steps.quarantine_step`: its marker removed, then its directory
+renamed ``step-<12 digits>.damaged-<time>``), so that training resumed from an older step can
+save that step number again; so is a step that needs a step quarantined so.
+
 One manager owns a tier at a time (an exclusive ``flock`` locally, a lease object at a URL:
 :mod:`fastckpt.series.lease`), until :meth:`close`; on start it removes what an earlier one
 left half done (steps without a marker, unfinished S3 uploads) and drains committed fast
@@ -44,6 +57,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -55,8 +69,9 @@ from fastckpt import api
 from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
+from fastckpt.series.bases import needed_steps, own_damage
 from fastckpt.series.lease import LocalLock, UrlLease
-from fastckpt.series.retention import Retention
+from fastckpt.series.retention import Retention, kept_bases
 from fastckpt.series.sharded import DCP_LAYOUT, Ranks, load_step, save_step
 from fastckpt.series.steps import Tier
 
@@ -86,6 +101,12 @@ class CheckpointManager:
         distributed: steps as DCP checkpoints saved by every rank (True), as one file
             (False), or DCP when a process group of more than one rank runs (None). Every
             rank must see the same tiers (a shared file system or a URL).
+        incremental: save each single-file step against the previous committed step of its
+            tier, writing only the tensors that changed (:meth:`save` may override it per
+            step). Steps to a tier at a URL, and multi-rank steps, are always full.
+        full_every: with ``incremental``, every ``full_every``-th step of a chain is written
+            whole (1: every step), so a restore reads from at most ``full_every`` files and
+            retention can delete old bases.
     """
 
     def __init__(
@@ -101,6 +122,8 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         lease_seconds: float = 60.0,
         distributed: bool | None = None,
+        incremental: bool = False,
+        full_every: int = 10,
     ):
         self._root = _tier(root, "root", storage_options)
         self._fast = None if fast is None else _tier(fast, "fast", storage_options)
@@ -113,7 +136,15 @@ class CheckpointManager:
                 f"drain_bytes_per_second must be positive, got {drain_bytes_per_second!r}"
             )
         self._rate = drain_bytes_per_second
-        self._metrics: dict[tuple[str, int], dict[str, float]] = {}  # markers never change
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        self.incremental = bool(incremental)
+        self.full_every = full_every
+        self._markers: dict[tuple[str, int], dict[str, Any]] = {}  # a marker never changes
+        # Bases of saves not committed yet: retention keeps them (tier location, step).
+        self._bases_in_use: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._reported: set[tuple[str, int]] = set()  # steps logged as kept for others
+        self._last_commit: concurrent.futures.Future[None] | None = None
         self._ranks = Ranks(distributed)
         self._locks: list[Any] = []
         self._guard = threading.Lock()  # retention and drains never race on a tier
@@ -168,6 +199,8 @@ class CheckpointManager:
         step: int,
         state: Any,
         metrics: Mapping[str, float] | None = None,
+        *,
+        incremental: bool | None = None,
         **save_options: Any,
     ) -> concurrent.futures.Future[None]:
         """Saves ``state`` as ``step``; returns once it is snapshotted (as
@@ -176,6 +209,11 @@ class CheckpointManager:
         step is committed in its first tier (the fast one when set); :meth:`wait` also
         waits for drains.
 
+        ``incremental`` (default: the manager's) saves the step against the previous
+        committed step of its tier, unless that one ends a chain of ``full_every`` steps;
+        ``frozen=`` then names tensors unchanged since that step (see
+        :func:`fastckpt.save`). The manager chooses ``base=`` itself.
+
         In a multi-rank run every rank calls this with its share of the state; it returns
         (a done future) once every rank's file is durable and rank 0 committed the step, and
         ``save_options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter`
@@ -183,42 +221,109 @@ class CheckpointManager:
 
         Raises:
             ValueError: ``step`` is not a non-negative int, is already saved, or the
-                manager is closed.
+                manager is closed; ``base=`` was passed.
             RuntimeError: a URL tier's lease was taken by another manager.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if "base" in save_options:
+            raise ValueError("the manager chooses base= itself: pass incremental=True")
         tier = self._fast or self._root
         if self._ranks.sharded:
             return self._save_sharded(tier, step, state, metrics, save_options)
         self._clear_for(tier, step)
         path = layout.join(layout.step_dir(tier, step), layout.STATE_FILE)
-        if tier.is_url:
-            written = api.async_save(
-                state, path, storage_options=tier.storage_options, **save_options
-            )
-        else:
-            os.makedirs(os.path.dirname(path))
-            written = api.async_save(state, path, **save_options)
+        frozen = save_options.pop("frozen", None)
+        wanted = self.incremental if incremental is None else incremental
+        base, since_full = (
+            self._choose_base(tier, step) if wanted and not tier.is_url else (None, 0)
+        )
+        try:
+            if tier.is_url:
+                written = api.async_save(
+                    state, path, storage_options=tier.storage_options, **save_options
+                )
+            else:
+                os.makedirs(os.path.dirname(path))
+                if base is not None:
+                    save_options["base"] = layout.join(
+                        layout.step_dir(tier, base), layout.STATE_FILE
+                    )
+                    save_options["frozen"] = frozen
+                written = api.async_save(state, path, **save_options)
+        except BaseException:
+            self._release_base(tier, base)
+            raise
 
         def commit() -> None:
-            written.result()
-            self._check_lease()
-            layout.commit(tier, step, metrics)
+            try:
+                written.result()
+                self._check_lease()
+                layout.commit(tier, step, metrics, extra=self._chain_fields(tier, step, since_full))
+            finally:
+                self._release_base(tier, base)
             self._retain(tier)
             if self._fast is not None:
                 self._pending.append(self._drains.submit(self._drain, step))
 
         future = self._saves.submit(commit)
         self._pending.append(future)
+        self._last_commit = future
         return future
+
+    def _choose_base(self, tier: Tier, step: int) -> tuple[int | None, int]:
+        """The step to save ``step`` against (the previous committed single-file step of
+        ``tier``, held from retention until ``step`` commits) and the length of the chain
+        ``step`` then ends (``since_full``), or ``(None, 0)`` for a full step."""
+        if self._last_commit is not None:  # the previous save commits first (its error stays)
+            concurrent.futures.wait([self._last_commit])
+        with self._guard:
+            earlier = [s for s in layout.committed_steps(tier) if s < step]
+            if not earlier:
+                return None, 0
+            base = earlier[-1]
+            try:
+                marker = self._marker(tier, base)
+            except (OSError, ValueError) as exc:
+                _log.warning(
+                    "step %d in %s is saved whole: step %d's marker: %s", step, tier, base, exc
+                )
+                return None, 0
+            if marker.get("layout", layout.FILE_LAYOUT) != layout.FILE_LAYOUT:
+                return None, 0
+            since_full = int(marker.get("since_full", 0)) + 1
+            if since_full >= self.full_every:
+                return None, 0
+            self._bases_in_use[(tier.location, base)] += 1
+            return base, since_full
+
+    def _release_base(self, tier: Tier, base: int | None) -> None:
+        if base is None:
+            return
+        with self._guard:
+            key = (tier.location, base)
+            self._bases_in_use[key] -= 1
+            if self._bases_in_use[key] <= 0:
+                del self._bases_in_use[key]
+
+    @staticmethod
+    def _chain_fields(tier: Tier, step: int, since_full: int) -> dict[str, Any]:
+        """The marker fields of an incremental step: the steps it needs (``depends_on``) and
+        its place in its chain (``since_full``); none for a full step."""
+        if since_full == 0:
+            return {}
+        needs = needed_steps(tier, step)
+        if not needs:  # every tensor changed: the file holds them all
+            return {}
+        return {"depends_on": needs, "since_full": since_full}
 
     def _clear_for(self, tier: Tier, step: int) -> None:
         self._check_lease()
         if step in layout.committed_steps(tier):
             raise ValueError(f"step {step} is already saved in {tier}")
         layout.remove_step(tier, step)  # a save of this step cut short
+        self._markers.pop((tier.location, step), None)
 
     def _save_sharded(
         self,
@@ -255,6 +360,7 @@ class CheckpointManager:
         marker = layout.marker_of(self._fast, step)
         self._check_lease()
         layout.remove_step(self._root, step)
+        self._markers.pop((self._root.location, step), None)
         for name in marker["files"]:
             copied = layout.join(target, name)
             crc = transfer.copy_file(
@@ -269,12 +375,33 @@ class CheckpointManager:
             except ChecksumError as exc:
                 layout.remove_step(self._root, step)
                 raise ChecksumError(f"draining step {step} to {self.root}: {exc}") from exc
+        kind = marker.get("layout", layout.FILE_LAYOUT)
+        extra = {}
+        if kind == layout.FILE_LAYOUT:
+            extra = self._check_bases_in_root(step)
+            if extra:
+                extra["since_full"] = marker.get("since_full", 1)
         self._check_lease()
-        layout.commit(
-            self._root, step, marker.get("metrics"), marker.get("layout", layout.FILE_LAYOUT)
-        )
+        layout.commit(self._root, step, marker.get("metrics"), kind, extra=extra)
         self._retain(self._root)
         self._retain(self._fast)
+
+    def _check_bases_in_root(self, step: int) -> dict[str, Any]:
+        """The ``depends_on`` of the copy of ``step`` in root: its references must resolve
+        to root's own committed copies (drains go in step order, so they are there); else
+        the copy is removed and the drain raises."""
+        try:
+            needs = needed_steps(self._root, step)
+            missing = sorted(set(needs) - set(self._root_steps()))
+            if missing:
+                raise FileNotFoundError(
+                    f"step {step} needs steps {missing}, which are not committed in {self.root}"
+                )
+        except (FastCkptError, OSError, ValueError):
+            layout.remove_step(self._root, step)
+            _log.error("the copy of step %d in %s does not resolve in it: removed", step, self.root)
+            raise
+        return {"depends_on": needs} if needs else {}
 
     def _retain(self, tier: Tier) -> None:
         with self._guard:
@@ -284,20 +411,55 @@ class CheckpointManager:
                 kept |= set(committed) - set(self._root_steps())  # not drained yet
             else:
                 kept = self.retention.kept(committed, self._metrics_of(tier, committed))
-            for step in committed:
+            kept |= {s for (where, s) in self._bases_in_use if where == tier.location}
+            kept |= self._needed_by(tier, kept, committed)
+            # newest first: a step goes before the older ones it needs, so a crash
+            # mid-way never leaves a committed step without its base
+            for step in reversed(committed):
                 if step not in kept:
                     layout.remove_step(tier, step)
-                    self._metrics.pop((tier.location, step), None)
+                    self._markers.pop((tier.location, step), None)
+
+    def _needed_by(self, tier: Tier, kept: set[int], committed: list[int]) -> set[int]:
+        """The steps that ``kept`` steps need (their markers' ``depends_on``, through every
+        chain); a step whose marker cannot be read keeps every older step (what it needs is
+        unknown). Steps kept only for others are logged once."""
+
+        def depends_on(step: int) -> list[int]:
+            try:
+                return list(self._marker(tier, step).get("depends_on", []))
+            except (OSError, ValueError) as exc:
+                _log.warning("keeping the steps before %d in %s: its marker: %s", step, tier, exc)
+                return [s for s in committed if s < step]
+
+        added = kept_bases(kept, committed, depends_on)
+        for base, users in sorted(added.items()):
+            if base not in committed:
+                _log.error(
+                    "steps %s in %s need step %d, which is missing", sorted(users), tier, base
+                )
+            elif (tier.location, base) not in self._reported:
+                self._reported.add((tier.location, base))
+                _log.info(
+                    "keeping step %d in %s only because steps %s depend on it",
+                    base,
+                    tier,
+                    sorted(users),
+                )
+        return set(added)
+
+    def _marker(self, tier: Tier, step: int) -> dict[str, Any]:
+        """The marker of a committed step (read once: at a URL, one request)."""
+        key = (tier.location, step)
+        if key not in self._markers:
+            self._markers[key] = layout.marker_of(tier, step)
+        return self._markers[key]
 
     def _metrics_of(self, tier: Tier, steps: list[int]) -> dict[int, dict[str, float]]:
         """The metrics of ``steps`` (each marker read once: at a URL, one request each)."""
         if self.retention.best is None:
             return {}
-        for step in steps:
-            if (tier.location, step) not in self._metrics:
-                found = layout.marker_of(tier, step).get("metrics", {})
-                self._metrics[(tier.location, step)] = found
-        return {s: self._metrics[(tier.location, s)] for s in steps}
+        return {s: self._marker(tier, s).get("metrics", {}) for s in steps}
 
     # -- reading ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -325,11 +487,18 @@ class CheckpointManager:
         every value as full tensors. In a multi-rank run every rank calls this with its own
         ``state``; all take the step rank 0 picks and move on together past damage.
 
+        A single-file step whose own file fails verification is quarantined
+        (:func:`~fastckpt.series.steps.quarantine_step`, logged), and so is a step that
+        failed to load and needs a step quarantined so: their step numbers can be saved
+        again. A step that fails only because a base is missing or damaged is left as it is.
+
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
         candidates = self._ranks.agree(lambda: self._candidates(step))
-        errors = []
+        errors: list[str] = []
+        failed: list[tuple[Tier, int]] = []
+        restored: tuple[int, Any] | None = None
         for candidate, index in candidates:
             tier = self._tiers()[index]
             directory = layout.step_dir(tier, candidate)
@@ -340,17 +509,90 @@ class CheckpointManager:
             except (FastCkptError, OSError, ValueError) as exc:
                 ok, loaded, error = False, None, exc
             if self._ranks.all_ok(ok):
-                return candidate, loaded
+                restored = candidate, loaded
+                break
             reason = error if not ok else "another rank could not load it"
             _log.warning(
                 "step %d in %s cannot be restored (%s); trying the next", candidate, tier, reason
             )
             errors.append(f"{directory}: {reason}")
+            failed.append((tier, candidate))
+        if failed and not self._ranks.sharded:
+            self._quarantine_damaged(failed)
+        if restored is not None:
+            return restored
         where = self.root if self.fast is None else f"{self.fast} or {self.root}"
         if not errors:
             wanted = "no committed step" if step is None else f"no committed step {step}"
             raise FileNotFoundError(f"{wanted} in {where}")
         raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
+
+    def _quarantine_damaged(self, failed: list[tuple[Tier, int]]) -> None:
+        """Moves out of the series the single-file steps of ``failed`` (steps that did not
+        load) whose own file is damaged, and those of ``failed`` that need one of them; but
+        never a step that another committed step, staying, needs (it may load still)."""
+        concurrent.futures.wait(list(self._pending))  # no drain reads a step moved away
+        for tier in self._tiers():
+            steps = sorted(step for where, step in failed if where == tier)
+            if steps:
+                self._quarantine_in(tier, steps)
+
+    def _quarantine_in(self, tier: Tier, failed: list[int]) -> None:
+        why: dict[int, str] = {}
+        intact: list[int] = []
+        for step in failed:
+            try:
+                if self._marker(tier, step).get("layout", layout.FILE_LAYOUT) != layout.FILE_LAYOUT:
+                    continue
+                damage = own_damage(tier, step)
+            except (OSError, ValueError) as exc:  # unreadable: nothing is moved on a guess
+                _log.warning("step %d in %s is left as it is: %s", step, tier, exc)
+                continue
+            if damage is None:
+                intact.append(step)
+            else:
+                why[step] = damage
+        if not why:
+            return
+        needs = {}
+        for step in layout.committed_steps(tier):
+            try:
+                needs[step] = set(self._marker(tier, step).get("depends_on", []))
+            except (OSError, ValueError):
+                needs[step] = {s for s in layout.committed_steps(tier) if s < step}
+        for step in intact:  # failed, and needs a damaged step: moved with it
+            lost = sorted(needs.get(step, set()) & set(why))
+            if lost:
+                why[step] = f"it needs step {lost[0]}, whose file is damaged"
+        staying = True
+        while staying:  # a step that a staying step needs stays too
+            staying = False
+            for step in sorted(why):
+                users = [s for s, n in needs.items() if step in n and s not in why]
+                if users:
+                    _log.warning(
+                        "step %d in %s is damaged (%s) but left in the series: steps %s need it",
+                        step,
+                        tier,
+                        why.pop(step),
+                        users,
+                    )
+                    staying = True
+        for step in sorted(why, reverse=True):  # dependents before their bases
+            self._quarantine(tier, step, why[step])
+
+    def _quarantine(self, tier: Tier, step: int, why: str) -> None:
+        with self._guard:
+            where = layout.quarantine_step(tier, step)
+            self._markers.pop((tier.location, step), None)
+        _log.warning(
+            "step %d in %s is damaged (%s): moved to %s, out of the series; the step can be "
+            "saved again",
+            step,
+            tier,
+            why,
+            where,
+        )
 
     def _candidates(self, step: int | None) -> list[tuple[int, int]]:
         """``(step, tier index)`` to try, newest first, the fast tier's copy first."""

@@ -1,5 +1,7 @@
 """Which steps a tier keeps.
 
+:func:`kept_bases` and :func:`with_bases` add the steps that kept incremental steps need.
+
 Example:
     >>> policy = Retention(keep_last=2, keep_every=100)
     >>> sorted(policy.kept([50, 100, 150, 200, 250, 300]))
@@ -12,9 +14,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["Retention"]
+__all__ = ["Retention", "kept_bases", "with_bases"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +63,50 @@ class Retention:
             scored.sort(key=lambda s: (metrics or {})[s][metric], reverse=mode == "max")
             keep.update(scored[:count])
         return keep
+
+
+def with_bases(kept: set[int], needs: Mapping[int, Sequence[int]]) -> dict[int, set[int]]:
+    """The steps that ``kept`` steps need besides themselves (``needs``: step -> the steps
+    its files refer to), each with the kept steps that need it, followed through bases'
+    own needs; steps already in ``kept`` are not listed.
+
+    Example:
+        >>> with_bases({5, 6}, {6: [4], 5: [4], 4: [2]})
+        {4: {5, 6}, 2: {4}}
+    """
+    added: dict[int, set[int]] = {}
+    todo = sorted(kept, reverse=True)
+    while todo:
+        step = todo.pop()
+        for base in needs.get(step, ()):
+            if base in kept:
+                continue
+            if base not in added:
+                todo.append(base)
+            added.setdefault(base, set()).add(step)
+    return added
+
+
+def kept_bases(
+    kept: set[int], committed: Sequence[int], depends_on: Callable[[int], Sequence[int]]
+) -> dict[int, set[int]]:
+    """:func:`with_bases` of ``kept``, asking ``depends_on(step)`` (an incremental step's
+    marker's ``depends_on``) only for the committed steps kept or needed. Whoever deletes
+    steps by a policy keeps these too.
+
+    Example:
+        >>> markers = {3: [1], 2: [1], 1: []}
+        >>> kept = Retention(keep_last=1).kept([1, 2, 3])
+        >>> kept | set(kept_bases(kept, [1, 2, 3], lambda step: markers[step]))
+        {1, 3}
+    """
+    present = set(committed)
+    needs: dict[int, list[int]] = {}
+    todo = sorted(kept)
+    while todo:
+        step = todo.pop()
+        if step in needs or step not in present:
+            continue
+        needs[step] = [int(s) for s in depends_on(step)]
+        todo += needs[step]
+    return with_bases(kept, needs)

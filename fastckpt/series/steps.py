@@ -56,6 +56,7 @@ __all__ = [
     "committed_steps",
     "join",
     "marker_of",
+    "quarantine_step",
     "remove_step",
     "step_dir",
     "step_files",
@@ -190,10 +191,12 @@ def commit(
     step: int,
     metrics: Mapping[str, float] | None,
     layout: str = FILE_LAYOUT,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes ``step``'s marker once its files are durable: the step exists from now on.
     ``layout`` says what the files are: ``"file"`` (``state.safetensors``) or ``"dcp"`` (a
-    DCP checkpoint of several ranks)."""
+    DCP checkpoint of several ranks); ``extra`` adds fields (an incremental step's ``base``,
+    ``depends_on`` and ``since_full``)."""
     tier = _tier(tier)
     document = {
         "step": step,
@@ -201,6 +204,7 @@ def commit(
         "files": step_files(tier, step),
         "metrics": {k: float(v) for k, v in (metrics or {}).items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
     }
     marker = join(step_dir(tier, step), MARKER)
     data = json.dumps(document).encode()
@@ -240,6 +244,49 @@ def remove_step(tier: Tier | str, step: int) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def quarantine_step(tier: Tier | str, step: int) -> str:
+    """Moves a damaged step out of the series, so that its step number can be saved again:
+    its marker is removed first (durably; the step no longer exists from then on), then its
+    directory is renamed ``step-<12 digits>.damaged-<UTC time>`` beside the steps (at a URL
+    its objects are moved, copied then deleted, under that prefix). Returns the new location.
+    A name that is not ``step-<12 digits>`` is no step: listings never show it, and nothing
+    here deletes it (a person may look at it, then remove it). A crash after the marker went
+    leaves an uncommitted step, which the next manager removes.
+
+    Example:
+        >>> import tempfile, os
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(step_dir(tier, 4)); commit(tier, 4, None)
+        >>> moved = quarantine_step(tier, 4)
+        >>> committed_steps(tier), os.path.basename(moved).startswith("step-000000000004.damaged-")
+        ([], True)
+    """
+    tier = _tier(tier)
+    directory = step_dir(tier, step)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if tier.is_url:
+        fs, path = tier.fs()
+        base = f"{path}/{os.path.basename(directory)}"
+        target = f"{base}.damaged-{stamp}"
+        with contextlib.suppress(FileNotFoundError), url_errors(directory, "delete"):
+            fs.rm(f"{base}/{MARKER}")
+        fs.invalidate_cache(path)
+        with url_errors(directory, "quarantine"):
+            for name in sorted(fs.find(base)):
+                fs.mv(name, target + name[len(base) :])
+        fs.invalidate_cache(path)
+        return join(tier.location, os.path.basename(target))
+    os.unlink(os.path.join(directory, MARKER))
+    fsync_directory(directory)
+    target, attempt = f"{directory}.damaged-{stamp}", 1
+    while os.path.exists(target):  # quarantined twice within a second
+        attempt += 1
+        target = f"{directory}.damaged-{stamp}-{attempt}"
+    os.rename(directory, target)
+    fsync_directory(tier.location)
+    return target
 
 
 def abort_unfinished_uploads(tier: Tier | str) -> int:

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastckpt import _C, storage
-from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.checkpoint.read import CheckpointReader
 from fastckpt.checkpoint.tensor_crcs import damaged
 from fastckpt.errors import ChecksumError
 from fastckpt.io.commit import fsync_directory
@@ -181,7 +181,8 @@ def verify_copy(location: str, crc: int, options: Options = None) -> None:
     expected: dict[str, int] = {}
     data_offset = 0
     if location.endswith(".safetensors"):
-        with open_checkpoint(location, storage_options=options) as reader:
+        # the file alone: an incremental file's bases are checked by the drain, in root
+        with CheckpointReader(location, storage_options=options) as reader:
             if reader.has_checksums:
                 entries = sorted(reader.header.entries.values(), key=lambda e: e.begin)
                 expected = dict(reader.meta.crcs or {})

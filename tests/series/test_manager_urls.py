@@ -227,3 +227,61 @@ def test_a_manager_whose_lease_was_taken_stops_writing():
     manager.close()
     assert json.loads(storage.read_whole(f"{root}/{LOCK_NAME}"))["owner"] == "other"
     assert layout.committed_steps(root) == [1]
+
+
+def _frozen_state(step: int) -> dict:
+    return {
+        "frozen": torch.arange(1 << 18, dtype=torch.float32),
+        "w": torch.full((64,), float(step)),
+    }
+
+
+def test_incremental_steps_drained_to_s3_restore_there_after_the_fast_tier_is_wiped(s3, tmp_path):
+    from fastckpt.series.bases import needed_steps
+
+    bucket, options, fs = s3
+    root, fast = f"{bucket}/incremental", tmp_path / "fast"
+    with fastckpt.CheckpointManager(
+        root, fast=fast, keep_last=3, incremental=True, full_every=4, storage_options=options
+    ) as manager:
+        for step in range(1, 8):
+            manager.save(step, _frozen_state(step))
+        manager.wait()
+    tier = Tier(root, options)
+    assert layout.committed_steps(tier) == [5, 6, 7]  # 5 full, 6 and 7 need it
+    for step in (6, 7):
+        assert layout.marker_of(tier, step)["depends_on"] == [5]
+        assert needed_steps(tier, step) == [5]  # the references resolve to root's copy
+        key = f"{root[5:]}/step-{step:012d}/{layout.STATE_FILE}"
+        assert fs.size(key) * 50 < fs.size(f"{root[5:]}/step-{5:012d}/{layout.STATE_FILE}")
+    import shutil
+
+    shutil.rmtree(fast)
+    with fastckpt.CheckpointManager(root, fast=fast, storage_options=options) as manager:
+        for step in (5, 6, 7):
+            state = manager.restore(step)[1]
+            assert all(torch.equal(state[k], v) for k, v in _frozen_state(step).items())
+
+
+def test_a_damaged_step_at_s3_is_quarantined_and_saved_again(s3, caplog):
+    bucket, options, fs = s3
+    root = f"{bucket}/quarantine"
+    with fastckpt.CheckpointManager(root, keep_last=3, storage_options=options) as manager:
+        for step in (10, 20):
+            manager.save(step, _state(step)).result()
+    key = f"{root[5:]}/step-{20:012d}/{layout.STATE_FILE}"
+    data = bytearray(fs.cat_file(key))
+    data[-3] ^= 0xFF
+    fs.pipe_file(key, bytes(data))
+    caplog.set_level(logging.WARNING, logger="fastckpt")
+    with fastckpt.CheckpointManager(root, keep_last=3, storage_options=options) as manager:
+        assert manager.restore()[0] == 10
+        assert manager.steps() == [10]
+        manager.save(20, _state(20)).result()  # the step number is free again
+        step, state = manager.restore()
+        assert step == 20 and torch.equal(state["w"], _state(20)["w"])
+    moved = [p for p in _objects(fs, root) if ".damaged-" in p]
+    assert len(moved) == 1  # the data, kept under a prefix that is no step; the marker went
+    assert moved[0].startswith("step-000000000020.damaged-")
+    assert moved[0].endswith("/" + layout.STATE_FILE)
+    assert "moved to" in caplog.text
