@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import format_bytes, positive_int_arg, spellings
 from fastckpt.cli.series_tiers import locked_tiers, tier_copies, tier_location
-from fastckpt.series.retention import Retention
+from fastckpt.series.retention import Retention, kept_bases
 
 if TYPE_CHECKING:
     from fastckpt.series.steps import Tier
@@ -95,8 +95,13 @@ def pruned_steps(root: Tier | str, policy: Retention) -> list[int]:
         >>> pruned_steps(root, Retention(keep_last=1))
         [1, 2]
     """
+    from fastckpt.series import steps as layout  # here: `fastckpt --help` loads no I/O engine
+
     committed = [c for c in tier_copies(root, "root") if c.committed]
-    kept = policy.kept([c.step for c in committed], {c.step: c.metrics for c in committed})
+    steps = [c.step for c in committed]
+    kept = policy.kept(steps, {c.step: c.metrics for c in committed})
+    # an incremental step's bases stay while it does, as the manager's retention keeps them
+    kept |= set(kept_bases(kept, steps, lambda s: layout.marker_of(root, s).get("depends_on", [])))
     return [c.step for c in committed if c.step not in kept]
 
 

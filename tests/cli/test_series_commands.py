@@ -167,6 +167,21 @@ def test_prune_keeps_what_the_policy_keeps(series, capsys):
         assert manager.restore()[0] == 300
 
 
+def test_prune_keeps_the_bases_of_kept_incremental_steps(tmp_path, capsys):
+    import fastckpt
+
+    frozen = torch.randn(4096)
+    with CheckpointManager(tmp_path, keep_last=None, incremental=True, full_every=10) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"frozen": frozen, "step": torch.tensor(step)}).result()
+    status, out, _ = run_main(capsys, "prune", tmp_path, "--keep-last", "1")
+    assert status == 0
+    # step 3 refers to step 1's frozen tensor: step 1 stays, step 2 goes
+    assert steps.committed_steps(str(tmp_path)) == [1, 3]
+    state = fastckpt.load(tmp_path / "step-000000000003" / steps.STATE_FILE, verify=True)
+    assert torch.equal(state["frozen"], frozen) and int(state["step"]) == 3
+
+
 def test_prune_rejects_a_malformed_best(tmp_path, capsys):
     status, _, err = run_main(capsys, "prune", tmp_path, "--keep-last", "1", "--best", "loss:low:1")
     assert status == 2 and "METRIC:min|max:COUNT" in err
