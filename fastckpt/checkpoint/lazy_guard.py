@@ -7,17 +7,24 @@ training goes on. Parameters and optimizer state do not change until the next
 hold the file to the values at call time:
 
 - **the fence** (held off): an ``Optimizer.register_step_pre_hook`` on each fenced optimizer
-  runs :meth:`LazyGuard.fence` before its next step. The fence snapshots the tensors the
-  writer has not reached into ordinary host memory (so the step goes on at once) and waits
-  only for the tensor being copied now. ``fence_bytes`` caps that memory: past it, the fence
-  waits for the writer to copy the rest through the ring, at the storage's speed. Other
-  mutators (EMA updates, manual loops, schedulers that touch tensors) call
-  ``future.fence()`` themselves first.
+  runs :meth:`LazyGuard.fence` before its next step. The writer reads a tensor a piece at a
+  time (a piece: what fits in the current ring buffer), claiming each piece while it copies
+  it. The fence snapshots into ordinary host memory every byte the writer has not reached:
+  the tensors it has not started and, of the tensor it is copying, the part past the piece
+  it copies now. It then waits for that one piece's memory copy, never for the disk, and
+  the step goes on; the writer continues from the snapshot. So a fenced step is blocked
+  for a memory copy of what is left, and the host memory grows by the ring plus that.
+  ``fence_bytes`` caps the snapshots: what does not fit (a tensor, or the rest of the one
+  being copied, taken whole or not at all) is left to the writer, and the fence waits for
+  it to pass through the ring, at the storage's speed. Other mutators (EMA updates, manual
+  loops, schedulers that touch tensors) call ``future.fence()`` themselves first.
 - **the version check** (detected): each tensor's version counter (``tensor._version``),
-  recorded at call time, is compared before its first byte is copied and after its last.
-  A tensor changed in between fails the save: ``result()`` raises a
-  :class:`fastckpt.LazySaveError`
-  naming it and how to fence it. A silently mixed checkpoint is never committed.
+  recorded at call time, is compared before its first byte is copied and after its last,
+  or, when a fence snapshotted the rest of it, when the snapshot is taken (before the step,
+  while the bytes read so far and the snapshot both hold the values at call time). A
+  tensor changed in between fails the save: ``result()`` raises a
+  :class:`fastckpt.LazySaveError` naming it and how to fence it. A fence takes no snapshot
+  of a tensor that changed already; a silently mixed checkpoint is never committed.
 
 CUDA tensors. The call records an event on each device's current stream. The writer copies
 device-to-host on a side stream per device that waits on that event (so the work queued
@@ -25,11 +32,11 @@ before the call is in the file, and the host never waits for it), a ring buffer 
 into the page-locked ring; each buffer's copies are followed by an event the writer
 synchronizes on before handing that buffer to the disk. A tensor's version is checked again
 once its copies are seen complete. The fence never waits on the host for device-to-host
-copies: it clones the not-yet-copied device tensors (the one being copied included) on the
-side stream, in device memory, within ``fence_bytes``, and makes the current stream wait
-(``current_stream.wait_event``) on an event after those clones and every copy queued so
-far, so the step's kernels run after them while the host goes on at once. The writer then
-reads the clones. Memory: at most ``fence_bytes`` of device memory (default: every byte not
+copies: it clones what the writer has not queued (the tensors not started and the part of
+the one being copied past its queued copies) on the side stream, in device memory, within
+``fence_bytes``, and makes the current stream wait (``current_stream.wait_event``) on an
+event after those clones and every copy queued so far, so the step's kernels run after them
+while the host goes on at once. The writer then reads the clones. Memory: at most ``fence_bytes`` of device memory (default: every byte not
 yet copied) on the tensors' devices, freed as the writer passes each clone; no host memory
 beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
 the rest (at the storage's speed, as for CPU tensors).
