@@ -36,9 +36,9 @@ copies: it clones what the writer has not queued (the tensors not started and th
 the one being copied past its queued copies) on the side stream, in device memory, within
 ``fence_bytes``, and makes the current stream wait (``current_stream.wait_event``) on an
 event after those clones and every copy queued so far, so the step's kernels run after them
-while the host goes on at once. The writer then reads the clones. Memory: at most ``fence_bytes`` of device memory (default: every byte not
-yet copied) on the tensors' devices, freed as the writer passes each clone; no host memory
-beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
+while the host goes on at once. The writer then reads the clones. Memory: at most
+``fence_bytes`` of device memory (default: every byte not yet copied) on the tensors'
+devices, freed as the writer passes each clone; no host memory beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
 the rest (at the storage's speed, as for CPU tensors).
 
 What the version counter cannot see: writes through ``tensor.data`` or ``.numpy()`` views,
@@ -86,9 +86,9 @@ class LazyGuard:
     description). Tensor names are the plan's stored names.
 
     The writer reads a CPU tensor with :meth:`begin`, :meth:`read` per piece and
-    :meth:`copied`; a CUDA tensor
-    (:meth:`on_device`) with :meth:`begin_device`, :meth:`copy_to_host` per piece and
-    :meth:`copied`, and calls :meth:`wait_copies` before it writes any buffer.
+    :meth:`copied`; a CUDA tensor (:meth:`on_device`) with :meth:`begin_device`,
+    :meth:`copy_to_host` per piece and :meth:`copied`, and calls :meth:`wait_copies` before
+    it writes any buffer.
     """
 
     def __init__(
@@ -176,7 +176,7 @@ class LazyGuard:
         """Bytes ``[start, start + nbytes)`` of ``tensor`` itself: a view when it is
         contiguous, else a slice of a contiguous copy of the rows holding them (kept for
         the next reads, which follow on)."""
-        t = tensor.detach()
+        t = _rows(tensor)
         if _plain(t):
             return t.reshape(-1).view(torch.uint8)[start : start + nbytes]
         slab = self._slab
@@ -448,6 +448,12 @@ def _plain(t: torch.Tensor) -> bool:
     return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a scalar as one row (copies of strided ones go by rows)."""
+    t = tensor.detach()
+    return t.reshape(1) if t.dim() == 0 else t
+
+
 def _host_tail(tensor: torch.Tensor, start: int) -> torch.Tensor:
     """A host copy of ``tensor``'s row-major bytes from byte ``start`` on, flat uint8.
 
@@ -455,7 +461,7 @@ def _host_tail(tensor: torch.Tensor, start: int) -> torch.Tensor:
         >>> _host_tail(torch.arange(3, dtype=torch.int16), 2).view(torch.int16).tolist()
         [1, 2]
     """
-    t = tensor.detach()
+    t = _rows(tensor)
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     if _plain(t):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.checkpoint import asynchronous
+from fastckpt.checkpoint import asynchronous, lazy_guard
 from fastckpt.io.executor import Executor
 
 MIB = 1 << 20
@@ -161,3 +161,56 @@ def test_a_fence_after_an_unfenced_change_takes_no_snapshot_and_the_save_fails(d
     with pytest.raises(fastckpt.LazySaveError, match="'big' changed"):
         future.result()
     assert not path.exists()
+
+
+def test_conjugate_negative_and_scalar_views_are_read_and_snapshotted_as_saved(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(3 * MIB, dtype=torch.complex64, generator=g)  # 24 MiB
+    state = {
+        "conj": z.conj(),
+        "neg": z.conj().imag,  # a negative view
+        "scalar": torch.tensor(1 + 2j).conj(),
+        "strided": torch.randn(1500, 1001, generator=g).t(),
+    }
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    for fence in (False, True):
+        path = tmp_path / f"views-{fence}.safetensors"
+        future = fastckpt.async_save(state, path, lazy=True, staging_bytes=RING)
+        if fence:
+            future.fence()  # snapshots whatever the writer has not reached, wherever it is
+        assert future.result() is None
+        back = fastckpt.load(path)
+        assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("piece", [1, 199, 4095, 4097, 12000])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(3000, generator=g),
+        lambda g: torch.randn(40, 75, generator=g).t(),  # rows of 160 bytes
+        lambda g: torch.randn(30, 100, dtype=torch.complex64, generator=g).t().conj(),
+    ],
+    ids=["contiguous", "transposed", "transposed-conj"],
+)
+def test_a_fence_between_any_two_pieces_gives_the_row_major_bytes(make, piece):
+    tensor = make(torch.Generator().manual_seed(6))
+    expected = tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8).clone()
+    total = expected.numel()
+    for fence_at in (0, piece, total // 2 // piece * piece, total):
+        guard = lazy_guard.LazyGuard({"t": tensor}, fence_bytes=None)
+        guard.begin("t")
+        out, done = [], 0
+        while done < total:
+            if done >= fence_at and not guard._snapshots:
+                guard.fence()
+                assert guard.snapshot_bytes == total - done  # the bytes past the writer
+                tensor.mul_(2)  # the step, after the fence
+            take = min(piece, total - done)
+            with guard.read("t", done, take) as part:
+                out.append(part.clone())
+            done += take
+        guard.copied("t")  # checked at the fence, not now: no error
+        guard.finish()
+        assert torch.equal(torch.cat(out), expected)
+        tensor.div_(2 ** (fence_at < total))
