@@ -7,17 +7,24 @@ training goes on. Parameters and optimizer state do not change until the next
 hold the file to the values at call time:
 
 - **the fence** (held off): an ``Optimizer.register_step_pre_hook`` on each fenced optimizer
-  runs :meth:`LazyGuard.fence` before its next step. The fence snapshots the tensors the
-  writer has not reached into ordinary host memory (so the step goes on at once) and waits
-  only for the tensor being copied now. ``fence_bytes`` caps that memory: past it, the fence
-  waits for the writer to copy the rest through the ring, at the storage's speed. Other
-  mutators (EMA updates, manual loops, schedulers that touch tensors) call
-  ``future.fence()`` themselves first.
+  runs :meth:`LazyGuard.fence` before its next step. The writer reads a tensor a piece at a
+  time (a piece: what fits in the current ring buffer), claiming each piece while it copies
+  it. The fence snapshots into ordinary host memory every byte the writer has not reached:
+  the tensors it has not started and, of the tensor it is copying, the part past the piece
+  it copies now. It then waits for that one piece's memory copy, never for the disk, and
+  the step goes on; the writer continues from the snapshot. So a fenced step is blocked
+  for a memory copy of what is left, and the host memory grows by the ring plus that.
+  ``fence_bytes`` caps the snapshots: what does not fit (a tensor, or the rest of the one
+  being copied, taken whole or not at all) is left to the writer, and the fence waits for
+  it to pass through the ring, at the storage's speed. Other mutators (EMA updates, manual
+  loops, schedulers that touch tensors) call ``future.fence()`` themselves first.
 - **the version check** (detected): each tensor's version counter (``tensor._version``),
-  recorded at call time, is compared before its first byte is copied and after its last.
-  A tensor changed in between fails the save: ``result()`` raises a
-  :class:`fastckpt.LazySaveError`
-  naming it and how to fence it. A silently mixed checkpoint is never committed.
+  recorded at call time, is compared before its first byte is copied and after its last,
+  or, when a fence snapshotted the rest of it, when the snapshot is taken (before the step,
+  while the bytes read so far and the snapshot both hold the values at call time). A
+  tensor changed in between fails the save: ``result()`` raises a
+  :class:`fastckpt.LazySaveError` naming it and how to fence it. A fence takes no snapshot
+  of a tensor that changed already; a silently mixed checkpoint is never committed.
 
 CUDA tensors. The call records an event on each device's current stream. The writer copies
 device-to-host on a side stream per device that waits on that event (so the work queued
@@ -25,13 +32,13 @@ before the call is in the file, and the host never waits for it), a ring buffer 
 into the page-locked ring; each buffer's copies are followed by an event the writer
 synchronizes on before handing that buffer to the disk. A tensor's version is checked again
 once its copies are seen complete. The fence never waits on the host for device-to-host
-copies: it clones the not-yet-copied device tensors (the one being copied included) on the
-side stream, in device memory, within ``fence_bytes``, and makes the current stream wait
-(``current_stream.wait_event``) on an event after those clones and every copy queued so
-far, so the step's kernels run after them while the host goes on at once. The writer then
-reads the clones. Memory: at most ``fence_bytes`` of device memory (default: every byte not
-yet copied) on the tensors' devices, freed as the writer passes each clone; no host memory
-beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
+copies: it clones what the writer has not queued (the tensors not started and the part of
+the one being copied past its queued copies) on the side stream, in device memory, within
+``fence_bytes``, and makes the current stream wait (``current_stream.wait_event``) on an
+event after those clones and every copy queued so far, so the step's kernels run after them
+while the host goes on at once. The writer then reads the clones. Memory: at most
+``fence_bytes`` of device memory (default: every byte not yet copied) on the tensors'
+devices, freed as the writer passes each clone; no host memory beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
 the rest (at the storage's speed, as for CPU tensors).
 
 What the version counter cannot see: writes through ``tensor.data`` or ``.numpy()`` views,
@@ -46,7 +53,7 @@ Example:
     >>> w.add_(1)  # changed before the writer copied it, with no fence
     tensor([1., 1., 1.])
     >>> try:
-    ...     guard.source("w")
+    ...     guard.begin("w")
     ... except LazySaveError as exc:
     ...     print(str(exc).split(":")[0])
     tensor 'w' changed after async_save(lazy) was called and before its bytes were copied
@@ -54,10 +61,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -77,9 +85,10 @@ class LazyGuard:
     """The per-save state shared by the writer thread and the fence (see the module's
     description). Tensor names are the plan's stored names.
 
-    The writer reads a CPU tensor with :meth:`source` and :meth:`copied`; a CUDA tensor
-    (:meth:`on_device`) with :meth:`begin_device`, :meth:`copy_to_host` per piece and
-    :meth:`copied`, and calls :meth:`wait_copies` before it writes any buffer.
+    The writer reads a CPU tensor with :meth:`begin`, :meth:`read` per piece and
+    :meth:`copied`; a CUDA tensor (:meth:`on_device`) with :meth:`begin_device`,
+    :meth:`copy_to_host` per piece and :meth:`copied`, and calls :meth:`wait_copies` before
+    it writes any buffer.
     """
 
     def __init__(
@@ -95,8 +104,13 @@ class LazyGuard:
         self._fence_bytes = fence_bytes
         self._lock = threading.Condition()
         self._copying: str | None = None  # the tensor the writer reads now
+        self._claimed = 0  # bytes of it the writer read or queued (or reads now)
+        self._reading = False  # a read of the tensor itself is under way (CPU)
+        self._slab: tuple[int, torch.Tensor] | None = None  # rows of a strided one, copied
         self._done: set[str] = set()  # copied (or snapshotted, see _snapshots)
-        self._snapshots: dict[str, torch.Tensor] = {}  # host copies; device: flat clones
+        # what the fences took: name -> (first byte, flat uint8 bytes from it to the end);
+        # the first byte is 0 unless the writer was copying the tensor (its tail)
+        self._snapshots: dict[str, tuple[int, torch.Tensor]] = {}
         self._finished = False
         self._fenced_on: list[torch.optim.Optimizer] = []
         self.snapshot_bytes = 0  # host memory the fences took, for the docs' figures
@@ -111,20 +125,67 @@ class LazyGuard:
         self._fenced: set[str] = set()  # ordered before a fence: no check after the copy
 
     # -- the writer's side ------------------------------------------------------------------
-    def source(self, name: str) -> torch.Tensor:
-        """The tensor to copy for ``name``: its snapshot if a fence took one, else the tensor
-        itself, checked unchanged since the call (LazySaveError otherwise)."""
+    def begin(self, name: str) -> None:
+        """The writer starts on the CPU tensor ``name`` (then reads it with :meth:`read`):
+        checked unchanged since the call (LazySaveError otherwise), unless a fence
+        snapshotted it whole (the snapshot is read then)."""
         if self._host_ready:
             for event in self._host_ready:
                 event.synchronize()  # work queued before the call is in the tensors
             self._host_ready = []
         with self._lock:
-            snap = self._snapshots.pop(name, None)
-            if snap is not None:
-                return snap
-            self._check(name, "before its bytes were copied")
-            self._copying = name
-            return self._tensors[name]
+            if name not in self._snapshots:
+                self._check(name, "before its bytes were copied")
+            self._copying, self._claimed, self._slab = name, 0, None
+
+    @contextlib.contextmanager
+    def read(self, name: str, start: int, nbytes: int) -> Iterator[torch.Tensor]:
+        """Bytes ``[start, start + nbytes)`` of the CPU tensor ``name`` in row-major order,
+        as a contiguous uint8 tensor valid inside the ``with``: from the fence's snapshot
+        once one covers them, else from the tensor itself. A read of the tensor is claimed
+        until the ``with`` ends: a fence snapshots only the bytes past it, and waits for it
+        (one memory copy, never a disk write). The writer reads a tensor in order.
+
+        Example:
+            >>> w = torch.arange(4, dtype=torch.int32)
+            >>> guard = LazyGuard({"w": w}, fence_bytes=None)
+            >>> guard.begin("w")
+            >>> with guard.read("w", 4, 8) as part:
+            ...     part.view(torch.int32).tolist()
+            [1, 2]
+        """
+        with self._lock:
+            snapshot = self._snapshots.get(name)
+            if snapshot is None:
+                tensor = self._tensors[name]
+                self._claimed, self._reading = start + nbytes, True
+        if snapshot is not None:
+            at, data = snapshot
+            yield data[start - at : start - at + nbytes]
+            return
+        try:
+            yield self._tensor_bytes(name, tensor, start, nbytes)
+        finally:
+            with self._lock:
+                self._reading = False
+                self._lock.notify_all()
+
+    def _tensor_bytes(
+        self, name: str, tensor: torch.Tensor, start: int, nbytes: int
+    ) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of ``tensor`` itself: a view when it is
+        contiguous, else a slice of a contiguous copy of the rows holding them (kept for
+        the next reads, which follow on)."""
+        t = _rows(tensor)
+        if _plain(t):
+            return t.reshape(-1).view(torch.uint8)[start : start + nbytes]
+        slab = self._slab
+        if slab is None or not slab[0] <= start <= start + nbytes <= slab[0] + slab[1].numel():
+            row_bytes = t.numel() // t.shape[0] * t.element_size()
+            first, end = start // row_bytes, -(-(start + nbytes) // row_bytes)
+            rows = t[first:end].resolve_conj().resolve_neg().contiguous()
+            slab = self._slab = (first * row_bytes, rows.reshape(-1).view(torch.uint8))
+        return slab[1][start - slab[0] : start - slab[0] + nbytes]
 
     def on_device(self, name: str) -> bool:
         """Whether ``name`` is a CUDA tensor (copied with :meth:`copy_to_host`)."""
@@ -139,16 +200,20 @@ class LazyGuard:
                 return
             self._check(name, "before its bytes were copied")
             self._flat[name] = _queue_flat(self._side(name), self._tensors[name])
-            self._copying = name
+            self._copying, self._claimed = name, 0
 
     def copy_to_host(self, name: str, start: int, dst: torch.Tensor) -> None:
         """Queues the copy of bytes ``[start, start + dst.numel())`` of ``name`` (or of its
         clone, once a fence took one) into the page-locked ``dst`` on the side stream."""
+        end = start + dst.numel()
         with self._lock:
-            src = self._snapshots.get(name)
-            if src is None:
-                src = self._flat[name]
-            _queue_copy(self._side(name), dst, src[start : start + dst.numel()])
+            snapshot = self._snapshots.get(name)
+            if snapshot is None:
+                src, self._claimed = self._flat[name][start:end], end
+            else:
+                at, clone = snapshot
+                src = clone[start - at : end - at]
+            _queue_copy(self._side(name), dst, src)
 
     def wait_copies(self) -> None:
         """Returns once every device-to-host copy queued so far is complete (an event per
@@ -185,10 +250,12 @@ class LazyGuard:
                 self._lock.notify_all()
                 return
             try:
-                if self._copying == name:
+                # a snapshot was taken unchanged, before the step: no check needed
+                if self._copying == name and name not in self._snapshots:
                     self._check(name, "while its bytes were copied")
             finally:
-                self._copying = None
+                self._copying, self._slab = None, None
+                self._snapshots.pop(name, None)
                 self._done.add(name)
                 self._lock.notify_all()
 
@@ -209,6 +276,7 @@ class LazyGuard:
         with self._lock:
             self._finished = True
             self._snapshots.clear()
+            self._slab = None
             self._flat.clear()
             self._queued.clear()
             self._tensors = {}  # the future outlives the save: it must not keep the state
@@ -230,7 +298,9 @@ class LazyGuard:
             >>> w = torch.zeros(2)
             >>> guard = LazyGuard({"model.w": w, "unused": torch.ones(1)}, fence_bytes=None)
             >>> guard.rebind({"w@0": "model.w", "extra": torch.ones(1)})
-            >>> guard.source("w@0") is w
+            >>> guard.begin("w@0")
+            >>> with guard.read("w@0", 0, 8) as part:
+            ...     part.data_ptr() == w.data_ptr()
             True
         """
         with self._lock:
@@ -280,11 +350,13 @@ class LazyGuard:
 
     # -- the trainer's side -----------------------------------------------------------------
     def fence(self) -> None:
-        """Returns once the tensors may change: every CPU tensor not yet copied is
-        snapshotted into host memory, every CUDA tensor not yet copied (the one being
-        copied included) is cloned on the side stream, within ``fence_bytes`` together;
-        the rest is waited for (a CPU tensor until copied, a CUDA tensor until its copies
-        are queued), then the current CUDA streams wait on the side streams' work."""
+        """Returns once the tensors may change: the bytes the writer has not reached are
+        snapshotted, within ``fence_bytes`` together, a CPU tensor's into host memory, a
+        CUDA tensor's cloned on the side stream; for the tensor being copied that is the
+        part past the writer's position. Then it waits for the rest: a read of a CPU tensor
+        under way (one memory copy), any tensor past the cap or changed unfenced (a CPU
+        tensor until copied, a CUDA tensor until its copies are queued); and the current
+        CUDA streams wait on the side streams' work."""
         with self._lock:
             if self._finished:
                 return
@@ -292,29 +364,30 @@ class LazyGuard:
             for name, tensor in self._tensors.items():
                 if name in self._done or name in self._snapshots or name in self._queued:
                     continue
-                on_device = name in self._device
-                if name == self._copying and not on_device:
-                    continue  # a CPU tensor being copied: waited for below
-                nbytes = tensor.numel() * tensor.element_size()
+                at = self._claimed if name == self._copying else 0  # what the writer has
+                nbytes = tensor.numel() * tensor.element_size() - at
                 if budget is not None and nbytes > budget:
                     continue  # left for the writer: waited for below
                 if tensor._version != self._versions[name]:
                     continue  # changed unfenced: the writer fails the save, not this step
-                if on_device:
+                if name in self._device:
                     flat = self._flat.get(name)  # the bytes being copied, if started
                     stream = self._side(name)
-                    self._snapshots[name] = _queue_clone(
-                        stream, flat if flat is not None else _queue_flat(stream, tensor)
-                    )
+                    if flat is None:
+                        flat = _queue_flat(stream, tensor)
+                    self._snapshots[name] = (at, _queue_clone(stream, flat[at:]))
                     self.device_snapshot_bytes += nbytes
                 else:
-                    self._snapshots[name] = tensor.detach().to("cpu", copy=True)
+                    self._snapshots[name] = (at, _host_tail(tensor, at))
                     self.snapshot_bytes += nbytes
                 if budget is not None:
                     budget -= nbytes
-            while not self._finished and any(
-                n not in self._done and n not in self._snapshots and n not in self._queued
-                for n in self._tensors
+            while not self._finished and (
+                self._reading
+                or any(
+                    n not in self._done and n not in self._snapshots and n not in self._queued
+                    for n in self._tensors
+                )
             ):
                 self._lock.wait()
             if self._finished or not self._sides:
@@ -368,6 +441,35 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its bytes in row-major order, as saved."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a scalar as one row (copies of strided ones go by rows)."""
+    t = tensor.detach()
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def _host_tail(tensor: torch.Tensor, start: int) -> torch.Tensor:
+    """A host copy of ``tensor``'s row-major bytes from byte ``start`` on, flat uint8.
+
+    Example:
+        >>> _host_tail(torch.arange(3, dtype=torch.int16), 2).view(torch.int16).tolist()
+        [1, 2]
+    """
+    t = _rows(tensor)
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if _plain(t):
+        return t.reshape(-1).view(torch.uint8)[start:].clone()
+    row_bytes = t.numel() // t.shape[0] * t.element_size()
+    first = start // row_bytes  # copy whole rows from the one holding ``start``
+    rows = t[first:].resolve_conj().resolve_neg().contiguous()
+    return rows.reshape(-1).view(torch.uint8)[start - first * row_bytes :]
 
 
 # -- CUDA, kept to these few calls (tests stand host memory in for the device) ---------------

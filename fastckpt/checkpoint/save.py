@@ -414,17 +414,29 @@ class StreamWriter:
             try:
                 for entry in plan.entries:
                     guard = self._guard
-                    if guard is not None and guard.on_device(entry.name):
-                        # A CUDA tensor of a lazy save: copies queued on a side stream
-                        # (lazy_guard.py); _submit waits for them before each write.
-                        guard.begin_device(entry.name)
+                    if guard is not None:
+                        # A lazy save reads a piece at a time through its guard
+                        # (lazy_guard.py), so a fence snapshots only the bytes past the
+                        # piece being copied. CUDA tensors: copies queued on a side stream,
+                        # which _submit waits for before each write.
+                        on_device = guard.on_device(entry.name)
+                        if on_device:
+                            guard.begin_device(entry.name)
+                        else:
+                            guard.begin(entry.name)
                         done, n = 0, entry.nbytes
                         while done < n:
                             if buf is None:
                                 buf, used, segments = self._next_buffer(), 0, []
                             take = min(n - done, piece - used)
-                            buf.register_for_cuda()
-                            guard.copy_to_host(entry.name, done, buf.tensor()[used : used + take])
+                            if on_device:
+                                buf.register_for_cuda()
+                                guard.copy_to_host(
+                                    entry.name, done, buf.tensor()[used : used + take]
+                                )
+                            else:
+                                with guard.read(entry.name, done, take) as part:
+                                    self._copy(part, buf, used)
                             segments.append((entry.name, used, take))
                             used += take
                             done += take
@@ -434,8 +446,7 @@ class StreamWriter:
                                 bar.update(piece)
                         guard.copied(entry.name)
                         continue
-                    tensor = plan.tensors[entry.name] if guard is None else guard.source(entry.name)
-                    for chunk in _byte_chunks(tensor, piece):
+                    for chunk in _byte_chunks(plan.tensors[entry.name], piece):
                         done, n = 0, chunk.numel()
                         while done < n:
                             if buf is None:
@@ -449,8 +460,6 @@ class StreamWriter:
                                 full, buf = buf, None
                                 self._submit(full, used, segments)
                                 bar.update(piece)
-                    if guard is not None:
-                        guard.copied(entry.name)
                 if buf is not None and used:
                     # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
                     padded = -(-used // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT

@@ -90,8 +90,9 @@ def test_fence_clones_on_the_device_and_makes_the_current_stream_wait(monkeypatc
     (side,) = device.sides
     fence_event = device.current.waited[-1]
     assert fence_event.stream is side and fence_event.at == len(side.ops)  # after the clones
-    # t00-t02 are queued whole, t03 is being copied: it and the 12 after it are cloned
-    assert guard.device_snapshot_bytes == 13 * MIB and guard.snapshot_bytes == 0
+    # t00-t03 fill the first buffer and are queued whole (t03, still the one being copied,
+    # has no bytes left): the 12 after it are cloned
+    assert guard.device_snapshot_bytes == 12 * MIB and guard.snapshot_bytes == 0
     for tensor in state.values():  # the step's kernels: after the event, on the current stream
         tensor.mul_(-1)
     device.gate.set()
@@ -112,12 +113,33 @@ def test_fence_bytes_caps_the_device_clones_and_the_rest_is_waited_for(monkeypat
     started = time.monotonic()
     future.fence()
     waited = time.monotonic() - started
-    assert future._guard.device_snapshot_bytes == 2 * MIB  # t03 (being copied) and t04
+    assert future._guard.device_snapshot_bytes == 2 * MIB  # t04 and t05 (t03 is queued)
     assert waited >= 0.4  # the rest past the cap: waited for until its copies were queued
     for tensor in state.values():
         tensor.add_(5)
     assert future.result() is None
     assert _equal(tmp_path / "cap.safetensors", expected)
+
+
+def test_fence_clones_only_the_part_of_the_tensor_being_copied_past_the_writer(
+    monkeypatch, tmp_path
+):
+    device = HostDevice(monkeypatch)
+    state = _tensors(3, 3 * MIB // 4)  # 3 MiB each: t01 straddles the 4 MiB buffers
+    expected = {k: v.clone() for k, v in state.items()}
+    device.gate.clear()  # the writer stops at its first buffer's event, 1 MiB into t01
+    future = fastckpt.async_save(
+        state, tmp_path / "tail.safetensors", lazy=True, staging_bytes=8 * MIB
+    )
+    _wait_until(lambda: _writer_waits(device))
+    future.fence()  # returns with the gate closed: nothing waited for on the host
+    # t01's last 2 MiB (its first MiB is queued from the tensor) and t02 are cloned
+    assert future._guard.device_snapshot_bytes == 5 * MIB
+    for tensor in state.values():
+        tensor.mul_(-1)
+    device.gate.set()
+    assert future.result() is None
+    assert _equal(tmp_path / "tail.safetensors", expected)
 
 
 def test_a_change_before_the_queued_copies_completed_fails_naming_the_tensor(monkeypatch, tmp_path):
