@@ -1,6 +1,6 @@
 """What a CheckpointManager costs a training loop, and how soon its checkpoints are durable.
 
-A training-like loop (CPU matmuls, then an "optimizer step" that changes every tensor) holds
+A training-like loop (CPU matmuls, then an optimizer step that changes every tensor) holds
 an LLM-like state of ``--size`` bytes and checkpoints it every ``--every`` steps, keeping the
 ``--keep-last`` newest. Each mode runs in its own process (peak RSS per mode):
 
@@ -8,6 +8,8 @@ an LLM-like state of ``--size`` bytes and checkpoints it every ``--every`` steps
 - ``manager_fast_disk``: ``CheckpointManager(root, fast=/dev/shm/...)``, root on the disk;
 - ``manager_fast_s3``: the same with root in an S3 bucket on a loopback moto server that
   the benchmark starts (skipped, with a note, without moto/s3fs or URL roots);
+- ``async_save``: ``fastckpt.async_save`` of each step's file on the disk, nothing else (what
+  a manager's save is measured against);
 - ``torch_save``: ``torch.save`` + fsync of each step's file, the oldest deleted by hand;
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of each step's directory (one
   rank), the oldest deleted by hand.
@@ -19,6 +21,9 @@ loop's total, and the peak RSS above the state's (staging memory and the drain's
 The manager modes then time a restore: ``manager.restore()`` (which verifies every CRC32C)
 from the fast tier and from root, beside ``fastckpt.load(verify=True)`` of the same file from
 the same place (root's page cache dropped first where permitted).
+
+With ``--lazy`` the fastckpt saves are lazy, fenced on the loop's optimizer
+(``fence=optimizer``): the time the next step waits for the fence counts as blocked.
 
 One run; do not compare figures from different runs (this machine's disk is noisy).
 
@@ -46,7 +51,14 @@ from fastckpt.bench.measure import Measure
 from fastckpt.bench.units import format_bytes, median
 from fastckpt.config import parse_size
 
-MODES = ("manager_disk", "manager_fast_disk", "manager_fast_s3", "torch_save", "dcp_async")
+MODES = (
+    "manager_disk",
+    "manager_fast_disk",
+    "manager_fast_s3",
+    "async_save",
+    "torch_save",
+    "dcp_async",
+)
 _POLL_SECONDS = 0.005
 
 
@@ -80,23 +92,39 @@ class _DurableWatch:
         self._thread.join()
 
 
-def _loop(args: argparse.Namespace, state: dict, checkpoint) -> dict[str, Any]:
-    """The training loop; ``checkpoint(step)`` saves and returns the seconds it blocked."""
+def _optimizer(state: dict) -> Any:
+    """An optimizer whose step changes every tensor of ``state`` (weight decay on zero
+    gradients): what a lazy save's fence holds off."""
     import torch
 
+    for t in state.values():
+        t.grad = torch.zeros_like(t)
+    return torch.optim.SGD(list(state.values()), lr=0.1, weight_decay=0.01)
+
+
+def _loop(
+    args: argparse.Namespace, state: dict, checkpoint, optimizer: Any = None
+) -> dict[str, Any]:
+    """The training loop; ``checkpoint(step)`` saves and returns the seconds it blocked
+    (with ``--lazy``, the next optimizer step's wait for the fence counts as blocked too)."""
+    import torch
+
+    optimizer = optimizer or _optimizer(state)
     a, b = torch.randn(args.matmul, args.matmul), torch.randn(args.matmul, args.matmul)
-    blocked, called = [], {}
+    blocked, called, fences = [], {}, []
     with Measure() as m:
         for step in range(1, args.steps + 1):
             for _ in range(args.matmuls_per_step):
                 (a @ b).sum()
-            with torch.no_grad():
-                for t in state.values():  # an "optimizer step" that changes every tensor
-                    t.mul_(0.999)
+            t0 = time.perf_counter()
+            optimizer.step()  # changes every tensor; fences a pending lazy save first
+            if step > args.every and (step - 1) % args.every == 0:
+                fences.append(time.perf_counter() - t0)  # the step after a checkpoint
             if step % args.every == 0:
                 called[step] = time.perf_counter()
                 checkpoint(step)
                 blocked.append(time.perf_counter() - called[step])
+    blocked = [b + f for b, f in zip(blocked, fences + [0.0] * len(blocked))]
     return {"blocked": blocked, "called": called, **m.as_dict()}
 
 
@@ -136,6 +164,8 @@ def child(args: argparse.Namespace) -> None:
     done_at: dict[int, float] = {}
     result: dict[str, Any] = {"mode": args.mode}
 
+    optimizer = _optimizer(state)
+    options = {"fence": optimizer} if args.lazy else {}
     if args.mode.startswith("manager"):
         import fastckpt
         from fastckpt.series.steps import Tier
@@ -150,7 +180,9 @@ def child(args: argparse.Namespace) -> None:
         try:
             watch = _DurableWatch(Tier(root), 0.05 if s3 else _POLL_SECONDS)
             with fastckpt.CheckpointManager(root, fast=fast, keep_last=args.keep_last) as manager:
-                res = _loop(args, state, lambda step: manager.save(step, state))
+                res = _loop(
+                    args, state, lambda step: manager.save(step, state, **options), optimizer
+                )
                 t0 = time.perf_counter()
                 manager.wait()
                 res["final_wait"] = time.perf_counter() - t0
@@ -162,6 +194,21 @@ def child(args: argparse.Namespace) -> None:
         finally:
             if fast:
                 shutil.rmtree(fast, ignore_errors=True)
+    elif args.mode == "async_save":  # fastckpt.async_save alone, the manager's reference
+        import fastckpt
+
+        pending: list[Any] = []
+
+        def save(step: int) -> None:
+            future = fastckpt.async_save(state, work / f"step-{step}.safetensors", **options)
+            future.add_done_callback(lambda _f, s=step: done_at.setdefault(s, time.perf_counter()))
+            pending.append(future)
+
+        res = _loop(args, state, save, optimizer)
+        t0 = time.perf_counter()
+        for future in pending:
+            future.result()
+        res["final_wait"] = time.perf_counter() - t0
     elif args.mode == "torch_save":
         kept: list[Path] = []
 
@@ -174,7 +221,7 @@ def child(args: argparse.Namespace) -> None:
             while len(kept) > args.keep_last:
                 kept.pop(0).unlink()
 
-        res = _loop(args, state, save)
+        res = _loop(args, state, save, optimizer)
         res["final_wait"] = 0.0
     elif args.mode == "dcp_async":
         import torch.distributed as dist
@@ -197,7 +244,7 @@ def child(args: argparse.Namespace) -> None:
             while len(kept_dirs) > args.keep_last + 1:  # the one in flight is not counted
                 shutil.rmtree(kept_dirs.pop(0), ignore_errors=True)
 
-        res = _loop(args, state, save)
+        res = _loop(args, state, save, optimizer)
         t0 = time.perf_counter()
         for future in futures:
             future.result()
@@ -249,7 +296,9 @@ def _start_s3() -> tuple[Any, str, dict[str, Any]] | str:
 def _table(rows: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
     lines = [
         f"{format_bytes(args.size)} state, {args.steps} steps, a checkpoint every {args.every} "
-        f"steps, keep_last={args.keep_last}; medians over the checkpoints of one run",
+        f"steps, keep_last={args.keep_last}, fastckpt saves "
+        f"{'lazy, fenced on the optimizer' if args.lazy else 'eager (a snapshot)'}; "
+        "medians over the checkpoints of one run",
         "",
         "| mode | blocks per checkpoint (s) | until durable in root (s) | loop total (s) "
         "| final wait (s) | peak RSS above the state (MiB) |",
@@ -287,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matmul", type=int, default=1024)
     p.add_argument("--matmuls-per-step", type=int, default=4)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--lazy",
+        action="store_true",
+        help="fastckpt saves fenced on the loop's optimizer (async_save(fence=...))",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--s3-url", default=None, help=argparse.SUPPRESS)
@@ -325,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             ]  # fmt: skip
             if args.s3_url:
                 argv_child += ["--s3-url", args.s3_url]
+            if args.lazy:
+                argv_child.append("--lazy")
             res = run_child(argv_child, timeout=3600, env=dict(os.environ))
             if "error" in res:
                 notes.append(f"{mode} failed: {res['error']}")
