@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from _page_cache import drop_from_page_cache
 from safetensors.torch import load_file
 
 import fastckpt
@@ -35,15 +36,6 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _drop_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("direct_io", [None, True, False])
 @pytest.mark.parametrize("save_direct", [True, False])
 def test_every_read_and_write_mode_round_trips(io_dir, direct_io, save_direct):
@@ -62,7 +54,7 @@ def test_read_mode_follows_the_page_cache(tmp_path, monkeypatch):
     with fastckpt.open(path) as reader:
         if reader.storage.local_file().direct_fd < 0:
             pytest.skip("this file system refuses O_DIRECT")
-        _drop_cache(path)
+        drop_from_page_cache(path)
         assert reader.read_mode == "direct"
         path.read_bytes()  # a buffered read makes it hot
         assert reader.read_mode == "buffered"
@@ -70,7 +62,7 @@ def test_read_mode_follows_the_page_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTCKPT_DIRECT_IO", "1")
     assert fastckpt.open(path).read_mode == "direct"
     monkeypatch.setenv("FASTCKPT_DIRECT_IO", "0")
-    _drop_cache(path)
+    drop_from_page_cache(path)
     assert fastckpt.open(path).read_mode == "buffered"
 
 

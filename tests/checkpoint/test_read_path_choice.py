@@ -14,20 +14,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _page_cache import drop_from_page_cache
 
 import fastckpt
 from fastckpt.config import filesystem_key, save_tuned_read_mode, tuned_read_mode
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span, read_buffered, read_mapped
-
-
-def _cold(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -74,7 +66,7 @@ def test_every_forced_read_mode_loads_and_verifies(tmp_path, monkeypatch, mode):
     path = tmp_path / "ckpt.safetensors"
     state = _state()
     fastckpt.save(state, path)
-    _cold(path)
+    drop_from_page_cache(path)
     monkeypatch.setenv("FASTCKPT_READ_MODE", mode)
     with fastckpt.open(path) as reader:
         assert reader.read_mode == mode
@@ -86,7 +78,7 @@ def test_every_forced_read_mode_loads_and_verifies(tmp_path, monkeypatch, mode):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    _cold(path)
+    drop_from_page_cache(path)
     with pytest.raises(fastckpt.ChecksumError, match="is damaged"):
         fastckpt.load(path, verify=True)
 
@@ -104,7 +96,7 @@ def test_resident_bytes_are_read_buffered_whatever_was_tuned(tmp_path, monkeypat
 def test_a_bad_read_mode_variable_is_named(tmp_path, monkeypatch):
     path = tmp_path / "x.safetensors"
     fastckpt.save({"w": torch.ones(4)}, path)
-    _cold(path)
+    drop_from_page_cache(path)
     monkeypatch.setenv("FASTCKPT_READ_MODE", "fast")
     with pytest.raises(ValueError, match="FASTCKPT_READ_MODE must be one of direct, buffered"):
         fastckpt.load(path)
@@ -118,12 +110,12 @@ def test_loads_follow_the_tuned_read_mode_and_say_why(tmp_path, capsys):
     save_tuned_read_mode(filesystem_key(tmp_path), "mapped", {"direct": 1.0, "mapped": 3.5})
     mode, why = tuned_read_mode(path)
     assert mode == "mapped" and "mapped 3.5 GB/s" in why
-    _cold(path)
+    drop_from_page_cache(path)
     with fastckpt.open(path) as reader:
         assert reader.read_mode == "mapped"
     back = fastckpt.load(path)
     assert all(torch.equal(back[k], v) for k, v in state.items())
-    _cold(path)
+    drop_from_page_cache(path)
     from fastckpt.cli import main
 
     assert main(["inspect", str(path)]) == 0

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from _host_cuda import HostEvent, HostStream
+from _page_cache import drop_from_page_cache
 
 from fastckpt.aio import aio_handle
 from fastckpt.config import IOConfig
@@ -586,16 +587,6 @@ def test_tuning_decides_gds_per_file_system(tmp_path, monkeypatch):
     assert cuda.use_gds(None, target) is False
 
 
-def _evicted(path) -> None:
-    """Drops the file's clean pages from the page cache (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("mode", ["direct", "buffered", "mapped"])
 def test_cuda_load_staging_reads_follow_the_read_policy(
     device_load_on_host, tmp_path, monkeypatch, mode
@@ -609,7 +600,7 @@ def test_cuda_load_staging_reads_follow_the_read_policy(
     with File(path) as f:
         if f.direct_fd < 0:
             pytest.skip("this file system refuses O_DIRECT")
-    _evicted(path)
+    drop_from_page_cache(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         if page_cache.resident_fraction(fd, 0, path.stat().st_size) != 0.0:
