@@ -64,15 +64,28 @@ class Location:
 
 def resolve_path(referrer: str, relative: str) -> str:
     """The path of a referenced file: ``relative`` (checked) from ``referrer``'s directory.
+    At a URL the same protocol, and never out of the referrer's bucket (the first part of
+    its path): a ``..`` from a file at the top of a bucket is refused (HeaderError).
 
     Example:
         >>> resolve_path("/ckpt/step-2/state.safetensors", "../step-1/state.safetensors")
         '/ckpt/step-1/state.safetensors'
+        >>> resolve_path("s3://bucket/run/step-2/state.safetensors", "../step-1/state.safetensors")
+        's3://bucket/run/step-1/state.safetensors'
     """
     format.references.check_reference_path(relative)
     if is_url(referrer):
         scheme, _, rest = referrer.partition("://")
-        return f"{scheme}://{posixpath.normpath(posixpath.join(posixpath.dirname(rest), relative))}"
+        directory = posixpath.dirname(rest)
+        parts = relative.split("/")
+        climbs = next((i for i, part in enumerate(parts) if part != ".."), len(parts))
+        depth = len([part for part in directory.split("/") if part])
+        if climbs and climbs >= depth:
+            raise HeaderError(
+                f"reference path {relative!r} leaves the bucket of {referrer}: a reference "
+                "at a URL stays under the first part of the URL's path"
+            )
+        return f"{scheme}://{posixpath.normpath(posixpath.join(directory, relative))}"
     return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(referrer)), relative))
 
 

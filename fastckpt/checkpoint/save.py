@@ -169,12 +169,14 @@ def plan_save(
     frozen: incremental.Frozen = None,
     destination: str | None = None,
     compress: bool | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
 
     With ``base`` (and the ``destination`` path), only the tensors whose bytes differ from
     ``base``'s are planned; the others become references (:mod:`.incremental`). A
     ``destination`` also lets the next incremental save skip hashing what has not changed.
+    ``storage_options`` open a ``base`` at a URL.
 
     Example:
         >>> import torch
@@ -198,7 +200,15 @@ def plan_save(
         _check_tensor(name, t)
         shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
         specs.append((name, dtypes.to_safetensors(t.dtype), shape))
-    choice = incremental.choose(stored, specs, base, destination, frozen=frozen, checksum=checksum)
+    choice = incremental.choose(
+        stored,
+        specs,
+        base,
+        destination,
+        frozen=frozen,
+        checksum=checksum,
+        storage_options=storage_options,
+    )
     if choice.references is not None:
         specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
         stored = {name: stored[name] for name, _, _ in specs}
