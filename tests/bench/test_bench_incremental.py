@@ -1,5 +1,6 @@
-"""A smoke run of benchmarks/bench_incremental.py: every mode saves and restores, and the
-incremental ones write a fraction of what full saves write."""
+"""A smoke run of benchmarks/bench_incremental.py: every mode saves and restores, on the local
+disk and at an S3 server on loopback, and the incremental ones write (upload) a fraction of
+what full saves write."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ def test_bench_incremental_smoke(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    modes = json.loads(out_json.read_text())["incremental"]["modes"]
-    assert sorted(modes) == ["frozen", "full", "hash", "versions"]
-    for mode in ("hash", "versions", "frozen"):
-        assert modes[mode]["median_bytes"] < modes["full"]["median_bytes"] / 4, mode
-        assert modes[mode]["first_bytes"] == modes["full"]["first_bytes"]
-        assert modes[mode]["restore_seconds"] > 0
+    results = json.loads(out_json.read_text())
+    parts = ["incremental"] + (["s3"] if "skipped" not in results["s3"] else [])
+    for part in parts:
+        modes = results[part]["modes"]
+        assert sorted(modes) == ["frozen", "full", "hash", "versions"]
+        for mode in ("hash", "versions", "frozen"):
+            assert modes[mode]["median_bytes"] < modes["full"]["median_bytes"] / 4, (part, mode)
+            assert modes[mode]["first_bytes"] == modes["full"]["first_bytes"]
+            assert modes[mode]["restore_seconds"] > 0
     assert "full/restore" in out.stdout
+    assert ("uploaded/ckpt" in out.stdout) == ("s3" in parts)
