@@ -101,10 +101,13 @@ def base_index(base: str, storage_options: Mapping[str, Any] | None = None) -> d
         return {name: locate(reader, name) for name in reader.keys()}
 
 
-def dependencies(path: str | os.PathLike[str]) -> list[str]:
+def dependencies(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
     """The files that the checkpoint at ``path`` needs besides itself, to be loaded: every
-    file holding a tensor it refers to, directly or through a chain (absolute paths, sorted).
-    Retention must keep them while it keeps ``path``. A plain checkpoint needs none.
+    file holding a tensor it refers to, directly or through a chain (absolute paths, or URLs
+    for a checkpoint at a URL, read with ``storage_options``; sorted). Retention must keep
+    them while it keeps ``path``. A plain checkpoint needs none.
 
     Raises:
         MissingBaseError: a file it needs is missing (named).
@@ -122,7 +125,7 @@ def dependencies(path: str | os.PathLike[str]) -> list[str]:
         >>> dependencies(os.path.join(d, "0.safetensors"))
         []
     """
-    with open_checkpoint(os.fspath(path)) as reader:
+    with open_checkpoint(os.fspath(path), storage_options=storage_options) as reader:
         own = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
         return sorted(files_of(reader) - {own})
 

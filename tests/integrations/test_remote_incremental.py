@@ -15,6 +15,7 @@ pytest.importorskip("fsspec")
 import fastckpt  # noqa: E402
 from fastckpt import format  # noqa: E402
 from fastckpt.checkpoint import tensor_records  # noqa: E402
+from fastckpt.checkpoint.incremental import dependencies  # noqa: E402
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError  # noqa: E402
 from fastckpt.integrations import remote  # noqa: E402
 from fastckpt.storage.url import UrlStorage  # noqa: E402
@@ -99,6 +100,7 @@ def test_s3_chain_of_three_uploads_only_changed_tensors_and_every_reader_resolve
         assert held == names and data_bytes == _nbytes(state, names)
         assert fs.size(urls[step]) < full // 10
     assert tensor_records.previous(urls[2])  # the next save skips hashing unmoved tensors
+    assert dependencies(urls[2], opts) == urls[:2]
 
     _assert_same(fastckpt.load(urls[2], storage_options=opts), state)
     with fastckpt.open(urls[2], storage_options=opts) as r:
