@@ -243,6 +243,17 @@ def test_a_local_base_for_a_url_and_the_reverse_are_refused(tmp_path):
     assert not (tmp_path / "1.safetensors").exists()
 
 
+def test_sharded_saves_refuse_base_at_urls_and_locally(tmp_path):
+    state = {"a": torch.zeros(1000), "b": torch.ones(1000)}
+    fastckpt.save(state, "memory://urlincr/shards-base.safetensors")
+    for target in ("memory://urlincr/shards/", str(tmp_path / "shards")):
+        with pytest.raises(TypeError, match="base= is not supported for a sharded save"):
+            fastckpt.save(
+                state, target, max_shard_size="4KB", base="memory://urlincr/shards-base.safetensors"
+            )
+    assert not remote.storage.exists("memory://urlincr/shards/model.safetensors.index.json")
+
+
 # -- options a URL save cannot honour, and those it does ------------------------------------
 
 
