@@ -581,10 +581,11 @@ def save(
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
         overwrite_readonly: replace a file at ``f`` that has no write permission.
-        base: an earlier checkpoint (a local path): write only the tensors whose bytes
-            differ from its tensors of the same name, and record a verified reference to
-            the others (an incremental checkpoint, see docs/incremental.md). Loading it
-            needs the base's files; plain safetensors readers see only the tensors written.
+        base: an earlier checkpoint (a local path; for a save to a URL, a URL): write only
+            the tensors whose bytes differ from its tensors of the same name, and record a
+            verified reference to the others (an incremental checkpoint, see
+            docs/incremental.md). Loading it needs the base's files; plain safetensors
+            readers see only the tensors written.
         frozen: with ``base``, names (or a predicate on names) of tensors the caller
             promises are unchanged since ``base``: referred to without being hashed.
         compress: store tensors compressed, losslessly (default None: off). ``True``

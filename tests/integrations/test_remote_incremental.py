@@ -295,6 +295,14 @@ def test_io_tuning_options_are_ignored_at_urls(save, option):
     assert fastckpt.load(url)["w"].tolist() == [0, 1, 2, 3, 4]
 
 
+def test_max_pending_is_honoured_at_urls():
+    url = "memory://urlincr/pending/x.safetensors"
+    futures = [fastckpt.async_save({"w": torch.ones(2) * i}, url, max_pending=1) for i in range(3)]
+    assert all(f.done() for f in futures[:-1])  # each call waited for the one before
+    futures[-1].result()
+    assert fastckpt.load(url)["w"].tolist() == [2.0, 2.0]
+
+
 def test_piece_size_is_honoured_at_urls():
     url = "memory://urlincr/pieces/x.safetensors"
     fastckpt.save({"w": torch.zeros(8192)}, url, piece_size=8192)
