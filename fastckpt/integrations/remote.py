@@ -43,6 +43,7 @@ _Errors = url_errors
 __all__ = [
     "DEFAULT_PART_SIZE",
     "DEFAULT_PARALLEL",
+    "IGNORED_AT_URLS",
     "RemoteReader",
     "async_save",
     "handles",
@@ -103,10 +104,15 @@ def _check_url_options(options: Mapping[str, Any], url: str, call: str) -> None:
 def _refuse_lazy(lazy: bool, fence: Any, fence_bytes: int | None, url: str) -> None:
     """A lazy save streams from the live tensors under a fence; the URL writer reads each
     tensor twice (checksums, then upload), so it cannot keep that promise: refused."""
+    no_fence = fence is None or (isinstance(fence, (list, tuple)) and not fence)
     given = [
         name
-        for name, value in (("lazy", lazy), ("fence", fence), ("fence_bytes", fence_bytes))
-        if value not in (None, False, ())
+        for name, asked in (
+            ("lazy", bool(lazy)),
+            ("fence", not no_fence),
+            ("fence_bytes", fence_bytes is not None),
+        )
+        if asked
     ]
     if given:
         raise ValueError(

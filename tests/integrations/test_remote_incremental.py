@@ -330,3 +330,16 @@ def test_s3_compressed_round_trip(s3):
     fastckpt.save(state, step, base=plain, compress=True, storage_options=opts)
     assert _stored(fs, step)[0] == ["zeros"] and fs.size(step) < 64 << 10
     _assert_same(fastckpt.load(step, storage_options=opts), state)
+
+
+def test_file_urls_keep_every_local_option(tmp_path):
+    state = _state()
+    first, second = tmp_path / "0.safetensors", tmp_path / "1.safetensors"
+    remote.save(state, first.as_uri(), engine="threads", piece_size=8192)
+    _train(state, 1)
+    remote.async_save(state, second.as_uri(), base=first.as_uri(), lazy=True).result()
+    with fastckpt.open(second) as r:
+        assert r.stored_names() == ["lora.A", "opt.scale", "step"]
+    _assert_same(fastckpt.load(second), state)
+    with pytest.raises(TypeError, match="snapshots"):
+        remote.save(state, (tmp_path / "2.safetensors").as_uri(), snapshots=False)
