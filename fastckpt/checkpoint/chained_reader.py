@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import os
@@ -288,11 +289,22 @@ class ChainedReader(Reader):
         self, names: Sequence[str] | None, read: Callable[[Reader, list[str]], dict[str, Any]]
     ) -> dict[str, Any]:
         own, per_base = self._split(names)
-        result = read(self.top, own) if own else {}
+        jobs: list[tuple[Reader, list[str]]] = [(self.top, own)] if own else []
+        jobs += [
+            (b, list(dict.fromkeys(x for _, x in w))) for b, w in zip(self._bases, per_base) if w
+        ]
+        if len(jobs) > 1 and all(_ranged(r) for r, _ in jobs):
+            # URLs: each file's reads wait on the network, so the files are read at once
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                done = list(pool.map(lambda job: read(*job), jobs))
+        else:
+            done = [read(r, wanted) for r, wanted in jobs]
+        got = dict(zip((id(r) for r, _ in jobs), done))
+        result = got.get(id(self.top), {}) if own else {}
         for base, wanted in zip(self._bases, per_base):
             if wanted:
-                got = read(base, list(dict.fromkeys(b for _, b in wanted)))
-                result.update({n: got[b] for n, b in wanted})
+                from_base = got[id(base)]
+                result.update({n: from_base[b] for n, b in wanted})
         return result
 
     def read(
@@ -384,14 +396,20 @@ class ChainedReader(Reader):
         return self
 
 
+def _ranged(reader: Reader) -> bool:
+    """Whether a reader reads ranges of a URL (or, for a chain, only of URLs)."""
+    if isinstance(reader, ChainedReader):
+        return all(_ranged(r) for r in (reader.top, *reader.bases))
+    return bool(getattr(getattr(reader, "storage", None), "ranged", False))
+
+
 def _whole_file_cheaper(reader: Reader, wanted: list[str]) -> bool:
     """Whether to read all of a base at a URL rather than the tensors wanted of it: a base's
     unchanged tensors lie between the ones that changed since, and a ranged read per run of
     them costs a request each (hundreds for a LoRA fine-tune's base); when they are most of
     its bytes, one pass over the data section is much faster and reads less than twice what
     is needed."""
-    storage = getattr(reader, "storage", None)
-    if not isinstance(reader, HeaderView) or not getattr(storage, "ranged", False):
+    if not isinstance(reader, HeaderView) or not _ranged(reader):
         return False  # a local file reads runs at disk speed; a chain decides per file
     entries = reader.header.entries
     wanted_bytes = sum(entries[n].nbytes for n in wanted if n in entries)

@@ -6,6 +6,7 @@ refused, naming the option and the URL."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -76,6 +77,7 @@ def reads(monkeypatch):
         spans = list(spans)
         seen.append((self.location, "data", sum(s.nbytes for s in spans)))
         seen.append((self.location, "spans", len(spans)))
+        seen.append((self.location, "thread", threading.get_ident()))
         return read_spans(self, spans, **kw)
 
     monkeypatch.setattr(UrlStorage, "read_bytes", header)
@@ -134,6 +136,8 @@ def test_s3_restore_reads_a_base_with_interleaved_changes_in_few_requests(s3, re
     _assert_same(fastckpt.load(u1, storage_options=opts), state)
     spans = {url: n for url, kind, n in reads if kind == "spans"}
     assert spans[u0] <= 2, spans
+    # the new object and its base are read at once, each on its own thread
+    assert len({n for _, kind, n in reads if kind == "thread"}) == 2
 
 
 def test_s3_async_incremental_saves_wait_for_a_pending_base_and_commit_in_order(s3):
