@@ -8,7 +8,11 @@ a URL is the checkpoint layer's one reader over :class:`~fastckpt.storage.url.Ur
 Save. The checkpoint layer plans the file and streams it header first
 (:func:`fastckpt.checkpoint.ordered_save.write_in_order`: save's plan, header and checksums)
 through the URL's atomic sink (:meth:`~fastckpt.storage.Storage.write_atomically`): bounded
-memory, parallel parts on S3, and a checkpoint at a URL is complete or absent.
+memory, parallel parts on S3, and a checkpoint at a URL is complete or absent. ``base=`` makes
+an incremental checkpoint against an earlier URL (only its header is read; see
+docs/incremental.md); options that only tune a local disk are ignored
+(:data:`IGNORED_AT_URLS`), and those a URL cannot honour (a lazy save, unknown names) are
+refused, naming the option and the URL.
 
 Example:
     >>> import torch, fastckpt
