@@ -23,11 +23,18 @@ Parts (``--parts``, default all; each is its own function, reporting one JSON-ab
   same state (the page cache dropped before each read when running as root, else the files'
   pages evicted with posix_fadvise), medians of ``--repeats`` loads.
 
-  Remote (fsspec URL) saves do not take ``base=`` (incremental saves are for local paths), so
-  this part runs on the local directory ``--dir`` only.
+- ``s3``: the same series, modes and figures against an S3 server on loopback (moto's
+  ``ThreadedMotoServer``, started by this script in a process of its own), each checkpoint
+  an object ``s3://<bucket>/<mode>/step-NNNN/state.safetensors`` written with
+  ``base=`` the previous one's URL: bytes uploaded (the objects' sizes) and seconds per
+  checkpoint, and the restore of the last checkpoint (its references resolved through the
+  URL storage: ranged reads of every object it needs) against a full load. moto keeps
+  objects in its own memory and is written in Python, so its absolute figures are far below
+  a real object store's; the ratios between the modes are the point. Skipped (and said so)
+  without ``moto[server]`` and ``s3fs``.
 
-Run: python benchmarks/bench_incremental.py [--base-size 2G] [--trainable 0.015]
-     [--checkpoints 10] [--dir DIR] [--repeats 3] [--json out.json]
+Run: python benchmarks/bench_incremental.py [--parts incremental,s3] [--base-size 2G]
+     [--trainable 0.015] [--checkpoints 10] [--dir DIR] [--repeats 3] [--json out.json]
      python benchmarks/bench_incremental.py --smoke   # seconds: a tiny state, 2 checkpoints
 """
 
@@ -38,9 +45,11 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,19 +105,27 @@ def optimizer_step(state: dict[str, Any], frozen: set[str]) -> None:
 
 
 def _checkpoint_series(
-    mode: str, state: dict[str, Any], frozen: list[str], directory: Path, count: int
+    mode: str,
+    state: dict[str, Any],
+    frozen: list[str],
+    location: Callable[[int], str],
+    count: int,
+    *,
+    size: Callable[[str], int] = os.path.getsize,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``count`` checkpoints of ``state`` in ``mode``; bytes and seconds of each."""
+    """``count`` checkpoints of ``state`` in ``mode`` at ``location(i)`` (a path or URL);
+    bytes (``size(location)``) and seconds of each."""
     import fastckpt
     from fastckpt.checkpoint import tensor_records
 
-    directory.mkdir(parents=True, exist_ok=True)
     frozen_set = set(frozen)
     written, seconds, paths = [], [], []
+    url = {} if storage_options is None else {"storage_options": storage_options}
     for i in range(count):
         optimizer_step(state, frozen_set)
-        path = directory / f"step-{i:04d}.safetensors"
-        options: dict[str, Any] = {}
+        path = location(i)
+        options: dict[str, Any] = dict(url)
         if mode != "full" and paths:
             options["base"] = paths[-1]
             if mode == "frozen":
@@ -118,23 +135,57 @@ def _checkpoint_series(
         started = time.perf_counter()
         fastckpt.save(state, path, **options)
         seconds.append(time.perf_counter() - started)
-        written.append(os.path.getsize(path))
+        written.append(size(path))
         paths.append(path)
     return {"written": written, "seconds": seconds, "last": str(paths[-1])}
 
 
-def _timed_loads(path: str, repeats: int, cold: Callable[[list[str]], None]) -> list[float]:
+def _timed_loads(
+    path: str,
+    repeats: int,
+    cold: Callable[[list[str]], None],
+    storage_options: dict[str, Any] | None = None,
+) -> list[float]:
     import fastckpt
     from fastckpt.checkpoint.incremental import dependencies
 
-    files = [path, *dependencies(path)]
+    url = storage_options is not None
+    files = [] if url else [path, *dependencies(path)]
     times = []
     for _ in range(repeats):
         cold(files)
         started = time.perf_counter()
-        fastckpt.load(path)
+        if url:
+            fastckpt.load(path, storage_options=storage_options)
+        else:
+            fastckpt.load(path)
         times.append(time.perf_counter() - started)
     return times
+
+
+def _summary(series: dict[str, Any]) -> dict[str, Any]:
+    later = series["seconds"][1:] or series["seconds"]
+    return {
+        "first_seconds": series["seconds"][0],
+        "first_bytes": series["written"][0],
+        "median_seconds": statistics.median(later),
+        "median_bytes": statistics.median(series["written"][1:] or series["written"]),
+        "total_bytes": sum(series["written"]),
+        "seconds": series["seconds"],
+        "written": series["written"],
+    }
+
+
+def _restores(
+    results: dict[str, Any], lasts: dict[str, str], loads: Callable[[str], list[float]]
+) -> None:
+    """Each mode's restore time of its last checkpoint, and a full load's over it."""
+    for mode, last in lasts.items():
+        results["modes"][mode]["restore_seconds"] = statistics.median(loads(last))
+    if "full" in lasts:
+        full_time = results["modes"]["full"]["restore_seconds"]
+        for entry in results["modes"].values():
+            entry["restore_vs_full"] = full_time / entry["restore_seconds"]
 
 
 def incremental_part(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
@@ -147,28 +198,100 @@ def incremental_part(args: argparse.Namespace, directory: Path) -> dict[str, Any
     for mode in args.modes:
         # each mode starts from the same state, so every series saves the same values
         state, frozen = lora_like_state(args.base_size, args.trainable)
-        series = _checkpoint_series(mode, state, frozen, directory / mode, args.checkpoints)
+        (directory / mode).mkdir(parents=True, exist_ok=True)
+        series = _checkpoint_series(
+            mode,
+            state,
+            frozen,
+            lambda i, mode=mode: str(directory / mode / f"step-{i:04d}.safetensors"),
+            args.checkpoints,
+        )
         lasts[mode] = series["last"]
-        later = series["seconds"][1:] or series["seconds"]
-        results["modes"][mode] = {
-            "first_seconds": series["seconds"][0],
-            "first_bytes": series["written"][0],
-            "median_seconds": statistics.median(later),
-            "median_bytes": statistics.median(series["written"][1:] or series["written"]),
-            "total_bytes": sum(series["written"]),
-            "seconds": series["seconds"],
-            "written": series["written"],
-        }
+        results["modes"][mode] = _summary(series)
         del state
-    full_last = lasts.get("full")
-    for mode, last in lasts.items():
-        loads = _timed_loads(last, args.repeats, cache.drop)
-        results["modes"][mode]["restore_seconds"] = statistics.median(loads)
-    if full_last is not None:
-        full_time = results["modes"]["full"]["restore_seconds"]
-        for entry in results["modes"].values():
-            entry["restore_vs_full"] = full_time / entry["restore_seconds"]
+    _restores(results, lasts, lambda last: _timed_loads(last, args.repeats, cache.drop))
     return results
+
+
+_SERVER = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print("http://%s:%d" % server.get_host_and_port(), flush=True)
+sys.stdin.read()  # runs until the driver closes the pipe
+server.stop()
+"""
+
+
+def _start_s3() -> tuple[subprocess.Popen[str], dict[str, Any]] | str:
+    """moto's S3 server in a process of its own (its CPU stays out of the save's process)
+    and the storage options reaching it; or why not."""
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        return f"needs moto[server] and s3fs ({exc.name} is missing)"
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    endpoint = server.stdout.readline().strip()
+    if not endpoint.startswith("http://"):
+        server.kill()
+        return "the moto S3 server did not start"
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    return server, options
+
+
+def s3_part(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    """The s3 part: the incremental series at an S3 server on loopback (see the module)."""
+    del directory
+    started = _start_s3()
+    if isinstance(started, str):
+        return {"skipped": started}
+    server, options = started
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options)
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        fs.call_s3("create_bucket", Bucket=bucket)
+        results: dict[str, Any] = {"endpoint": options["endpoint_url"], "modes": {}}
+        lasts = {}
+        for mode in args.modes:
+            state, frozen = lora_like_state(args.base_size, args.trainable)
+            series = _checkpoint_series(
+                mode,
+                state,
+                frozen,
+                lambda i, mode=mode: f"s3://{bucket}/{mode}/step-{i:04d}/state.safetensors",
+                args.checkpoints,
+                size=lambda url: int(fs.size(url)),
+                storage_options=options,
+            )
+            lasts[mode] = series["last"]
+            results["modes"][mode] = _summary(series)
+            del state
+        _restores(
+            results,
+            lasts,
+            lambda last: _timed_loads(last, args.repeats, lambda files: None, options),
+        )
+        return results
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()  # the server stops when its input ends
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def print_incremental(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -176,15 +299,30 @@ def print_incremental(results: dict[str, Any], args: argparse.Namespace) -> None
         f"\nincremental: {format_bytes(args.base_size)} frozen base, {args.trainable:.1%} "
         f"trainable (+ Adam state), {args.checkpoints} checkpoints; {results['cache']}"
     )
+    _print_modes(results, "bytes/ckpt", "total written")
+
+
+def print_s3(results: dict[str, Any], args: argparse.Namespace) -> None:
+    if "skipped" in results:
+        print(f"\ns3: skipped: {results['skipped']}")
+        return
     print(
-        f"  {'mode':9} {'bytes/ckpt':>12} {'s/ckpt':>8} {'total written':>14} "
+        f"\ns3 (moto on loopback, {results['endpoint']}): {format_bytes(args.base_size)} frozen "
+        f"base, {args.trainable:.1%} trainable (+ Adam state), {args.checkpoints} checkpoints"
+    )
+    _print_modes(results, "uploaded/ckpt", "total uploaded")
+
+
+def _print_modes(results: dict[str, Any], per_checkpoint: str, total: str) -> None:
+    print(
+        f"  {'mode':9} {per_checkpoint:>13} {'s/ckpt':>8} {total:>15} "
         f"{'restore s':>10} {'full/restore':>13}"
     )
     for mode, r in results["modes"].items():
         ratio = r.get("restore_vs_full")
         print(
-            f"  {mode:9} {format_bytes(r['median_bytes']):>12} {r['median_seconds']:8.3f} "
-            f"{format_bytes(r['total_bytes']):>14} {r['restore_seconds']:10.3f} "
+            f"  {mode:9} {format_bytes(r['median_bytes']):>13} {r['median_seconds']:8.3f} "
+            f"{format_bytes(r['total_bytes']):>15} {r['restore_seconds']:10.3f} "
             f"{'' if ratio is None else f'{ratio:.2f}x':>13}"
         )
     print("  (per-checkpoint figures: medians of checkpoints 2..N; the first is a full save)")
@@ -195,6 +333,7 @@ def print_incremental(results: dict[str, Any], args: argparse.Namespace) -> None
 #: name -> (run, print); other parts add themselves here.
 PARTS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None]]] = {
     "incremental": (incremental_part, print_incremental),
+    "s3": (s3_part, print_s3),
 }
 
 

@@ -44,7 +44,8 @@ _MAX_SHARD_SIZE = """max_shard_size: write Hugging Face shards plus ``model.safe
 _SHARDS = """``f`` may also be a Hugging Face sharded directory or its ``*.index.json`` (the
             tensors its index names, each from the shard it names; ``parallel`` shards at once)."""
 
-# Options of the native engine, which a save to a URL has no use for.
+# Options of the native engine, which a save to a URL has no use for (a URL's async_save
+# takes max_pending itself).
 _NATIVE_ONLY = (
     "progress",
     "staging_bytes",
@@ -54,7 +55,6 @@ _NATIVE_ONLY = (
     "intra_op_parallelism",
     "pin_memory",
     "gds",
-    "max_pending",
 )
 
 

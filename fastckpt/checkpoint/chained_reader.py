@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import os
@@ -64,15 +65,28 @@ class Location:
 
 def resolve_path(referrer: str, relative: str) -> str:
     """The path of a referenced file: ``relative`` (checked) from ``referrer``'s directory.
+    At a URL the same protocol, and never out of the referrer's bucket (the first part of
+    its path): a ``..`` from a file at the top of a bucket is refused (HeaderError).
 
     Example:
         >>> resolve_path("/ckpt/step-2/state.safetensors", "../step-1/state.safetensors")
         '/ckpt/step-1/state.safetensors'
+        >>> resolve_path("s3://bucket/run/step-2/state.safetensors", "../step-1/state.safetensors")
+        's3://bucket/run/step-1/state.safetensors'
     """
     format.references.check_reference_path(relative)
     if is_url(referrer):
         scheme, _, rest = referrer.partition("://")
-        return f"{scheme}://{posixpath.normpath(posixpath.join(posixpath.dirname(rest), relative))}"
+        directory = posixpath.dirname(rest)
+        parts = relative.split("/")
+        climbs = next((i for i, part in enumerate(parts) if part != ".."), len(parts))
+        depth = len([part for part in directory.split("/") if part])
+        if climbs and climbs >= depth:
+            raise HeaderError(
+                f"reference path {relative!r} leaves the bucket of {referrer}: a reference "
+                "at a URL stays under the first part of the URL's path"
+            )
+        return f"{scheme}://{posixpath.normpath(posixpath.join(directory, relative))}"
     return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(referrer)), relative))
 
 
@@ -275,11 +289,22 @@ class ChainedReader(Reader):
         self, names: Sequence[str] | None, read: Callable[[Reader, list[str]], dict[str, Any]]
     ) -> dict[str, Any]:
         own, per_base = self._split(names)
-        result = read(self.top, own) if own else {}
+        jobs: list[tuple[Reader, list[str]]] = [(self.top, own)] if own else []
+        jobs += [
+            (b, list(dict.fromkeys(x for _, x in w))) for b, w in zip(self._bases, per_base) if w
+        ]
+        if len(jobs) > 1 and all(_ranged(r) for r, _ in jobs):
+            # URLs: each file's reads wait on the network, so the files are read at once
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                done = list(pool.map(lambda job: read(*job), jobs))
+        else:
+            done = [read(r, wanted) for r, wanted in jobs]
+        got = dict(zip((id(r) for r, _ in jobs), done))
+        result = got.get(id(self.top), {}) if own else {}
         for base, wanted in zip(self._bases, per_base):
             if wanted:
-                got = read(base, list(dict.fromkeys(b for _, b in wanted)))
-                result.update({n: got[b] for n, b in wanted})
+                from_base = got[id(base)]
+                result.update({n: from_base[b] for n, b in wanted})
         return result
 
     def read(
@@ -290,10 +315,19 @@ class ChainedReader(Reader):
         verify: bool = False,
         progress: bool | None = None,
     ) -> dict[str, torch.Tensor]:
-        return self._gather(
-            names,
-            lambda r, n: r.read(n, pin_memory=pin_memory, verify=verify, progress=progress),
-        )
+        def read(reader: Reader, wanted: list[str]) -> dict[str, torch.Tensor]:
+            def of(names: list[str] | None) -> dict[str, torch.Tensor]:
+                return reader.read(names, pin_memory=pin_memory, verify=verify, progress=progress)
+
+            if not _whole_file_cheaper(reader, wanted):
+                return of(wanted)
+            got = of(None)
+            missing = [n for n in wanted if n not in got]
+            if missing:  # names a whole read does not return (an alias spelled otherwise)
+                got.update(of(missing))
+            return {n: got[n] for n in wanted}
+
+        return self._gather(names, read)
 
     def map(
         self, names: Sequence[str] | None = None, *, verify: bool = False
@@ -360,6 +394,26 @@ class ChainedReader(Reader):
 
     def __enter__(self) -> ChainedReader:
         return self
+
+
+def _ranged(reader: Reader) -> bool:
+    """Whether a reader reads ranges of a URL (or, for a chain, only of URLs)."""
+    if isinstance(reader, ChainedReader):
+        return all(_ranged(r) for r in (reader.top, *reader.bases))
+    return bool(getattr(getattr(reader, "storage", None), "ranged", False))
+
+
+def _whole_file_cheaper(reader: Reader, wanted: list[str]) -> bool:
+    """Whether to read all of a base at a URL rather than the tensors wanted of it: a base's
+    unchanged tensors lie between the ones that changed since, and a ranged read per run of
+    them costs a request each (hundreds for a LoRA fine-tune's base); when they are most of
+    its bytes, one pass over the data section is much faster and reads less than twice what
+    is needed."""
+    if not isinstance(reader, HeaderView) or not _ranged(reader):
+        return False  # a local file reads runs at disk speed; a chain decides per file
+    entries = reader.header.entries
+    wanted_bytes = sum(entries[n].nbytes for n in wanted if n in entries)
+    return 2 * wanted_bytes >= reader.header.data_size
 
 
 def _absolute(path: str) -> str:

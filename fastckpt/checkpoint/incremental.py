@@ -34,7 +34,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
@@ -42,11 +44,11 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import save_order
-from fastckpt.checkpoint.chained_reader import Location, files_of, locate
+from fastckpt.checkpoint.chained_reader import Location, files_of, locate, resolve_path
 from fastckpt.checkpoint.digests import hash_tensors
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.tensor_records import SaveRecord, previous
-from fastckpt.errors import HeaderError
+from fastckpt.errors import HeaderError, MissingBaseError
 from fastckpt.io import parallel_io
 from fastckpt.storage import is_url
 
@@ -79,17 +81,33 @@ def _frozen_test(frozen: Frozen) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def base_index(base: str) -> dict[str, Location]:
+def base_index(base: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Location]:
     """Every tensor name of the checkpoint at ``base`` (aliases included) -> where its bytes
-    are; opening it checks its own references (see :mod:`.chained_reader`)."""
-    with open_checkpoint(base) as reader:
+    are; opening it checks its own references (see :mod:`.chained_reader`). Only headers
+    are read (at a URL: no tensor's bytes are downloaded).
+
+    Raises:
+        MissingBaseError: ``base`` is missing (``filename`` names it).
+    """
+    try:
+        reader = open_checkpoint(base, storage_options=storage_options)
+    except MissingBaseError:
+        raise
+    except FileNotFoundError as exc:
+        raise MissingBaseError(
+            errno.ENOENT, f"base checkpoint {base} of an incremental save is missing", base
+        ) from exc
+    with reader:
         return {name: locate(reader, name) for name in reader.keys()}
 
 
-def dependencies(path: str | os.PathLike[str]) -> list[str]:
+def dependencies(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
     """The files that the checkpoint at ``path`` needs besides itself, to be loaded: every
-    file holding a tensor it refers to, directly or through a chain (absolute paths, sorted).
-    Retention must keep them while it keeps ``path``. A plain checkpoint needs none.
+    file holding a tensor it refers to, directly or through a chain (absolute paths, or URLs
+    for a checkpoint at a URL, read with ``storage_options``; sorted). Retention must keep
+    them while it keeps ``path``. A plain checkpoint needs none.
 
     Raises:
         MissingBaseError: a file it needs is missing (named).
@@ -107,15 +125,30 @@ def dependencies(path: str | os.PathLike[str]) -> list[str]:
         >>> dependencies(os.path.join(d, "0.safetensors"))
         []
     """
-    with open_checkpoint(os.fspath(path)) as reader:
+    with open_checkpoint(os.fspath(path), storage_options=storage_options) as reader:
         own = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
         return sorted(files_of(reader) - {own})
 
 
-def _relative(target: str, directory: str) -> str | None:
-    """``target`` as a reference path from ``directory``, or None when it is out of reach."""
+def _identity(path: str) -> str:
+    """The name two locations share when they are the same file (a URL is its own name)."""
+    return path if is_url(path) else os.path.realpath(os.path.abspath(path))
+
+
+def _relative(target: str, destination: str) -> str | None:
+    """``target`` as a reference path from ``destination``'s directory, or None when it is
+    out of reach (too far up, another URL scheme, or out of the URL's bucket)."""
+    if is_url(destination):
+        scheme, _, rest = destination.partition("://")
+        other, _, target_rest = target.partition("://")
+        if other != scheme:
+            return None
+        relative = posixpath.relpath(target_rest, posixpath.dirname(rest) or ".")
+    else:
+        relative = os.path.relpath(target, os.path.dirname(os.path.abspath(destination)))
     try:
-        return format.references.check_reference_path(os.path.relpath(target, directory))
+        # resolved as a reader resolves it: the same file, or no reference at all
+        return relative if resolve_path(destination, relative) == target else None
     except (HeaderError, ValueError):
         return None
 
@@ -126,11 +159,16 @@ def _check_base(base: Any, destination: str | None, checksum: bool) -> str:
     if not isinstance(base, (str, os.PathLike)):
         raise TypeError(f"base must be the path of a checkpoint, got {type(base).__name__}")
     base = os.fspath(base)
-    if is_url(base) or is_url(destination):
-        raise ValueError(f"base={base!r}: incremental saves take local paths only")
+    if is_url(base) != is_url(destination):
+        local, url = (base, destination) if is_url(destination) else (destination, base)
+        raise ValueError(
+            f"base={base!r} for a save to {destination!r}: an incremental checkpoint and its "
+            f"base must both be local files or both at URLs (local {local!r}, URL {url!r}); "
+            "references are paths relative to the new file"
+        )
     if not checksum:
         raise ValueError("base= needs checksum=True: references are checked by hashes")
-    return os.path.abspath(base)
+    return base if is_url(base) else os.path.abspath(base)
 
 
 def choose(
@@ -141,13 +179,18 @@ def choose(
     *,
     frozen: Frozen = None,
     checksum: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Choice:
     """Which of ``stored`` (stored name -> tensor; ``specs``: their safetensors dtype and
     shape) to refer to in ``base`` rather than write to ``destination``.
 
+    ``base`` and ``destination`` are both local paths or both URLs (``base`` then read
+    with ``storage_options``, its header only).
+
     Raises:
         ValueError: ``base`` is the destination, or one of the files it depends on (the save
-            would replace bytes it refers to); a URL; or ``checksum=False``.
+            would replace bytes it refers to); a URL for a local destination or the reverse;
+            or ``checksum=False``.
         MissingBaseError, HeaderError, ChecksumError: ``base`` cannot be read as it says.
     """
     record = SaveRecord(destination, stored) if destination is not None and checksum else None
@@ -158,11 +201,11 @@ def choose(
         return Choice(None, {}, record)
     base_path = _check_base(base, destination, checksum)
     assert destination is not None
-    target = os.path.realpath(os.path.abspath(destination))
+    target = _identity(destination)
     save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
-    index = base_index(base_path)
+    index = base_index(base_path, storage_options)
     holders = {loc.file for loc in index.values()} | {base_path}
-    files = {os.path.realpath(f) for f in holders}
+    files = {_identity(f) for f in holders}
     if target in files:
         raise ValueError(
             f"cannot save to {destination} with base={base_path}: the new file would replace "
@@ -197,20 +240,20 @@ def choose(
 def _references(
     same: Mapping[str, str], index: Mapping[str, Location], base: str, destination: str
 ) -> format.References:
-    directory = os.path.dirname(os.path.abspath(destination))
-    via_base = _relative(base, directory)
+    via_base = _relative(base, destination)
     files: dict[str, int] = {}
     tensors: dict[str, format.Reference] = {}
     for name, digest in same.items():
         loc = index[name]
-        path, tensor = _relative(loc.file, directory), loc.tensor
+        path, tensor = _relative(loc.file, destination), loc.tensor
         if path is None:  # the holder is out of reach: refer to the base, which refers on
             path, tensor = via_base, name
         if path is None:
             raise ValueError(
                 f"base={base} cannot be referred to from {destination}: a reference may "
                 f"climb at most {format.references.MAX_PARENT_STEPS} directory above the "
-                "new file's directory"
+                "new file's directory (at a URL: never out of its bucket, the first part of "
+                "its path)"
             )
         index_of = files.setdefault(path, len(files))
         tensors[name] = format.Reference(index_of, tensor, loc.dtype, loc.shape, digest)

@@ -169,12 +169,14 @@ def plan_save(
     frozen: incremental.Frozen = None,
     destination: str | None = None,
     compress: bool | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SavePlan:
     """Flattens ``obj`` and plans the file's layout; raises before anything is written.
 
     With ``base`` (and the ``destination`` path), only the tensors whose bytes differ from
     ``base``'s are planned; the others become references (:mod:`.incremental`). A
     ``destination`` also lets the next incremental save skip hashing what has not changed.
+    ``storage_options`` open a ``base`` at a URL.
 
     Example:
         >>> import torch
@@ -198,7 +200,15 @@ def plan_save(
         _check_tensor(name, t)
         shape = dtypes.stored_shape(t.dtype, t.shape, name=name)
         specs.append((name, dtypes.to_safetensors(t.dtype), shape))
-    choice = incremental.choose(stored, specs, base, destination, frozen=frozen, checksum=checksum)
+    choice = incremental.choose(
+        stored,
+        specs,
+        base,
+        destination,
+        frozen=frozen,
+        checksum=checksum,
+        storage_options=storage_options,
+    )
     if choice.references is not None:
         specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
         stored = {name: stored[name] for name, _, _ in specs}
@@ -580,10 +590,11 @@ def save(
         engine, block_size, queue_depth, intra_op_parallelism: I/O settings (see
             :mod:`fastckpt.config` for defaults and the tuned configuration).
         overwrite_readonly: replace a file at ``f`` that has no write permission.
-        base: an earlier checkpoint (a local path): write only the tensors whose bytes
-            differ from its tensors of the same name, and record a verified reference to
-            the others (an incremental checkpoint, see docs/incremental.md). Loading it
-            needs the base's files; plain safetensors readers see only the tensors written.
+        base: an earlier checkpoint (a local path; for a save to a URL, a URL): write only
+            the tensors whose bytes differ from its tensors of the same name, and record a
+            verified reference to the others (an incremental checkpoint, see
+            docs/incremental.md). Loading it needs the base's files; plain safetensors
+            readers see only the tensors written.
         frozen: with ``base``, names (or a predicate on names) of tensors the caller
             promises are unchanged since ``base``: referred to without being hashed.
         compress: store tensors compressed, losslessly (default None: off). ``True``

@@ -7,7 +7,7 @@ for every asynchronous save registered before it (:func:`wait_for_earlier`). Asy
 saves among themselves commit in call order (:mod:`fastckpt.checkpoint.asynchronous`).
 
 Paths are compared by their absolute path with the directory's symlinks resolved (the
-rename replaces the last component itself, even when it is a symlink).
+rename replaces the last component itself, even when it is a symlink); URLs as written.
 
 Example:
     >>> token = register("/tmp/fastckpt-order-doc.safetensors")
@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import threading
 
+from fastckpt.storage.locations import is_url
+
 __all__ = ["register", "finish", "wait_for_earlier", "pending_count", "path_key"]
 
 _cond = threading.Condition()
@@ -29,7 +31,9 @@ _pending: dict[str, list[object]] = {}  # path key -> tokens of saves not yet se
 
 
 def path_key(path: str | os.PathLike[str]) -> str:
-    """The name two saves share when they write the same file."""
+    """The name two saves share when they write the same file (a URL is its own name)."""
+    if is_url(path):
+        return str(path)
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     return os.path.join(os.path.realpath(directory), name)
 

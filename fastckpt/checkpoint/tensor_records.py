@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from fastckpt.storage.locations import is_url
+
 __all__ = ["MAX_SERIES", "SaveRecord", "TensorState", "forget", "previous"]
 
 #: Destinations whose tensors are remembered (the least recently saved are forgotten).
@@ -80,7 +82,7 @@ def _state_of(t: torch.Tensor) -> tuple[Any, int, int, tuple[Any, ...]] | None:
 
 
 def _key(path: str) -> str:
-    return os.path.realpath(os.path.abspath(path))
+    return path if is_url(path) else os.path.realpath(os.path.abspath(path))
 
 
 class SaveRecord:

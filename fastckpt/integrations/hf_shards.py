@@ -434,6 +434,12 @@ def save_sharded(
     if parallel < 1:
         raise ValueError(f"parallel must be positive, got {parallel}")
     directory = os.fspath(directory)
+    for name in ("base", "frozen"):
+        if save_options.get(name) is not None:
+            raise TypeError(
+                f"{name}= is not supported for a sharded save (to {directory}): incremental "
+                "checkpoints are single files"
+            )
     local = _local(directory)
     if local is not None:
         os.makedirs(local, exist_ok=True)

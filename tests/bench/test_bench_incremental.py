@@ -1,5 +1,6 @@
-"""A smoke run of benchmarks/bench_incremental.py: every mode saves and restores, and the
-incremental ones write a fraction of what full saves write."""
+"""A smoke run of benchmarks/bench_incremental.py: every mode saves and restores, on the local
+disk and at an S3 server on loopback, and the incremental ones write (upload) a fraction of
+what full saves write."""
 
 from __future__ import annotations
 
@@ -8,22 +9,49 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "bench_incremental.py"
 
 
-def test_bench_incremental_smoke(tmp_path):
+def _smoke(tmp_path: Path, part: str) -> tuple[dict, str]:
     out_json = tmp_path / "out.json"
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", f"--dir={tmp_path / 'run'}", f"--json={out_json}"],
+        [
+            sys.executable,
+            str(BENCH),
+            "--smoke",
+            f"--parts={part}",
+            f"--dir={tmp_path / 'run'}",
+            f"--json={out_json}",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    modes = json.loads(out_json.read_text())["incremental"]["modes"]
+    return json.loads(out_json.read_text())[part], out.stdout
+
+
+def _check_modes(results: dict) -> None:
+    modes = results["modes"]
     assert sorted(modes) == ["frozen", "full", "hash", "versions"]
     for mode in ("hash", "versions", "frozen"):
         assert modes[mode]["median_bytes"] < modes["full"]["median_bytes"] / 4, mode
         assert modes[mode]["first_bytes"] == modes["full"]["first_bytes"]
         assert modes[mode]["restore_seconds"] > 0
-    assert "full/restore" in out.stdout
+
+
+def test_bench_incremental_smoke(tmp_path):
+    results, stdout = _smoke(tmp_path, "incremental")
+    _check_modes(results)
+    assert "full/restore" in stdout
+
+
+@pytest.mark.slow  # about 15 s: a moto server in its own process, four series of saves
+def test_bench_incremental_s3_smoke(tmp_path):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    results, stdout = _smoke(tmp_path, "s3")
+    _check_modes(results)
+    assert "uploaded/ckpt" in stdout
