@@ -1,12 +1,12 @@
-"""Compressed tensors in checkpoints: compressing a state's tensors before its layout is
-planned, and reading them back through a reader, decompressed.
+"""Compressed tensors in checkpoints: which tensors a save stores compressed, and reading them
+back through a reader, decompressed.
 
-``save(..., compress=...)`` replaces each tensor worth compressing by its frame (a uint8
-tensor, see :mod:`fastckpt.codec.frames`), stored under dtype
-:data:`~fastckpt.format.compressed.COMPRESSED_DTYPE`; its true dtype, shape and the CRC32C of
-its uncompressed bytes go into the header (:data:`~fastckpt.format.compressed.KEY_COMPRESSED`).
-The writer then writes frames like any tensor, so the file's own CRC32Cs (whole and per
-piece) are those of the stored, compressed bytes.
+``save(..., compress=...)`` stores each tensor worth compressing as its frame (see
+:mod:`fastckpt.codec.frames`) under dtype :data:`~fastckpt.format.compressed.COMPRESSED_DTYPE`;
+its true dtype, shape and the CRC32C of its uncompressed bytes go into the header
+(:data:`~fastckpt.format.compressed.KEY_COMPRESSED`). :func:`plan_frames` picks them;
+:mod:`fastckpt.checkpoint.compressed_writer` compresses them while it writes them. The file's
+own CRC32Cs (whole and per piece) are those of the stored, compressed bytes.
 
 A reader reads a compressed tensor's stored bytes (verified against those CRC32Cs when asked)
 and decompresses them on every core, checking the uncompressed bytes' CRC32C. A range or a
@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,10 @@ __all__ = [
     "MIN_BYTES",
     "check_compress",
     "codec_for",
-    "compress_tensors",
+    "FrameJob",
+    "frame_entries",
+    "placeholder_table",
+    "plan_frames",
     "table_of",
 ]
 
@@ -122,48 +126,74 @@ def _split_work(jobs: Mapping[Any, Any], run: Any, size: Any) -> dict[Any, Any]:
     return done
 
 
-def compress_tensors(
-    tensors: Mapping[str, torch.Tensor], mode: str
-) -> tuple[dict[str, torch.Tensor], dict[str, layout.CompressedTensor]]:
-    """Each tensor worth compressing replaced by its frame; returns the tensors to store and
-    the compressed ones' descriptions. A tensor under several names (tied weights) is
-    compressed once; one that does not shrink is stored as it is.
+@dataclasses.dataclass(frozen=True)
+class FrameJob:
+    """A tensor a save stores as a frame: its codec, safetensors dtype and element size,
+    its shape as safetensors records it, and its uncompressed size."""
+
+    codec: str
+    dtype: str
+    itemsize: int
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def bound(self) -> int:
+        """The most bytes its frame can take."""
+        from fastckpt.codec import frames
+
+        planes = self.itemsize if self.codec == "byteplane" else 1
+        chunk = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, self.codec, self.itemsize)
+        return layout.frame_bound(self.nbytes, planes, chunk)
+
+
+def plan_frames(
+    tensors: Mapping[str, torch.Tensor],
+    specs: Sequence[tuple[str, str, tuple[int, ...]]],
+    mode: str,
+) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, FrameJob]]:
+    """Which tensors a save in ``mode`` stores as frames (nothing is compressed yet): the
+    specs ``(name, dtype, shape)`` of the others, and a :class:`FrameJob` per frame, in
+    ``specs`` order. The frames' bytes are written by
+    :mod:`fastckpt.checkpoint.compressed_writer`.
 
     Example:
         >>> import torch
-        >>> stored, table = compress_tensors({"z": torch.zeros(4096), "s": torch.ones(2)}, "auto")
-        >>> stored["z"].dtype, stored["s"].dtype, list(table)
-        (torch.uint8, torch.float32, ['z'])
+        >>> t = {"z": torch.zeros(4096), "s": torch.ones(2)}
+        >>> plain, jobs = plan_frames(t, [("z", "F32", (4096,)), ("s", "F32", (2,))], "auto")
+        >>> [s[0] for s in plain], jobs["z"].codec, jobs["z"].nbytes
+        (['s'], 'byteplane', 16384)
     """
-    from fastckpt.codec import frames
-
-    jobs: dict[int, tuple[str, torch.Tensor, str, str]] = {}  # once per tensor, tied or not
-    for name, t in tensors.items():
-        dtype = dtypes.to_safetensors(t.dtype)
+    plain = []
+    jobs: dict[str, FrameJob] = {}
+    for name, dtype, shape in specs:
+        t = tensors[name]
         codec = codec_for(dtype, mode)
-        if id(t) not in jobs and codec is not None and _nbytes(t) >= MIN_BYTES:
-            jobs[id(t)] = (name, t, dtype, codec)
+        if codec is None or _nbytes(t) < MIN_BYTES:
+            plain.append((name, dtype, shape))
+            continue
+        jobs[name] = FrameJob(codec, dtype, format.ITEMSIZE[dtype], tuple(shape), _nbytes(t))
+    return plain, jobs
 
-    def run(job: tuple[str, torch.Tensor, str, str], threads: int | None) -> Any:
-        name, t, dtype, codec = job
-        frame, crc = frames.compress(
-            _bytes_of(t).numpy(), codec, format.ITEMSIZE[dtype], threads=threads
+
+def frame_entries(
+    entries: Sequence[format.TensorEntry], jobs: Mapping[str, FrameJob]
+) -> list[format.TensorEntry]:
+    """``entries`` followed by one entry per frame, each as large as it can get: the layout
+    a plan sizes its header with (the writer puts in the real sizes)."""
+    at = entries[-1].end if entries else 0
+    result = list(entries)
+    for name, job in jobs.items():
+        result.append(
+            format.TensorEntry(name, layout.COMPRESSED_DTYPE, (job.bound,), at, at + job.bound)
         )
-        if len(frame) >= _nbytes(t):
-            return None  # stored as it is
-        shape = tuple(dtypes.stored_shape(t.dtype, t.shape, name=name))
-        return torch.from_numpy(frame), layout.CompressedTensor(dtype, shape, _nbytes(t), crc)
+        at += job.bound
+    return result
 
-    done = _split_work(jobs, run, lambda job: _nbytes(job[1]))
-    stored: dict[str, torch.Tensor] = {}
-    table: dict[str, layout.CompressedTensor] = {}
-    for name, t in tensors.items():
-        found = done.get(id(t))
-        if found is None:
-            stored[name] = t
-        else:
-            stored[name], table[name] = found
-    return stored, table
+
+def placeholder_table(jobs: Mapping[str, FrameJob]) -> dict[str, layout.CompressedTensor]:
+    """The compressed table of ``jobs`` before their CRC32Cs are known (same width)."""
+    return {n: layout.CompressedTensor(j.dtype, j.shape, j.nbytes, 0) for n, j in jobs.items()}
 
 
 # --------------------------------------------------------------------------- reading
