@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,7 @@ from fastckpt.checkpoint.range_read import (
     check_byte_range,
     read_byte_range,
 )
-from fastckpt.errors import HeaderError
+from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.format import compressed as layout
 
 __all__ = [
@@ -259,6 +260,10 @@ def decode(reader: Any, name: str, blob: torch.Tensor, threads: int | None = Non
     return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
 
+#: Stored bytes of a compressed tensor read at a time while earlier chunks decompress.
+STREAM_BYTES = 8 << 20
+
+
 def read_decoded(
     reader: Any,
     names: Sequence[str] | None,
@@ -268,30 +273,140 @@ def read_decoded(
     progress: bool | None,
 ) -> dict[str, torch.Tensor]:
     """:meth:`~fastckpt.checkpoint.read.CheckpointReader.read` of names some of which are
-    compressed: the others are read as usual, the compressed ones' stored bytes into host
-    memory (verified when asked), then decompressed; keyed by stored name."""
+    compressed; keyed by stored name. The others are read as usual; compressed tensors of
+    at most :data:`STREAM_BYTES` stored bytes are read together, then decompressed side by
+    side; each larger one is read :data:`STREAM_BYTES` at a time while the chunks already
+    read decompress on every core (:func:`decode_streaming`)."""
     entries = reader._entries_of(names)  # noqa: SLF001 - the reader's own helper
     packed = [e for n, e in entries.items() if n in reader.compressed]
+    small = [e for e in packed if e.nbytes <= STREAM_BYTES]
+    large = [e for e in packed if e.nbytes > STREAM_BYTES]
     plain = [n for n in entries if n not in reader.compressed]
     result = reader.read(plain, pin_memory=pin_memory, verify=verify, progress=progress)
+    tensors: dict[str, torch.Tensor] = {}
     with reader._reading():  # noqa: SLF001
         reader.require_checksums(verify)
         with reader._lock:  # noqa: SLF001 - a prefetch of the stored bytes is not reused
             for e in packed:
                 reader._prefetched.pop(e.name, None)  # noqa: SLF001
         blobs = reader._read_entries(  # noqa: SLF001
-            packed, pin_memory=False, verify=verify, progress=progress
+            small, pin_memory=False, verify=verify, progress=progress
         )
-    jobs = {e.name: blobs.pop(e.name) for e in packed}
+        for e in large:
+            tensors[e.name] = decode_streaming(reader, e, verify=verify)
+    jobs = {e.name: blobs.pop(e.name) for e in small}
     sizes = {name: reader.compressed[name].nbytes for name in jobs}
-    tensors = _split_work(
-        {name: (name, blob) for name, blob in jobs.items()},
-        lambda job, threads: decode(reader, job[0], job[1], threads=threads),
-        lambda job: sizes[job[0]],
+    tensors.update(
+        _split_work(
+            {name: (name, blob) for name, blob in jobs.items()},
+            lambda job, threads: decode(reader, job[0], job[1], threads=threads),
+            lambda job: sizes[job[0]],
+        )
     )
     for name, tensor in tensors.items():
         result[name] = tensor if reader.device.type == "cpu" else tensor.to(reader.device)
     return result
+
+
+def _stream_step(reader: Any, e: format.TensorEntry, verify: bool) -> int:
+    """Stored bytes read at a time: whole checksummed pieces when verified (the whole
+    tensor when it has none), else :data:`STREAM_BYTES`."""
+    if not verify:
+        return STREAM_BYTES
+    pieces = reader.meta.pieces
+    if pieces is None or e.name not in pieces.digests:
+        return e.nbytes
+    return max(1, STREAM_BYTES // pieces.piece_size) * pieces.piece_size
+
+
+def decode_streaming(
+    reader: Any, e: format.TensorEntry, *, verify: bool, window: int | None = None
+) -> torch.Tensor:
+    """Compressed tensor ``e`` read and decompressed in a pipeline: its stored bytes are read
+    a step at a time (:func:`_stream_step`) while the chunks already read decompress on the
+    codec's pool, one job per chunk, at most ``window`` chunks (default four per core)
+    waiting before the next read. Memory:
+    the tensor, plus a few steps of stored bytes. Checked as :func:`decode` checks."""
+    from fastckpt.codec import frames
+    from fastckpt.io.checksums import crc32c_combine
+    from fastckpt.io.parallel_io import worker_count
+
+    c = reader.compressed[e.name]
+    itemsize = format.ITEMSIZE[c.dtype]
+    where = _where(reader, e.name)
+    step = _stream_step(reader, e, verify)
+    ahead = max(1, 4 * worker_count() if window is None else window)  # chunks
+    pool = frames._shared_pool(worker_count())  # noqa: SLF001 - the codec's own pool
+    out = torch.empty(c.nbytes, dtype=torch.uint8)
+    target = out.numpy()
+    table: Any = None
+    offsets: list[int] = []
+    carry, got, first = b"", 0, 0  # stored bytes kept from the last step, read, next chunk
+    pending: collections.deque[concurrent.futures.Future[list[int]]] = collections.deque()
+    crcs: list[int] = []
+    try:
+        while got < e.nbytes:
+            hi = min(e.nbytes, got + step)
+            data = carry + _stored_range(reader, e, got, hi, verify)
+            lo, got = got - len(carry), hi  # ``data`` holds stored bytes [lo, got)
+            if table is None:
+                length = layout.head_length(data)
+                if length > e.nbytes:
+                    raise HeaderError(
+                        f"{where}: compressed frame's table runs past its {e.nbytes} bytes"
+                    )
+                if not length or length > len(data):
+                    carry = data
+                    continue
+                table = layout.parse_frame_head(data[:length], c.nbytes, itemsize, where=where)
+                layout.check_frame_size(table, e.nbytes, where)
+                offsets = table.plane_offsets()
+            view = memoryview(data)
+            done = first
+            while done < table.chunks and offsets[(done + 1) * table.planes] <= got:
+                done += 1
+
+            def plane(
+                i: int, view: memoryview = view, lo: int = lo, offsets: list[int] = offsets
+            ) -> memoryview:
+                return view[offsets[i] - lo : offsets[i + 1] - lo]
+
+            for k in range(first, done):  # one job per chunk: every core decompresses
+                at = k * table.chunk_bytes
+                span = target[at : at + table.chunk_raw_bytes(k)]
+                job = pool.submit(
+                    frames.decompress_chunks,
+                    table,
+                    plane,
+                    span,
+                    [k],
+                    itemsize,
+                    where=where,
+                    threads=1,
+                )
+                pending.append(job)
+            first = done
+            carry = (
+                bytes(view[offsets[first * table.planes] - lo :]) if first < table.chunks else b""
+            )
+            while len(pending) > ahead:  # bounded: the reads wait for the codec
+                crcs += pending.popleft().result()
+        if table is None:
+            raise HeaderError(f"{where}: compressed frame of {e.nbytes} bytes is cut short")
+        while pending:
+            crcs += pending.popleft().result()
+    finally:
+        concurrent.futures.wait(pending)
+    actual = 0
+    for index, value in enumerate(crcs):
+        actual = crc32c_combine(actual, value, table.chunk_raw_bytes(index))
+    if actual != c.crc32c:
+        raise ChecksumError(
+            f"{where}: decompressed bytes have CRC32C {actual:08x}, the header records "
+            f"{c.crc32c:08x}"
+        )
+    shape = dtypes.torch_shape(c.dtype, c.shape, tensor=e.name)
+    return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
 
 def map_decoded(reader: Any, names: Sequence[str] | None, *, verify: bool) -> dict[str, Any]:
