@@ -182,6 +182,7 @@ def async_save(
             metadata=metadata,
             alignment=alignment,
             checksum=checksum,
+            compress=local_options.get("compress"),
         )
         if snapshot:
             plan.tensors = {n: t.detach().to("cpu", copy=True) for n, t in plan.tensors.items()}
