@@ -261,7 +261,7 @@ def decode(reader: Any, name: str, blob: torch.Tensor, threads: int | None = Non
 
 
 #: Stored bytes of a compressed tensor read at a time while earlier chunks decompress.
-STREAM_BYTES = 8 << 20
+STREAM_BYTES = 4 << 20
 
 
 def read_decoded(
@@ -324,19 +324,18 @@ def decode_streaming(
 ) -> torch.Tensor:
     """Compressed tensor ``e`` read and decompressed in a pipeline: its stored bytes are read
     a step at a time (:func:`_stream_step`) while the chunks already read decompress on the
-    codec's pool, one job per chunk, at most ``window`` chunks (default four per core)
+    codec's pool, one job per chunk, at most ``window`` chunks (default two per core)
     waiting before the next read. Memory:
     the tensor, plus a few steps of stored bytes. Checked as :func:`decode` checks."""
     from fastckpt.codec import frames
     from fastckpt.io.checksums import crc32c_combine
-    from fastckpt.io.parallel_io import worker_count
-
     c = reader.compressed[e.name]
     itemsize = format.ITEMSIZE[c.dtype]
     where = _where(reader, e.name)
     step = _stream_step(reader, e, verify)
-    ahead = max(1, 4 * worker_count() if window is None else window)  # chunks
-    pool = frames._shared_pool(worker_count())  # noqa: SLF001 - the codec's own pool
+    workers = frames._threads()  # noqa: SLF001 - the codec's own pool and size
+    ahead = max(1, 2 * workers if window is None else window)  # chunks
+    pool = frames._shared_pool(workers)  # noqa: SLF001
     out = torch.empty(c.nbytes, dtype=torch.uint8)
     target = out.numpy()
     table: Any = None
