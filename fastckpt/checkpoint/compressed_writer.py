@@ -44,6 +44,7 @@ import xxhash
 
 from fastckpt import _C, format
 from fastckpt.checkpoint.digests import TensorDigest
+from fastckpt.codec import frames
 from fastckpt.format import compressed as layout
 from fastckpt.io.checksums import crc32c_combine
 from fastckpt.progress import progress_bar
@@ -91,11 +92,31 @@ class FrameWriter:
         with progress_bar(raw_total, "compressing", enabled=self._progress) as bar:
             for e in plain:
                 self._write_plain(e)
-            for name, job in plan.frames.items():
-                entry = self._write_frame(name, job, cursor, bar)
-                entries.append(entry)
-                cursor = entry.end
+            # One stream of chunks across every frame: the next tensor's chunks compress
+            # while this one's are written, and a small tensor does not leave cores idle.
+            chunks = frames.ordered_map(_compress_one, self._chunk_jobs())
+            try:
+                for name, job in plan.frames.items():
+                    entry = self._write_frame(name, job, cursor, chunks, bar)
+                    entries.append(entry)
+                    cursor = entry.end
+            finally:
+                chunks.close()  # an error: the chunks compressing ahead are let go
         plan.entries = entries
+
+    def _chunk_jobs(self) -> Iterator[tuple[torch.Tensor, int, int, str, int]]:
+        """``(tensor bytes, lo, hi, codec, itemsize)`` of every chunk of every frame, in
+        file order; a tied tensor's second name has none (its frame is copied)."""
+        seen: set[int] = set()
+        for name, job in self.plan.frames.items():
+            t = self.plan.tensors[name]
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            data = _flat_bytes(t)
+            step = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
+            for lo in range(0, job.nbytes, step):
+                yield data, lo, min(job.nbytes, lo + step), job.codec, job.itemsize
 
     def _write_plain(self, e: format.TensorEntry) -> None:
         plan = self.plan
@@ -107,19 +128,20 @@ class FrameWriter:
             self.file.pwrite_all(memoryview(chunk), plan.header_size + e.begin + at)
         self.sums[e.name] = acc
 
-    def _write_frame(self, name: str, job: Any, begin: int, bar: Any) -> format.TensorEntry:
-        """Writes the frame of tensor ``name`` at data offset ``begin``; returns its entry."""
-        from fastckpt.codec import frames
-
+    def _write_frame(
+        self, name: str, job: Any, begin: int, chunks: Iterator[Any], bar: Any
+    ) -> format.TensorEntry:
+        """Writes the frame of tensor ``name`` at data offset ``begin`` from its chunks, the
+        next ones of ``chunks``; returns its entry."""
         plan = self.plan
         t = plan.tensors[name]
         if id(t) in self._written:  # a tied tensor: the same frame again, copied
             return self._copy_frame(name, begin)
-        data = _flat_bytes(t)
         code = frames.CODECS[job.codec]
         planes = job.itemsize if code == layout.CODEC_BYTEPLANE else 1
         chunk_bytes = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
-        head_bytes = layout.HEAD_BYTES + 4 * layout.chunk_count(job.nbytes, chunk_bytes) * planes
+        count = layout.chunk_count(job.nbytes, chunk_bytes)
+        head_bytes = layout.HEAD_BYTES + 4 * count * planes
         known = plan.known_hashes.get(name)
         hasher = None if known is not None else xxhash.xxh3_128()
         at = plan.header_size + begin
@@ -127,14 +149,8 @@ class FrameWriter:
         parts: list[tuple[int, int]] = []  # (CRC32C, length) of the bytes after the head
         lengths: list[int] = []
         raw_crc = 0
-        stream = frames.compress_stream(
-            lambda lo, hi: _host(data[lo:hi]),
-            job.nbytes,
-            job.codec,
-            job.itemsize,
-            chunk_bytes=chunk_bytes,
-        )
-        for raw, stored, crc in stream:
+        for _ in range(count):
+            raw, stored, crc = next(chunks)
             if hasher is not None:
                 hasher.update(memoryview(raw))
             raw_crc = crc32c_combine(raw_crc, crc, raw.nbytes)
@@ -184,6 +200,14 @@ class FrameWriter:
 
     def abort(self) -> None:
         """Nothing is in flight once a phase returns or raises."""
+
+
+def _compress_one(chunk: tuple[torch.Tensor, int, int, str, int]) -> tuple[Any, list[Any], int]:
+    """A chunk's raw bytes (on the host), stored planes and CRC32C (on a pool thread)."""
+    data, lo, hi, codec, itemsize = chunk
+    raw = _host(data[lo:hi])
+    stored, crc = frames.compress_chunk(raw, codec, itemsize)
+    return raw, stored, crc
 
 
 def _read_back(file: Any, nbytes: int, offset: int) -> bytes:

@@ -29,7 +29,7 @@ import collections
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ __all__ = [
     "compress_stream",
     "decompress",
     "decompress_chunks",
+    "ordered_map",
 ]
 
 #: Codec names accepted by :func:`compress`.
@@ -185,6 +186,44 @@ def compress_chunk(piece: np.ndarray, codec: str, itemsize: int) -> tuple[list[A
     return stored, _crc(piece)
 
 
+def ordered_map(
+    fn: Callable[[Any], Any], items: Iterable[Any], *, window: int | None = None
+) -> Iterator[Any]:
+    """``fn(item)`` for each item, run on the codec's pool and yielded in order, at most
+    ``window`` (default: two per core) running or done ahead of the consumer: memory stays a
+    few items per core however many there are, and the consumer (a writer) works while the
+    next items run. Items are drawn from ``items`` only as room frees up.
+
+    Example:
+        >>> list(ordered_map(lambda x: x * x, range(5), window=2))
+        [0, 1, 4, 9, 16]
+    """
+    workers = _threads()
+    ahead = max(1, 2 * workers if window is None else window)
+    pool = _shared_pool(workers)
+    source = iter(items)
+    pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(pending) < ahead:
+                item = next(source, _END)
+                if item is _END:
+                    exhausted = True
+                else:
+                    pending.append(pool.submit(fn, item))
+            if not pending:
+                return
+            yield pending.popleft().result()
+    finally:
+        for job in pending:  # a consumer that stopped early: let nothing run on
+            job.cancel()
+        concurrent.futures.wait(pending)
+
+
+_END = object()
+
+
 def compress_stream(
     source: Callable[[int, int], np.ndarray],
     raw_bytes: int,
@@ -194,12 +233,10 @@ def compress_stream(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     window: int | None = None,
 ) -> Iterator[tuple[np.ndarray, list[Any], int]]:
-    """Compresses ``raw_bytes`` bytes chunk by chunk on the shared pool and yields, in order,
-    each chunk's raw bytes, stored planes and CRC32C (:func:`compress_chunk`).
-    ``source(lo, hi)`` gives raw bytes ``[lo, hi)`` as contiguous uint8 (called on a pool
-    thread). At most ``window`` chunks (default: two per core) are read and compressed ahead
-    of the consumer: memory stays a few chunks per core whatever ``raw_bytes`` is, and the
-    consumer (a writer) works while the next chunks compress.
+    """Compresses ``raw_bytes`` bytes chunk by chunk on the codec's pool
+    (:func:`ordered_map`) and yields, in order, each chunk's raw bytes, stored planes and
+    CRC32C (:func:`compress_chunk`). ``source(lo, hi)`` gives raw bytes ``[lo, hi)`` as
+    contiguous uint8 (called on a pool thread), at most ``window`` chunks ahead.
 
     Example:
         >>> import numpy as np
@@ -211,27 +248,13 @@ def compress_stream(
         raise ValueError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
     chunk_bytes = chunk_size(chunk_bytes, codec, itemsize)
     chunks = layout.chunk_count(raw_bytes, chunk_bytes)
-    workers = _threads()
-    ahead = max(1, 2 * workers if window is None else window)
-    pool = _shared_pool(workers)
 
     def one(index: int) -> tuple[np.ndarray, list[Any], int]:
         piece = source(index * chunk_bytes, min(raw_bytes, (index + 1) * chunk_bytes))
         stored, crc = compress_chunk(piece, codec, itemsize)
         return piece, stored, crc
 
-    pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
-    submitted = 0
-    try:
-        while submitted < chunks or pending:
-            while submitted < chunks and len(pending) < ahead:
-                pending.append(pool.submit(one, submitted))
-                submitted += 1
-            yield pending.popleft().result()
-    finally:
-        for job in pending:  # a consumer that stopped early: let nothing run on
-            job.cancel()
-        concurrent.futures.wait(pending)
+    return ordered_map(one, range(chunks), window=window)
 
 
 def compress(
