@@ -586,8 +586,10 @@ def save(
             promises are unchanged since ``base``: referred to without being hashed.
         compress: store tensors compressed, losslessly (default None: off). ``True``
             chooses per dtype (byte planes + zstd for floating point, zstd for the rest);
-            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Only fastckpt
-            reads such a file: plain safetensors readers refuse it (see docs/compression.md).
+            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Tensors are
+            compressed on every core while earlier ones are written, through the page cache
+            (``direct_io`` does not apply), in a few chunks' memory. Only fastckpt reads such a
+            file: plain safetensors readers refuse it (see docs/compression.md).
 
     Example:
         >>> import torch, fastckpt
