@@ -329,6 +329,7 @@ def decode_streaming(
     the tensor, plus a few steps of stored bytes. Checked as :func:`decode` checks."""
     from fastckpt.codec import frames
     from fastckpt.io.checksums import crc32c_combine
+
     c = reader.compressed[e.name]
     itemsize = format.ITEMSIZE[c.dtype]
     where = _where(reader, e.name)
