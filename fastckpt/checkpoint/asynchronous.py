@@ -447,6 +447,7 @@ def async_save(
         return _fail_early(future, exc)
     if plan.frames:  # compressed while written (compressed_writer.py)
         return _start_compressed(future, plan, out, path, snapshot=snapshot)
+    assert pool is not None  # (only compressed saves go without one)
     writer = StreamWriter(
         plan,
         out.file,

@@ -125,7 +125,7 @@ class FrameWriter:
         for at in range(0, e.nbytes, _PLAIN_STEP):
             chunk = _host(data[at : at + _PLAIN_STEP])
             acc.update(chunk.ctypes.data, chunk.nbytes)
-            self.file.pwrite_all(memoryview(chunk), plan.header_size + e.begin + at)
+            self.file.pwrite_all(chunk.data, plan.header_size + e.begin + at)
         self.sums[e.name] = acc
 
     def _write_frame(
@@ -152,11 +152,11 @@ class FrameWriter:
         for _ in range(count):
             raw, stored, crc = next(chunks)
             if hasher is not None:
-                hasher.update(memoryview(raw))
+                hasher.update(raw.data)
             raw_crc = crc32c_combine(raw_crc, crc, raw.nbytes)
             for plane in stored:
                 view = np.frombuffer(plane, np.uint8) if isinstance(plane, bytes) else plane
-                self.file.pwrite_all(memoryview(view), at + pos)
+                self.file.pwrite_all(view.data, at + pos)
                 parts += _piece_parts(view, pos, plan.piece_size)
                 lengths.append(view.nbytes)
                 pos += view.nbytes
@@ -165,7 +165,7 @@ class FrameWriter:
         head = np.frombuffer(layout.encode_frame_head(table), np.uint8)
         if head.nbytes != head_bytes:
             raise AssertionError(f"tensor {name!r}: frame head size changed while writing")
-        self.file.pwrite_all(memoryview(head), at)
+        self.file.pwrite_all(head.data, at)
         acc = TensorDigest(pos, plan.piece_size, known if hasher is None else hasher.hexdigest())
         acc.update_crc(head.ctypes.data, head.nbytes)
         for crc, n in parts:

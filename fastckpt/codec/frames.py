@@ -29,7 +29,7 @@ import collections
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -188,7 +188,7 @@ def compress_chunk(piece: np.ndarray, codec: str, itemsize: int) -> tuple[list[A
 
 def ordered_map(
     fn: Callable[[Any], Any], items: Iterable[Any], *, window: int | None = None
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """``fn(item)`` for each item, run on the codec's pool and yielded in order, at most
     ``window`` (default: two per core) running or done ahead of the consumer: memory stays a
     few items per core however many there are, and the consumer (a writer) works while the
