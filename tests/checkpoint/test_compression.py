@@ -621,3 +621,32 @@ def test_inspect_shows_true_dtype_shape_stored_bytes_and_ratio(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "BF16" in out and "[512, 1024]" in out and "ratio" in out
     assert f"{entry['ratio']:.3f}" in out and "compressed: 1 tensor" in out
+
+
+@pytest.mark.parametrize("step", [7, 100, 1000, 5000])
+def test_a_streamed_load_carries_heads_and_chunks_across_reads(tmp_path, monkeypatch, step):
+    from fastckpt.checkpoint import compressed_tensors
+
+    monkeypatch.setattr(frames, "DEFAULT_CHUNK_BYTES", 4096)  # 16 chunks of 2 planes
+    w = _weights(64 << 10)
+    path = tmp_path / "small-steps.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    monkeypatch.setattr(compressed_tensors, "STREAM_BYTES", step)  # the head spans reads too
+    assert torch.equal(fastckpt.load(path)["w"], w)
+    assert torch.equal(fastckpt.load(path, verify=True)["w"], w)
+
+
+@pytest.mark.parametrize("where", [40, 0.5, -100])
+def test_a_damaged_byte_of_a_streamed_tensor_is_caught(tmp_path, where):
+    w = _weights(12 << 20)  # stored in more than one read
+    path = tmp_path / "d.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    data = bytearray(path.read_bytes())
+    header = struct.unpack("<Q", data[:8])[0] + 8
+    at = header + where if where == 40 else int(len(data) * where) if where > 0 else where
+    data[at] ^= 0x40  # in the frame's table, a middle plane, the last plane
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="'w'"):
+        fastckpt.load(path, verify=True)
+    with pytest.raises((ChecksumError, HeaderError), match="'w'"):
+        fastckpt.load(path, verify=False)
