@@ -526,7 +526,9 @@ def _start_compressed(
                 n: copies.setdefault(id(t), t.detach().to("cpu", copy=True))
                 for n, t in plan.tensors.items()
             }
-        writer = compressed_writer.FrameWriter(plan, out.file, progress=False)
+        writer = compressed_writer.FrameWriter(
+            plan, out.file, progress=False, cancel=_cancel_at_exit
+        )
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,8 +78,16 @@ class FrameWriter:
     returns). The plan's entries and compressed table hold the real sizes once
     :meth:`fill` returns."""
 
-    def __init__(self, plan: Any, file: Any, *, progress: bool | None = None):
+    def __init__(
+        self,
+        plan: Any,
+        file: Any,
+        *,
+        progress: bool | None = None,
+        cancel: threading.Event | None = None,
+    ):
         self.plan, self.file, self._progress = plan, file, progress
+        self._cancel = cancel  # once set, the next chunk raises KeyboardInterrupt
         self.sums: dict[str, Any] = {}
         self._written: dict[int, tuple[format.TensorEntry, Any, layout.CompressedTensor]] = {}
 
@@ -150,6 +159,8 @@ class FrameWriter:
         lengths: list[int] = []
         raw_crc = 0
         for _ in range(count):
+            if self._cancel is not None and self._cancel.is_set():
+                raise KeyboardInterrupt(f"save to {self.file.path} cancelled")
             raw, stored, crc = next(chunks)
             if hasher is not None:
                 hasher.update(raw.data)
