@@ -650,3 +650,18 @@ def test_a_damaged_byte_of_a_streamed_tensor_is_caught(tmp_path, where):
         fastckpt.load(path, verify=True)
     with pytest.raises((ChecksumError, HeaderError), match="'w'"):
         fastckpt.load(path, verify=False)
+
+
+def test_a_cancelled_compressed_writer_stops_at_the_next_chunk():
+    import threading
+
+    from fastckpt.checkpoint import compressed_writer
+    from fastckpt.checkpoint.save import plan_save
+
+    plan = plan_save({"w": _weights(4 << 20)}, compress=True)
+    cancel = threading.Event()
+    cancel.set()
+    with compressed_writer.Spool() as spool:
+        writer = compressed_writer.FrameWriter(plan, spool, cancel=cancel)
+        with pytest.raises(KeyboardInterrupt, match="cancelled"):
+            writer.fill()
