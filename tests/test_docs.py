@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.format import references, schema
+from fastckpt.format import compressed, references, schema
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -238,7 +238,9 @@ def test_the_schema_in_the_format_page_is_the_schema_file():
 def test_schema_names_the_codes_dtypes_and_keys():
     doc = _schema()
     tensor = doc["$defs"]["tensor"]
-    assert sorted(tensor["properties"]["dtype"]["enum"]) == sorted(schema.DTYPES)
+    assert sorted(tensor["properties"]["dtype"]["enum"]) == sorted(
+        schema.DTYPES | {schema.COMPRESSED_DTYPE}
+    )
     assert tensor["required"] == ["dtype", "shape", "data_offsets"]
     assert tensor["additionalProperties"] is False
     assert doc["properties"] == {schema.METADATA_KEY: {"$ref": "#/$defs/metadata"}}
@@ -252,6 +254,7 @@ def test_schema_names_the_codes_dtypes_and_keys():
         schema.KEY_TREE,
         references.KEY_XXH3_128,
         references.KEY_REFERENCES,
+        compressed.KEY_COMPRESSED,
     }
     assert {k for k in keys if k.startswith(schema.META_PREFIX)} == ours
     version = doc["$defs"]["metadata"]["properties"][schema.KEY_VERSION]

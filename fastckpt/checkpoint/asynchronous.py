@@ -45,7 +45,7 @@ import weakref
 from typing import Any, Callable
 
 from fastckpt import config
-from fastckpt.checkpoint import save_order
+from fastckpt.checkpoint import compressed_tensors, compressed_writer, save_order
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.checkpoint.save import (
     StreamWriter,
@@ -331,6 +331,7 @@ def async_save(
     intra_op_parallelism: int | None = None,
     base: str | os.PathLike[str] | None = None,
     frozen: Any = None,
+    compress: bool | str | None = None,
 ) -> SaveFuture:
     """Saves like :func:`fastckpt.save`, returning once the tensors are snapshotted.
 
@@ -367,6 +368,9 @@ def async_save(
         base, frozen: an incremental save, as :func:`fastckpt.save`'s. What changed is
             decided in the call (tensors hashed there, unless frozen or unmoved since this
             process saved them to ``base``), so the references are to the call-time state.
+        compress: as :func:`fastckpt.save`'s. The snapshot is a copy of the tensors in host
+            memory (the checkpoint's raw size), compressed and written in the background;
+            not with ``lazy=True`` or ``fence=`` (ValueError).
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
@@ -395,6 +399,11 @@ def async_save(
     lazy = lazy or bool(optimizers)
     if lazy and not snapshot:
         raise ValueError("lazy=True (or fence=) and snapshot=False are two different modes")
+    if lazy and compressed_tensors.check_compress(compress) is not None:
+        raise ValueError(
+            "compress= does not take lazy=True or fence=: a compressed save snapshots the "
+            "tensors (snapshot=True) or reads them in the background (snapshot=False)"
+        )
     if fence_bytes is not None and (isinstance(fence_bytes, bool) or fence_bytes < 0):
         raise ValueError(f"fence_bytes must be None or a non-negative int, got {fence_bytes!r}")
     future = SaveFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
@@ -415,9 +424,12 @@ def async_save(
             intra_op_parallelism=intra_op_parallelism,
             base=base,
             frozen=frozen,
+            compress=compress,
         )
         if lazy:
             pool = lazy_ring(staging_bytes)
+        elif plan.frames:  # compressed saves write from a snapshot of their own
+            pool = None
         else:
             pool = _async_pool(staging_bytes, plan.data_size)
         out = AtomicFile(path, direct=direct_io is not False)
@@ -433,6 +445,9 @@ def async_save(
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)
+    if plan.frames:  # compressed while written (compressed_writer.py)
+        return _start_compressed(future, plan, out, path, snapshot=snapshot)
+    assert pool is not None  # (only compressed saves go without one)
     writer = StreamWriter(
         plan,
         out.file,
@@ -494,6 +509,47 @@ def async_save(
             writer.abort()
         finally:
             out.abort()
+        return _fail_early(future, exc)
+    return future
+
+
+def _start_compressed(
+    future: SaveFuture, plan: Any, out: AtomicFile, path: str, *, snapshot: bool
+) -> SaveFuture:
+    """The rest of an ``async_save`` with ``compress=``: the tensors copied to host memory
+    (``snapshot``), then compressed and written on the save's thread, committed in order."""
+    global _last_commit
+    try:
+        if snapshot:  # one copy per tensor, tied names keep sharing it
+            copies: dict[int, Any] = {}
+            plan.tensors = {
+                n: copies.setdefault(id(t), t.detach().to("cpu", copy=True))
+                for n, t in plan.tensors.items()
+            }
+        writer = compressed_writer.FrameWriter(
+            plan, out.file, progress=False, cancel=_cancel_at_exit
+        )
+    except BaseException as exc:
+        out.abort()
+        return _fail_early(future, exc)
+
+    def work() -> None:
+        writer.fill()
+        writer.finish()
+
+    with _state_lock:
+        previous, _last_commit = _last_commit, future
+    order = save_order.register(path)
+    try:
+        threading.Thread(
+            target=_finish_in_order,
+            args=(future, previous, [work, writer, out], order),
+            name=f"fastckpt-save:{os.path.basename(path)}",
+            daemon=True,
+        ).start()
+    except Exception as exc:
+        save_order.finish(order)
+        out.abort()
         return _fail_early(future, exc)
     return future
 

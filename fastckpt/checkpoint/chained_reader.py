@@ -103,7 +103,9 @@ def locate(reader: Reader, name: str) -> Location:
     e = reader._entry(name)
     hashes = reader.meta.hashes or {}
     path = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
-    return Location(path, e.name, e.dtype, tuple(e.shape), hashes.get(e.name))
+    packed = reader.compressed.get(e.name)  # its true dtype and shape; hashed raw
+    dtype, shape = (e.dtype, tuple(e.shape)) if packed is None else (packed.dtype, packed.shape)
+    return Location(path, e.name, dtype, shape, hashes.get(e.name))
 
 
 def open_chain(

@@ -1,12 +1,12 @@
-"""Compressed tensors in checkpoints: compressing a state's tensors before its layout is
-planned, and reading them back through a reader, decompressed.
+"""Compressed tensors in checkpoints: which tensors a save stores compressed, and reading them
+back through a reader, decompressed.
 
-``save(..., compress=...)`` replaces each tensor worth compressing by its frame (a uint8
-tensor, see :mod:`fastckpt.codec.frames`), stored under dtype
-:data:`~fastckpt.format.compressed.COMPRESSED_DTYPE`; its true dtype, shape and the CRC32C of
-its uncompressed bytes go into the header (:data:`~fastckpt.format.compressed.KEY_COMPRESSED`).
-The writer then writes frames like any tensor, so the file's own CRC32Cs (whole and per
-piece) are those of the stored, compressed bytes.
+``save(..., compress=...)`` stores each tensor worth compressing as its frame (see
+:mod:`fastckpt.codec.frames`) under dtype :data:`~fastckpt.format.compressed.COMPRESSED_DTYPE`;
+its true dtype, shape and the CRC32C of its uncompressed bytes go into the header
+(:data:`~fastckpt.format.compressed.KEY_COMPRESSED`). :func:`plan_frames` picks them;
+:mod:`fastckpt.checkpoint.compressed_writer` compresses them while it writes them. The file's
+own CRC32Cs (whole and per piece) are those of the stored, compressed bytes.
 
 A reader reads a compressed tensor's stored bytes (verified against those CRC32Cs when asked)
 and decompresses them on every core, checking the uncompressed bytes' CRC32C. A range or a
@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,14 +42,17 @@ from fastckpt.checkpoint.range_read import (
     check_byte_range,
     read_byte_range,
 )
-from fastckpt.errors import HeaderError
+from fastckpt.errors import ChecksumError, HeaderError
 from fastckpt.format import compressed as layout
 
 __all__ = [
     "MIN_BYTES",
     "check_compress",
     "codec_for",
-    "compress_tensors",
+    "FrameJob",
+    "frame_entries",
+    "placeholder_table",
+    "plan_frames",
     "table_of",
 ]
 
@@ -122,48 +127,74 @@ def _split_work(jobs: Mapping[Any, Any], run: Any, size: Any) -> dict[Any, Any]:
     return done
 
 
-def compress_tensors(
-    tensors: Mapping[str, torch.Tensor], mode: str
-) -> tuple[dict[str, torch.Tensor], dict[str, layout.CompressedTensor]]:
-    """Each tensor worth compressing replaced by its frame; returns the tensors to store and
-    the compressed ones' descriptions. A tensor under several names (tied weights) is
-    compressed once; one that does not shrink is stored as it is.
+@dataclasses.dataclass(frozen=True)
+class FrameJob:
+    """A tensor a save stores as a frame: its codec, safetensors dtype and element size,
+    its shape as safetensors records it, and its uncompressed size."""
+
+    codec: str
+    dtype: str
+    itemsize: int
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def bound(self) -> int:
+        """The most bytes its frame can take."""
+        from fastckpt.codec import frames
+
+        planes = self.itemsize if self.codec == "byteplane" else 1
+        chunk = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, self.codec, self.itemsize)
+        return layout.frame_bound(self.nbytes, planes, chunk)
+
+
+def plan_frames(
+    tensors: Mapping[str, torch.Tensor],
+    specs: Sequence[tuple[str, str, tuple[int, ...]]],
+    mode: str,
+) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, FrameJob]]:
+    """Which tensors a save in ``mode`` stores as frames (nothing is compressed yet): the
+    specs ``(name, dtype, shape)`` of the others, and a :class:`FrameJob` per frame, in
+    ``specs`` order. The frames' bytes are written by
+    :mod:`fastckpt.checkpoint.compressed_writer`.
 
     Example:
         >>> import torch
-        >>> stored, table = compress_tensors({"z": torch.zeros(4096), "s": torch.ones(2)}, "auto")
-        >>> stored["z"].dtype, stored["s"].dtype, list(table)
-        (torch.uint8, torch.float32, ['z'])
+        >>> t = {"z": torch.zeros(4096), "s": torch.ones(2)}
+        >>> plain, jobs = plan_frames(t, [("z", "F32", (4096,)), ("s", "F32", (2,))], "auto")
+        >>> [s[0] for s in plain], jobs["z"].codec, jobs["z"].nbytes
+        (['s'], 'byteplane', 16384)
     """
-    from fastckpt.codec import frames
-
-    jobs: dict[int, tuple[str, torch.Tensor, str, str]] = {}  # once per tensor, tied or not
-    for name, t in tensors.items():
-        dtype = dtypes.to_safetensors(t.dtype)
+    plain = []
+    jobs: dict[str, FrameJob] = {}
+    for name, dtype, shape in specs:
+        t = tensors[name]
         codec = codec_for(dtype, mode)
-        if id(t) not in jobs and codec is not None and _nbytes(t) >= MIN_BYTES:
-            jobs[id(t)] = (name, t, dtype, codec)
+        if codec is None or _nbytes(t) < MIN_BYTES:
+            plain.append((name, dtype, shape))
+            continue
+        jobs[name] = FrameJob(codec, dtype, format.ITEMSIZE[dtype], tuple(shape), _nbytes(t))
+    return plain, jobs
 
-    def run(job: tuple[str, torch.Tensor, str, str], threads: int | None) -> Any:
-        name, t, dtype, codec = job
-        frame, crc = frames.compress(
-            _bytes_of(t).numpy(), codec, format.ITEMSIZE[dtype], threads=threads
+
+def frame_entries(
+    entries: Sequence[format.TensorEntry], jobs: Mapping[str, FrameJob]
+) -> list[format.TensorEntry]:
+    """``entries`` followed by one entry per frame, each as large as it can get: the layout
+    a plan sizes its header with (the writer puts in the real sizes)."""
+    at = entries[-1].end if entries else 0
+    result = list(entries)
+    for name, job in jobs.items():
+        result.append(
+            format.TensorEntry(name, layout.COMPRESSED_DTYPE, (job.bound,), at, at + job.bound)
         )
-        if len(frame) >= _nbytes(t):
-            return None  # stored as it is
-        shape = tuple(dtypes.stored_shape(t.dtype, t.shape, name=name))
-        return torch.from_numpy(frame), layout.CompressedTensor(dtype, shape, _nbytes(t), crc)
+        at += job.bound
+    return result
 
-    done = _split_work(jobs, run, lambda job: _nbytes(job[1]))
-    stored: dict[str, torch.Tensor] = {}
-    table: dict[str, layout.CompressedTensor] = {}
-    for name, t in tensors.items():
-        found = done.get(id(t))
-        if found is None:
-            stored[name] = t
-        else:
-            stored[name], table[name] = found
-    return stored, table
+
+def placeholder_table(jobs: Mapping[str, FrameJob]) -> dict[str, layout.CompressedTensor]:
+    """The compressed table of ``jobs`` before their CRC32Cs are known (same width)."""
+    return {n: layout.CompressedTensor(j.dtype, j.shape, j.nbytes, 0) for n, j in jobs.items()}
 
 
 # --------------------------------------------------------------------------- reading
@@ -229,6 +260,10 @@ def decode(reader: Any, name: str, blob: torch.Tensor, threads: int | None = Non
     return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
 
+#: Stored bytes of a compressed tensor read at a time while earlier chunks decompress.
+STREAM_BYTES = 4 << 20
+
+
 def read_decoded(
     reader: Any,
     names: Sequence[str] | None,
@@ -238,30 +273,140 @@ def read_decoded(
     progress: bool | None,
 ) -> dict[str, torch.Tensor]:
     """:meth:`~fastckpt.checkpoint.read.CheckpointReader.read` of names some of which are
-    compressed: the others are read as usual, the compressed ones' stored bytes into host
-    memory (verified when asked), then decompressed; keyed by stored name."""
+    compressed; keyed by stored name. The others are read as usual; compressed tensors of
+    at most :data:`STREAM_BYTES` stored bytes are read together, then decompressed side by
+    side; each larger one is read :data:`STREAM_BYTES` at a time while the chunks already
+    read decompress on every core (:func:`decode_streaming`)."""
     entries = reader._entries_of(names)  # noqa: SLF001 - the reader's own helper
     packed = [e for n, e in entries.items() if n in reader.compressed]
+    small = [e for e in packed if e.nbytes <= STREAM_BYTES]
+    large = [e for e in packed if e.nbytes > STREAM_BYTES]
     plain = [n for n in entries if n not in reader.compressed]
     result = reader.read(plain, pin_memory=pin_memory, verify=verify, progress=progress)
+    tensors: dict[str, torch.Tensor] = {}
     with reader._reading():  # noqa: SLF001
         reader.require_checksums(verify)
         with reader._lock:  # noqa: SLF001 - a prefetch of the stored bytes is not reused
             for e in packed:
                 reader._prefetched.pop(e.name, None)  # noqa: SLF001
         blobs = reader._read_entries(  # noqa: SLF001
-            packed, pin_memory=False, verify=verify, progress=progress
+            small, pin_memory=False, verify=verify, progress=progress
         )
-    jobs = {e.name: blobs.pop(e.name) for e in packed}
+        for e in large:
+            tensors[e.name] = decode_streaming(reader, e, verify=verify)
+    jobs = {e.name: blobs.pop(e.name) for e in small}
     sizes = {name: reader.compressed[name].nbytes for name in jobs}
-    tensors = _split_work(
-        {name: (name, blob) for name, blob in jobs.items()},
-        lambda job, threads: decode(reader, job[0], job[1], threads=threads),
-        lambda job: sizes[job[0]],
+    tensors.update(
+        _split_work(
+            {name: (name, blob) for name, blob in jobs.items()},
+            lambda job, threads: decode(reader, job[0], job[1], threads=threads),
+            lambda job: sizes[job[0]],
+        )
     )
     for name, tensor in tensors.items():
         result[name] = tensor if reader.device.type == "cpu" else tensor.to(reader.device)
     return result
+
+
+def _stream_step(reader: Any, e: format.TensorEntry, verify: bool) -> int:
+    """Stored bytes read at a time: whole checksummed pieces when verified (the whole
+    tensor when it has none), else :data:`STREAM_BYTES`."""
+    if not verify:
+        return STREAM_BYTES
+    pieces = reader.meta.pieces
+    if pieces is None or e.name not in pieces.digests:
+        return e.nbytes
+    return max(1, STREAM_BYTES // pieces.piece_size) * pieces.piece_size
+
+
+def decode_streaming(
+    reader: Any, e: format.TensorEntry, *, verify: bool, window: int | None = None
+) -> torch.Tensor:
+    """Compressed tensor ``e`` read and decompressed in a pipeline: its stored bytes are read
+    a step at a time (:func:`_stream_step`) while the chunks already read decompress on the
+    codec's pool, one job per chunk, at most ``window`` chunks (default two per core)
+    waiting before the next read. Memory:
+    the tensor, plus a few steps of stored bytes. Checked as :func:`decode` checks."""
+    from fastckpt.codec import frames
+    from fastckpt.io.checksums import crc32c_combine
+
+    c = reader.compressed[e.name]
+    itemsize = format.ITEMSIZE[c.dtype]
+    where = _where(reader, e.name)
+    step = _stream_step(reader, e, verify)
+    workers = frames._threads()  # noqa: SLF001 - the codec's own pool and size
+    ahead = max(1, 2 * workers if window is None else window)  # chunks
+    pool = frames._shared_pool(workers)  # noqa: SLF001
+    out = torch.empty(c.nbytes, dtype=torch.uint8)
+    target = out.numpy()
+    table: Any = None
+    offsets: list[int] = []
+    carry, got, first = b"", 0, 0  # stored bytes kept from the last step, read, next chunk
+    pending: collections.deque[concurrent.futures.Future[list[int]]] = collections.deque()
+    crcs: list[int] = []
+    try:
+        while got < e.nbytes:
+            hi = min(e.nbytes, got + step)
+            data = carry + _stored_range(reader, e, got, hi, verify)
+            lo, got = got - len(carry), hi  # ``data`` holds stored bytes [lo, got)
+            if table is None:
+                length = layout.head_length(data)
+                if length > e.nbytes:
+                    raise HeaderError(
+                        f"{where}: compressed frame's table runs past its {e.nbytes} bytes"
+                    )
+                if not length or length > len(data):
+                    carry = data
+                    continue
+                table = layout.parse_frame_head(data[:length], c.nbytes, itemsize, where=where)
+                layout.check_frame_size(table, e.nbytes, where)
+                offsets = table.plane_offsets()
+            view = memoryview(data)
+            done = first
+            while done < table.chunks and offsets[(done + 1) * table.planes] <= got:
+                done += 1
+
+            def plane(
+                i: int, view: memoryview = view, lo: int = lo, offsets: list[int] = offsets
+            ) -> memoryview:
+                return view[offsets[i] - lo : offsets[i + 1] - lo]
+
+            for k in range(first, done):  # one job per chunk: every core decompresses
+                at = k * table.chunk_bytes
+                span = target[at : at + table.chunk_raw_bytes(k)]
+                job = pool.submit(
+                    frames.decompress_chunks,
+                    table,
+                    plane,
+                    span,
+                    [k],
+                    itemsize,
+                    where=where,
+                    threads=1,
+                )
+                pending.append(job)
+            first = done
+            carry = (
+                bytes(view[offsets[first * table.planes] - lo :]) if first < table.chunks else b""
+            )
+            while len(pending) > ahead:  # bounded: the reads wait for the codec
+                crcs += pending.popleft().result()
+        if table is None:
+            raise HeaderError(f"{where}: compressed frame of {e.nbytes} bytes is cut short")
+        while pending:
+            crcs += pending.popleft().result()
+    finally:
+        concurrent.futures.wait(pending)
+    actual = 0
+    for index, value in enumerate(crcs):
+        actual = crc32c_combine(actual, value, table.chunk_raw_bytes(index))
+    if actual != c.crc32c:
+        raise ChecksumError(
+            f"{where}: decompressed bytes have CRC32C {actual:08x}, the header records "
+            f"{c.crc32c:08x}"
+        )
+    shape = dtypes.torch_shape(c.dtype, c.shape, tensor=e.name)
+    return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
 
 def map_decoded(reader: Any, names: Sequence[str] | None, *, verify: bool) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.checkpoint import compressed_writer
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks
 from fastckpt.io import parallel_io
 from fastckpt.io.checksums import PieceCrcs
@@ -66,6 +67,11 @@ def _file_bytes(plan: SavePlan, header: bytes, piece: int) -> Iterator[Any]:
 def write_in_order(plan: SavePlan, sink: Storage, *, piece_bytes: int = PIECE_BYTES) -> None:
     """Writes ``plan`` to ``sink`` (checksums first, then header and data in file order): the
     file appears whole and durable, or not at all."""
+    if plan.frames:  # sizes known once compressed: through a temporary file, header first
+        with compressed_writer.Spool() as spool:
+            compressed_writer.write_frames(plan, spool)
+            sink.write_atomically(spool.pieces(), spool.size())
+        return
     sums = _checksums(plan, piece_bytes)
     header = plan.header(None) if sums is None else plan.header_from(sums)
     if len(header) != plan.header_size:

@@ -22,7 +22,14 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fastckpt import _C, config, format
-from fastckpt.checkpoint import compressed_tensors, dtypes, incremental, save_order, tree
+from fastckpt.checkpoint import (
+    compressed_tensors,
+    compressed_writer,
+    dtypes,
+    incremental,
+    save_order,
+    tree,
+)
 from fastckpt.checkpoint.digests import BufferHasher, TensorDigest
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
@@ -80,10 +87,14 @@ class SavePlan:
     references: Any = None  # fastckpt.format.references.References
     known_hashes: dict[str, str] = dataclasses.field(default_factory=dict)
     record: Any = None  # fastckpt.checkpoint.incremental.SaveRecord
-    #: compressed tensors' true dtype, shape and CRC32C (their frames are in ``tensors``)
+    #: compressed tensors' true dtype, shape and CRC32C (``tensors`` holds them raw; the
+    #: CRC32Cs are known once written)
     compressed: dict[str, format.compressed.CompressedTensor] = dataclasses.field(
         default_factory=dict
     )
+    #: tensors stored compressed, written by compressed_writer.py (their entries are planned
+    #: as large as a frame can get, and the header's room with them, until written)
+    frames: dict[str, compressed_tensors.FrameJob] = dataclasses.field(default_factory=dict)
 
     @property
     def data_size(self) -> int:
@@ -212,17 +223,12 @@ def plan_save(
     if choice.references is not None:
         specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
         stored = {name: stored[name] for name, _, _ in specs}
-    compressed: dict[str, format.compressed.CompressedTensor] = {}
-    if compression is not None:  # frames replace the tensors worth compressing
-        stored, compressed = compressed_tensors.compress_tensors(stored, compression)
-        specs = [
-            (n, format.compressed.COMPRESSED_DTYPE, tuple(stored[n].shape))
-            if n in compressed
-            else spec
-            for spec in specs
-            for n in [spec[0]]
-        ]
+    frames: dict[str, compressed_tensors.FrameJob] = {}
+    if compression is not None:  # frames: written (and sized) by compressed_writer.py
+        specs, frames = compressed_tensors.plan_frames(stored, specs, compression)
     entries = format.plan_layout(specs, alignment)
+    if frames:  # sized as large as they can get until written
+        entries = compressed_tensors.frame_entries(entries, frames)
     plan = SavePlan(
         entries=entries,
         tensors=stored,
@@ -235,7 +241,8 @@ def plan_save(
         checksum=checksum,
         alignment=alignment,
         piece_size=piece_size,
-        compressed=compressed,
+        compressed=compressed_tensors.placeholder_table(frames),
+        frames=frames,
     )
     # Every CRC is 8 hex digits, so zeros of the right count size the header exactly.
     zeros = {
@@ -599,8 +606,10 @@ def save(
             promises are unchanged since ``base``: referred to without being hashed.
         compress: store tensors compressed, losslessly (default None: off). ``True``
             chooses per dtype (byte planes + zstd for floating point, zstd for the rest);
-            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Only fastckpt
-            reads such a file: plain safetensors readers refuse it (see docs/compression.md).
+            ``"zstd"`` or ``"byteplane"`` force one codec. Needs ``zstandard``. Tensors are
+            compressed on every core while earlier ones are written, through the page cache
+            (``direct_io`` does not apply), in a few chunks' memory. Only fastckpt reads such a
+            file: plain safetensors readers refuse it (see docs/compression.md).
 
     Example:
         >>> import torch, fastckpt
@@ -766,6 +775,9 @@ def write_into(
     """Writes a planned checkpoint into ``out``'s temporary file; the caller commits it
     (one file of a multi-file checkpoint, :mod:`fastckpt.io.commit_set`) or aborts it."""
     out.reserve(plan.file_size)
+    if plan.frames:  # compressed while written (compressed_writer.py)
+        compressed_writer.write_frames(plan, out.file, progress=progress)
+        return
     if _through_page_cache(plan, out, direct_io):
         _write_from_tensors(plan, out.file, progress=progress)
         return

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from fastckpt import format
+from fastckpt.checkpoint import compressed_writer
 from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
 
 __all__ = ["save_to_stream", "save_bytes"]
@@ -105,6 +106,9 @@ def save_to_stream(
         piece_size=piece_size,
         compress=compress,
     )
+    if plan.frames:  # compressed while written (compressed_writer.py)
+        _write_frames(plan, f)
+        return
     header = _header(plan)
     if len(header) != plan.header_size:  # the data would not start where the header says
         raise AssertionError("header size changed between planning and writing")
@@ -112,6 +116,48 @@ def save_to_stream(
     for e in plan.entries:
         for chunk in _host_chunks(plan.tensors[e.name]):
             _write_all(f, memoryview(chunk.numpy()))
+
+
+class _FileObjectTarget:
+    """A seekable file object written at offsets from its position at the start."""
+
+    path = "<file object>"
+
+    def __init__(self, f: Any):
+        self.f, self.start = f, f.tell()
+
+    def pwrite_all(self, data: Any, offset: int) -> None:
+        self.f.seek(self.start + offset)
+        _write_all(self.f, memoryview(data).cast("B"))
+
+    def truncate(self, length: int) -> None:
+        self.f.seek(self.start + length)  # the stream ends where the file does
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        self.f.seek(self.start + offset)
+        data = self.f.read(nbytes)
+        if len(data) != nbytes:
+            raise OSError(f"file object: read {len(data)} of {nbytes} bytes at {offset}")
+        return data
+
+
+def _write_frames(plan: Any, f: Any) -> None:
+    """Writes a plan with compressed tensors into ``f``: at offsets while they are
+    compressed when ``f`` can seek, else through a temporary file, in order."""
+    if _seekable(f):
+        compressed_writer.write_frames(plan, _FileObjectTarget(f))
+        return
+    with compressed_writer.Spool() as spool:
+        compressed_writer.write_frames(plan, spool)
+        for piece in spool.pieces():
+            _write_all(f, memoryview(piece))
+
+
+def _seekable(f: Any) -> bool:
+    try:
+        return bool(f.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def save_bytes(obj: Any, **options: Any) -> bytes:

@@ -182,28 +182,35 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``checksums`` (bool), ``checksummed`` (how many tensors), ``aliases``, ``nested``,
     ``fastckpt_version`` (None for files other writers made), ``read_mode`` (how a load
     would read the data now and why: ``{"mode", "why"}``), ``chain`` (None unless the file is
-    an incremental checkpoint: see :func:`describe_chain`).
+    an incremental checkpoint: see :func:`describe_chain`), ``compressed`` (how many tensors
+    are stored compressed: each of those has its true ``dtype`` and ``shape``, ``bytes`` as
+    stored, ``raw_bytes`` and ``ratio``), ``raw_bytes`` (the tensors' uncompressed size).
 
     Raises:
         fastckpt.HeaderError, OSError: as :func:`read_header`.
     """
     from fastckpt.format import split_metadata
+    from fastckpt.format.compressed import parse_table
 
     header = read_header(path)
     meta = split_metadata(header.metadata)
+    packed = parse_table(header.metadata, header.entries)
     tensors = []
     for entry in header.entries.values():
         offset = header.data_offset + entry.begin
-        tensors.append(
-            {
-                "name": entry.name,
-                "dtype": entry.dtype,
-                "shape": list(entry.shape),
-                "bytes": entry.nbytes,
-                "offset": offset,
-                "alignment": offset_alignment(offset),
-            }
-        )
+        described: dict[str, Any] = {
+            "name": entry.name,
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "bytes": entry.nbytes,
+            "offset": offset,
+            "alignment": offset_alignment(offset),
+        }
+        c = packed.get(entry.name)
+        if c is not None:  # its true dtype and shape; "bytes" stays what the file stores
+            described.update(dtype=c.dtype, shape=list(c.shape), compressed=True)
+            described.update(raw_bytes=c.nbytes, ratio=entry.nbytes / c.nbytes if c.nbytes else 1.0)
+        tensors.append(described)
     crcs = meta.crcs or {}
     return {
         "path": os.fspath(path),
@@ -222,6 +229,8 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "fastckpt_version": meta.version,
         "read_mode": _read_mode(path, header.data_offset, header.data_size),
         "chain": describe_chain(path) if meta.references is not None else None,
+        "compressed": len(packed),
+        "raw_bytes": sum(t.get("raw_bytes", t["bytes"]) for t in tensors),
     }
 
 
@@ -339,9 +348,11 @@ def _print_file(info: dict[str, Any]) -> None:
         f"of data, header {info['header_bytes']} bytes (data at offset {info['data_offset']}), "
         f"{made_by}"
     )
-    rows = [("name", "dtype", "shape", "bytes", "offset", "align")]
+    packed = info.get("compressed", 0)
+    rows = [("name", "dtype", "shape", "bytes", "offset", "align", *(("ratio",) if packed else ()))]
     for t in info["tensors"]:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        ratio = (f"{t['ratio']:.3f}",) if "ratio" in t else ("-",) if packed else ()
         rows.append(
             (
                 printable(t["name"]),
@@ -350,15 +361,17 @@ def _print_file(info: dict[str, Any]) -> None:
                 str(t["bytes"]),
                 str(t["offset"]),
                 str(t["alignment"]),
+                *ratio,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    columns = len(rows[0])
+    widths = [max(len(row[i]) for row in rows) for i in range(columns)]
     for n, row in enumerate(rows):
         left = "  ".join(row[i].ljust(widths[i]) for i in range(3))
-        right = "  ".join(row[i].rjust(widths[i]) for i in range(3, 6))
+        right = "  ".join(row[i].rjust(widths[i]) for i in range(3, columns))
         print(f"  {left}  {right}")
         if n == 0:
-            print("  " + "-" * (sum(widths) + 10))
+            print("  " + "-" * (sum(widths) + 2 * (columns - 1)))
     print(
         f"  total: {_plural(info['tensor_count'], 'tensor')}, {info['total_bytes']} bytes "
         f"({format_bytes(info['total_bytes'])}); {info['aligned_4096']} start on a 4096-byte "
@@ -373,6 +386,15 @@ def _print_file(info: dict[str, Any]) -> None:
         print(
             "  checksums: none (`fastckpt verify` cannot check this file; "
             "`fastckpt convert` it to add them)"
+        )
+    if packed:
+        stored = sum(t["bytes"] for t in info["tensors"] if t.get("compressed"))
+        raw = sum(t["raw_bytes"] for t in info["tensors"] if t.get("compressed"))
+        print(
+            f"  compressed: {_plural(packed, 'tensor')} (dtype and shape as loaded; bytes as "
+            f"stored), {format_bytes(stored)} of {format_bytes(raw)} (ratio "
+            f"{stored / raw if raw else 1:.3f}); the file holds "
+            f"{format_bytes(info['raw_bytes'])} of tensors uncompressed"
         )
     if info.get("read_mode"):
         print(f"  read mode now: {info['read_mode']['mode']} ({info['read_mode']['why']})")

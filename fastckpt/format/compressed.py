@@ -211,6 +211,33 @@ def parse_frame_head(
     return table
 
 
+def frame_bound(raw_bytes: int, planes: int, chunk_bytes: int) -> int:
+    """The most bytes a frame of ``raw_bytes`` can take (every plane stored raw): a writer
+    plans the header with it before the frame's real size is known.
+
+    Example:
+        >>> frame_bound(10, 1, 8)  # a 32-byte head, two lengths, 10 bytes
+        50
+    """
+    return HEAD_BYTES + 4 * chunk_count(raw_bytes, chunk_bytes) * planes + raw_bytes
+
+
+def pad_header(header: bytes, size: int) -> bytes:
+    """An encoded header (length prefix, JSON, spaces) padded with more spaces to exactly
+    ``size`` bytes: a writer that reserved room for a header before knowing its values
+    (frames' sizes) fills that room exactly.
+
+    Example:
+        >>> import struct
+        >>> padded = pad_header(struct.pack("<Q", 8) + b'{}      ', 24)
+        >>> len(padded), struct.unpack("<Q", padded[:8])[0], padded[8:10]
+        (24, 16, b'{}')
+    """
+    if len(header) > size:
+        raise ValueError(f"header of {len(header)} bytes does not fit in {size}")
+    return struct.pack("<Q", size - 8) + header[8:] + b" " * (size - len(header))
+
+
 def head_length(data: bytes | memoryview) -> int:
     """The length of a frame's head from its first :data:`HEAD_BYTES` (0 if too short),
     bounded by what the fields can say (never more than 32 + 4 * 2**40 bytes)."""

@@ -373,3 +373,295 @@ def test_fastckpt_verify_checks_a_compressed_file(tmp_path):
     path.write_bytes(bytes(data))
     result = verify_file(path)
     assert not result.ok and "w" in str(result)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def _weights(nbytes: int) -> torch.Tensor:
+    return _compressible(torch.bfloat16, nbytes // 2)
+
+
+def test_compress_stream_reads_at_most_a_window_ahead_of_its_consumer():
+    data = np.frombuffer(_weights(40 << 10).view(torch.uint8).numpy().tobytes(), np.uint8)
+    asked: list[int] = []
+    consumed = 0
+    ahead = []
+
+    def source(lo: int, hi: int) -> np.ndarray:
+        asked.append(lo)
+        return data[lo:hi]
+
+    pieces = []
+    for raw, _stored, crc in frames.compress_stream(
+        source, data.nbytes, "byteplane", 2, chunk_bytes=1024, window=3
+    ):
+        ahead.append(len(asked) - consumed)
+        consumed += 1
+        pieces.append(raw.tobytes())
+        assert crc == frames._crc(raw)
+    assert b"".join(pieces) == data.tobytes() and consumed == 40
+    assert max(ahead) <= 3  # never more chunks read than the window
+
+
+@pytest.fixture
+def two_codec_threads(monkeypatch):
+    """The codec's pool as on a two-core machine: its windows (two chunks per core) are small
+    and known, whatever this machine has."""
+    monkeypatch.setattr(frames, "_threads", lambda: 2)
+    monkeypatch.setattr(frames, "_pool", None)
+
+
+def test_a_compressed_save_holds_a_few_chunks_not_the_tensor(tmp_path, two_codec_threads):
+    import tracemalloc
+
+    w = _weights(96 << 20)
+    path = tmp_path / "big.safetensors"
+    tracemalloc.start()
+    try:
+        fastckpt.save({"w": w}, path, compress=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    stored = path.stat().st_size
+    assert stored < 0.75 * w.nbytes
+    # planes and compressed bytes of 2 chunks per core in flight (2 MiB chunks), not the frame
+    assert peak < 24 << 20 < stored / 2, (peak, stored)
+    assert torch.equal(fastckpt.load(path, verify=True)["w"], w)
+
+
+def test_a_compressed_save_writes_while_it_compresses(tmp_path, monkeypatch, two_codec_threads):
+    w = _weights(32 << 20)  # 16 chunks
+    seen: list[int] = []  # bytes in the directory's files when each chunk starts compressing
+    compress_chunk = frames.compress_chunk
+
+    def watched(piece, codec, itemsize):
+        seen.append(sum(p.stat().st_size for p in tmp_path.iterdir()))
+        return compress_chunk(piece, codec, itemsize)
+
+    monkeypatch.setattr(frames, "compress_chunk", watched)
+    path = tmp_path / "w.safetensors"
+    fastckpt.save({"w": w}, path, direct_io=False, compress=True)
+    assert len(seen) == 16
+    # the last chunks compress after the first frames' planes reached the file
+    assert seen[-1] > 4 << 20, seen
+    assert torch.equal(fastckpt.load(path)["w"], w)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_compressed_load_decompresses_while_it_reads(tmp_path, monkeypatch, verify):
+    w = _weights(32 << 20)
+    path = tmp_path / "w.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    stored = path.stat().st_size
+    with fastckpt.open(path) as r:
+        read_when: list[int] = []
+        decompress_chunks = frames.decompress_chunks
+
+        def watched(*args, **kwargs):
+            read_when.append(r.bytes_read)
+            return decompress_chunks(*args, **kwargs)
+
+        monkeypatch.setattr(frames, "decompress_chunks", watched)
+        assert torch.equal(r.get_tensors(["w"], verify=verify)["w"], w)
+    assert len(read_when) == 16  # one job per chunk
+    assert min(read_when) < stored // 2  # the first chunks decompress before the last are read
+
+
+def test_a_compressed_load_holds_a_few_steps_not_the_frame(tmp_path, two_codec_threads):
+    import tracemalloc
+
+    w = _weights(96 << 20)
+    path = tmp_path / "big.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    stored = path.stat().st_size
+    for verify in (False, True):
+        tracemalloc.start()
+        try:
+            back = fastckpt.load(path, verify=verify)["w"]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert torch.equal(back, w)
+        assert peak < 24 << 20 < stored / 2, (verify, peak, stored)
+
+
+class _Unseekable:
+    """A write-only stream that cannot seek (a pipe, a socket)."""
+
+    def __init__(self):
+        import io
+
+        self.buffer = io.BytesIO()
+
+    def write(self, data):
+        return self.buffer.write(data)
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+
+def test_compressed_saves_to_streams_that_cannot_seek_go_through_a_temporary_file():
+    w = _weights(6 << 20)
+    out = _Unseekable()
+    fastckpt.save({"w": w, "tied": w, "b": torch.ones(3)}, out, compress=True)
+    data = out.buffer.getvalue()
+    assert len(data) < 0.75 * 2 * w.nbytes
+    back = fastckpt.load_bytes(data)
+    assert torch.equal(back["w"], w) and torch.equal(back["tied"], w)
+
+
+def test_an_incompressible_tensor_round_trips_at_about_its_size(tmp_path):
+    noise = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator())
+    path = tmp_path / "noise.safetensors"
+    fastckpt.save({"noise": noise}, path, compress=True)
+    assert path.stat().st_size < noise.nbytes + 64 << 10
+    assert torch.equal(fastckpt.load(path, verify=True)["noise"], noise)
+
+
+# --------------------------------------------------------------------------- raw hashes, bases
+
+
+def _recorded_hashes(path) -> dict:
+    meta = _header_json(path)["__metadata__"]
+    return json.loads(meta[format.references.KEY_XXH3_128])
+
+
+def test_a_compressed_tensor_records_the_hash_of_its_raw_bytes(tmp_path):
+    from fastckpt.checkpoint.digests import hash_tensor
+
+    w = _weights(5 << 20)
+    fastckpt.save({"w": w}, tmp_path / "c.safetensors", compress=True)
+    fastckpt.save({"w": w}, tmp_path / "p.safetensors")
+    packed, plain = (
+        _recorded_hashes(tmp_path / "c.safetensors"),
+        _recorded_hashes(tmp_path / "p.safetensors"),
+    )
+    assert packed["w"] == plain["w"] == hash_tensor(w)
+
+
+@pytest.mark.parametrize("base_compressed", [True, False])
+@pytest.mark.parametrize("new_compressed", [True, False])
+def test_an_incremental_save_refers_to_unchanged_tensors_of_a_compressed_base(
+    tmp_path, base_compressed, new_compressed
+):
+    from fastckpt.checkpoint.tensor_records import forget
+
+    state = {"frozen": _weights(3 << 20), "lora": torch.zeros(64, 64), "b": torch.ones(3)}
+    base = tmp_path / "0.safetensors"
+    fastckpt.save(state, base, compress=True if base_compressed else None)
+    forget()  # hashed and compared with the base's recorded hashes, not taken from memory
+    state["lora"] += 1
+    step = tmp_path / "1.safetensors"
+    fastckpt.save(state, step, base=base, compress=True if new_compressed else None)
+    with fastckpt.open(step) as r:
+        assert r.stored_names() == ["lora"]
+        assert sorted(r.references) == ["b", "frozen"]
+    back = fastckpt.load(step, verify=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    with fastckpt.open(step) as r:
+        assert torch.equal(r.get_slice("frozen")[10:20], state["frozen"][10:20])
+
+
+# --------------------------------------------------------------------------- async, inspect
+
+
+def test_async_save_compresses_a_snapshot_of_the_call(tmp_path):
+    w = _weights(4 << 20)
+    original = w.clone()
+    path = tmp_path / "a.safetensors"
+    future = fastckpt.async_save({"w": w, "tied": w}, path, compress=True)
+    w.add_(1)  # after the call: not in the file
+    future.result()
+    back = fastckpt.load(path, verify=True)
+    assert torch.equal(back["w"], original) and back["w"] is back["tied"]
+    with fastckpt.open(path) as r:
+        assert "w" in r.compressed
+    later = tmp_path / "b.safetensors"
+    fastckpt.async_save({"w": w}, later, compress="zstd", snapshot=False).result()
+    assert torch.equal(fastckpt.load(later)["w"], w)
+
+
+def test_async_save_refuses_compress_with_a_lazy_save(tmp_path):
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for lazy in ({"lazy": True}, {"fence": optimizer}):
+        with pytest.raises(ValueError, match="compress=.*lazy"):
+            fastckpt.async_save(
+                {"w": torch.ones(4096)}, tmp_path / "x.safetensors", compress=True, **lazy
+            )
+    assert not list(tmp_path.iterdir())
+
+
+def test_async_save_to_a_url_compresses(tmp_path):
+    w = _weights(1 << 20)
+    fastckpt.async_save(
+        {"w": w}, "memory://compression-test/async.safetensors", compress=True
+    ).result()
+    with fastckpt.open("memory://compression-test/async.safetensors") as r:
+        assert "w" in r.compressed and torch.equal(r.get_tensor("w"), w)
+
+
+def test_inspect_shows_true_dtype_shape_stored_bytes_and_ratio(tmp_path, capsys):
+    from fastckpt.cli import main
+    from fastckpt.cli.inspect import describe_file
+
+    w = _weights(1 << 20).reshape(512, 1024)
+    path = tmp_path / "i.safetensors"
+    fastckpt.save({"w": w, "b": torch.ones(3)}, path, compress=True)
+    info = describe_file(path)
+    (entry,) = [t for t in info["tensors"] if t["name"] == "w"]
+    assert entry["dtype"] == "BF16" and entry["shape"] == [512, 1024] and entry["compressed"]
+    assert entry["raw_bytes"] == w.nbytes and entry["bytes"] < w.nbytes
+    assert entry["ratio"] == pytest.approx(entry["bytes"] / w.nbytes)
+    assert info["compressed"] == 1 and info["raw_bytes"] == w.nbytes + 12
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "BF16" in out and "[512, 1024]" in out and "ratio" in out
+    assert f"{entry['ratio']:.3f}" in out and "compressed: 1 tensor" in out
+
+
+@pytest.mark.parametrize("step", [7, 100, 1000, 5000])
+def test_a_streamed_load_carries_heads_and_chunks_across_reads(tmp_path, monkeypatch, step):
+    from fastckpt.checkpoint import compressed_tensors
+
+    monkeypatch.setattr(frames, "DEFAULT_CHUNK_BYTES", 4096)  # 16 chunks of 2 planes
+    w = _weights(64 << 10)
+    path = tmp_path / "small-steps.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    monkeypatch.setattr(compressed_tensors, "STREAM_BYTES", step)  # the head spans reads too
+    assert torch.equal(fastckpt.load(path)["w"], w)
+    assert torch.equal(fastckpt.load(path, verify=True)["w"], w)
+
+
+@pytest.mark.parametrize("where", [40, 0.5, -100])
+def test_a_damaged_byte_of_a_streamed_tensor_is_caught(tmp_path, where):
+    w = _weights(12 << 20)  # stored in more than one read
+    path = tmp_path / "d.safetensors"
+    fastckpt.save({"w": w}, path, compress=True)
+    data = bytearray(path.read_bytes())
+    header = struct.unpack("<Q", data[:8])[0] + 8
+    at = header + where if where == 40 else int(len(data) * where) if where > 0 else where
+    data[at] ^= 0x40  # in the frame's table, a middle plane, the last plane
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="'w'"):
+        fastckpt.load(path, verify=True)
+    with pytest.raises((ChecksumError, HeaderError), match="'w'"):
+        fastckpt.load(path, verify=False)
+
+
+def test_a_cancelled_compressed_writer_stops_at_the_next_chunk():
+    import threading
+
+    from fastckpt.checkpoint import compressed_writer
+    from fastckpt.checkpoint.save import plan_save
+
+    plan = plan_save({"w": _weights(4 << 20)}, compress=True)
+    cancel = threading.Event()
+    cancel.set()
+    with compressed_writer.Spool() as spool:
+        writer = compressed_writer.FrameWriter(plan, spool, cancel=cancel)
+        with pytest.raises(KeyboardInterrupt, match="cancelled"):
+            writer.fill()
