@@ -223,8 +223,11 @@ class FastckptAsync(Saver):
         self.futures.append(future)
 
     def fence(self) -> None:
-        if self.futures:  # what the optimizer's step pre-hook does, timed on its own
-            self.futures[-1].fence()
+        # What the optimizer's step pre-hook does, timed on its own: every pending save
+        # (with a checkpoint each step, the older ones may still be writing).
+        for future in self.futures:
+            if not future.done():
+                future.fence()
 
     def drain(self) -> None:
         for future in self.futures:
@@ -463,6 +466,8 @@ def run_mode(spec: dict[str, Any]) -> dict[str, Any]:
 
 def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     """Forward + backward seconds per batch row, and a blocking save of the state."""
+    import torch
+
     import fastckpt
 
     model, optimizer, state, batch = build({**spec, "batch": spec["calib_batch"]})
@@ -478,7 +483,16 @@ def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     write = time.perf_counter() - t0
     os.remove(path)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    return {"per_row": median(times) / spec["calib_batch"], "write": write, "state_bytes": nbytes}
+    per_row = median(times) / spec["calib_batch"]
+    # A large batch costs less per row than a small one (the matmuls run more efficiently):
+    # time the batch a fitting step needs and scale by what it really took.
+    rows = max(1, math.ceil(1.5 * write / per_row))
+    wide = torch.randn(rows, batch.shape[1])
+    t0 = time.perf_counter()
+    forward_backward(model, wide)
+    per_row = (time.perf_counter() - t0) / rows
+    optimizer.zero_grad()
+    return {"per_row": per_row, "write": write, "state_bytes": nbytes}
 
 
 # -- the parent side -------------------------------------------------------------------------
