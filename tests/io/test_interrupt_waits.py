@@ -13,7 +13,7 @@ from fastckpt.io.interrupts import result_when_done, wait_through_interrupts
 
 
 def _slow_work(finished: threading.Event, fail: bool = False) -> int:
-    time.sleep(0.5)
+    time.sleep(2.0)  # far past the Ctrl-C at 0.1 s, even on a machine loaded with other work
     finished.set()
     if fail:
         raise OSError(5, "the work's own error")
