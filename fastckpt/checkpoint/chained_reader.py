@@ -37,8 +37,7 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo
-from fastckpt.checkpoint.range_read import TensorSlice
-from fastckpt.checkpoint.reader import Reader
+from fastckpt.checkpoint.reader import Reader, RoutedReads
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
 from fastckpt.storage import is_url
 
@@ -125,7 +124,7 @@ def open_chain(
         raise
 
 
-class ChainedReader(Reader):
+class ChainedReader(RoutedReads, Reader):
     """A :class:`~fastckpt.Reader` over an incremental checkpoint and the files it refers to:
     every method behaves as for a file holding every tensor."""
 
@@ -336,26 +335,10 @@ class ChainedReader(Reader):
     ) -> dict[str, torch.Tensor]:
         return self._gather(names, lambda r, n: r.map(n, verify=verify))
 
-    def _owner(self, name: str) -> tuple[Reader, str]:
+    def _route(self, name: str) -> tuple[Reader, str]:
         stored = self._resolve(name)
         ref = self._refs.get(stored)
         return (self.top, stored) if ref is None else (self._bases[ref.file], ref.tensor)
-
-    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
-        reader, stored = self._owner(name)
-        return reader.get_slice(stored, verify=verify)
-
-    def read_range(
-        self,
-        name: str,
-        start: int,
-        stop: int,
-        *,
-        out: torch.Tensor | None = None,
-        verify: bool = False,
-    ) -> torch.Tensor:
-        reader, stored = self._owner(name)
-        return reader.read_range(stored, start, stop, out=out, verify=verify)
 
     def prefetch(
         self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False

@@ -184,3 +184,29 @@ class Reader(abc.ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class RoutedReads:
+    """Partial reads of a reader made of other readers (the shards of a directory, the files
+    of an incremental chain): each goes to the reader that stores the tensor, under the name
+    it is stored there by. A subclass says where with :meth:`_route`."""
+
+    def _route(self, name: str) -> tuple[Reader, str]:
+        """The reader that stores ``name``, and the name it stores it under."""
+        raise NotImplementedError
+
+    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
+        reader, stored = self._route(name)
+        return reader.get_slice(stored, verify=verify)
+
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        reader, stored = self._route(name)
+        return reader.read_range(stored, start, stop, out=out, verify=verify)

@@ -59,9 +59,8 @@ import torch
 from fastckpt import storage
 from fastckpt.checkpoint import save as checkpoint_save
 from fastckpt.checkpoint.header_view import TensorInfo
-from fastckpt.checkpoint.range_read import TensorSlice
 from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
-from fastckpt.checkpoint.reader import Reader
+from fastckpt.checkpoint.reader import Reader, RoutedReads
 from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
 from fastckpt.io import commit_set
@@ -588,7 +587,7 @@ _OPEN_OPTIONS = (
 )
 
 
-class ShardedReader(Reader):
+class ShardedReader(RoutedReads, Reader):
     """A sharded checkpoint opened for lazy reading: what ``fastckpt.open(directory)`` returns.
 
     A reader over one :class:`~fastckpt.checkpoint.read.CheckpointReader` per shard: opening
@@ -703,6 +702,9 @@ class ShardedReader(Reader):
             return dict(self._metadata)
         return next(iter(self._readers.values())).metadata()
 
+    def _route(self, name: str) -> tuple[CheckpointReader, str]:
+        return self._reader_of(name)
+
     def _reader_of(self, name: str) -> tuple[CheckpointReader, str]:
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
@@ -778,22 +780,6 @@ class ShardedReader(Reader):
         merged = {k: v for part in self._each_shard(work, groups) for k, v in part.items()}
         wanted = list(self._owner) if names is None else [self._reader_of(n)[1] for n in names]
         return {n: merged[n] for n in wanted}
-
-    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
-        reader, stored = self._reader_of(name)
-        return reader.get_slice(stored, verify=verify)
-
-    def read_range(
-        self,
-        name: str,
-        start: int,
-        stop: int,
-        *,
-        out: torch.Tensor | None = None,
-        verify: bool = False,
-    ) -> torch.Tensor:
-        reader, stored = self._reader_of(name)
-        return reader.read_range(stored, start, stop, out=out, verify=verify)
 
     def prefetch(
         self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
