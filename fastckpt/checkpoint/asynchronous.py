@@ -392,7 +392,6 @@ def async_save(
         >>> [f.result() for f in futures]
         [None, None, None]
     """
-    global _last_commit
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
     optimizers = fenced_optimizers(fence)
@@ -491,6 +490,16 @@ def async_save(
             writer.fill()
             writer.finish()
 
+    return _start_in_order(future, path, work, writer, out)
+
+
+def _start_in_order(
+    future: SaveFuture, path: str, work: Callable[[], None], writer: Any, out: AtomicFile
+) -> SaveFuture:
+    """Runs ``work`` on the save's own thread, committed after every earlier save (of any
+    path) and after earlier saves of ``path``; ``writer`` and ``out`` are aborted if no
+    thread can be had."""
+    global _last_commit
     with _state_lock:
         previous, _last_commit = _last_commit, future
     order = save_order.register(path)
@@ -518,7 +527,6 @@ def _start_compressed(
 ) -> SaveFuture:
     """The rest of an ``async_save`` with ``compress=``: the tensors copied to host memory
     (``snapshot``), then compressed and written on the save's thread, committed in order."""
-    global _last_commit
     try:
         if snapshot:  # one copy per tensor, tied names keep sharing it
             copies: dict[int, Any] = {}
@@ -537,21 +545,7 @@ def _start_compressed(
         writer.fill()
         writer.finish()
 
-    with _state_lock:
-        previous, _last_commit = _last_commit, future
-    order = save_order.register(path)
-    try:
-        threading.Thread(
-            target=_finish_in_order,
-            args=(future, previous, [work, writer, out], order),
-            name=f"fastckpt-save:{os.path.basename(path)}",
-            daemon=True,
-        ).start()
-    except Exception as exc:
-        save_order.finish(order)
-        out.abort()
-        return _fail_early(future, exc)
-    return future
+    return _start_in_order(future, path, work, writer, out)
 
 
 def fenced_optimizers(fence: Any) -> list[Any]:
