@@ -6,6 +6,8 @@ an LLM-like state of ``--size`` bytes and checkpoints it every ``--every`` steps
 
 - ``manager_disk``: ``CheckpointManager(root)`` with root on the disk (``--dir``);
 - ``manager_fast_disk``: ``CheckpointManager(root, fast=/dev/shm/...)``, root on the disk;
+- ``manager_fast_disk_nice19``: the same with ``drain_nice=19``: the drain takes the CPU
+  time the loop leaves idle (by default it runs at the loop's priority);
 - ``manager_fast_s3``: the same with root in an S3 bucket on a loopback moto server that
   the benchmark starts (skipped, with a note, without moto/s3fs or URL roots);
 - ``async_save``: ``fastckpt.async_save`` of each step's file on the disk, nothing else (what
@@ -54,6 +56,7 @@ from fastckpt.config import parse_size
 MODES = (
     "manager_disk",
     "manager_fast_disk",
+    "manager_fast_disk_nice19",
     "manager_fast_s3",
     "async_save",
     "torch_save",
@@ -185,7 +188,10 @@ def child(args: argparse.Namespace) -> None:
         )
         try:
             watch = _DurableWatch(Tier(root), 0.05 if s3 else _POLL_SECONDS)
-            with fastckpt.CheckpointManager(root, fast=fast, keep_last=args.keep_last) as manager:
+            nice = 19 if args.mode.endswith("_nice19") else None
+            with fastckpt.CheckpointManager(
+                root, fast=fast, keep_last=args.keep_last, drain_nice=nice
+            ) as manager:
                 res = _loop(
                     args, state, lambda step: manager.save(step, state, **options), optimizer
                 )

@@ -332,6 +332,7 @@ def async_save(
     base: str | os.PathLike[str] | None = None,
     frozen: Any = None,
     compress: bool | str | None = None,
+    spare_file: str | None = None,
 ) -> SaveFuture:
     """Saves like :func:`fastckpt.save`, returning once the tensors are snapshotted.
 
@@ -371,6 +372,10 @@ def async_save(
         compress: as :func:`fastckpt.save`'s. The snapshot is a copy of the tensors in host
             memory (the checkpoint's raw size), compressed and written in the background;
             not with ``lazy=True`` or ``fence=`` (ValueError).
+        spare_file: a spare file (:func:`fastckpt.io.spare_files.retire` made it) in the
+            destination's directory, written over instead of a new file when it is there
+            (not by a compressed save): on a memory file system the save then allocates no
+            pages. :class:`~fastckpt.CheckpointManager`'s fast tier keeps one.
         Other arguments: as :func:`fastckpt.save`.
 
     Returns:
@@ -425,14 +430,29 @@ def async_save(
             frozen=frozen,
             compress=compress,
         )
+        spare = None if plan.frames else spare_file
+        out = AtomicFile(path, direct=direct_io is not False, spare=spare, size=plan.file_size)
+    except BaseException as exc:  # reported through the future, like every later error
+        return _fail_early(future, exc)
+    try:
+        # Over a spare file's pages on a memory file system, the snapshot is the file itself:
+        # writing the tensors into it copies the state once, as a snapshot into staging
+        # does, and leaves nothing to write after (no staging memory, no second copy).
+        into_file = (
+            snapshot
+            and not lazy
+            and not plan.frames
+            and out.reused
+            and _through_page_cache(plan, out, direct_io)
+        )
         if lazy:
             pool = lazy_ring(staging_bytes)
-        elif plan.frames:  # compressed saves write from a snapshot of their own
+        elif plan.frames or into_file:  # compressed saves write from a snapshot of their own
             pool = None
         else:
             pool = _async_pool(staging_bytes, plan.data_size)
-        out = AtomicFile(path, direct=direct_io is not False)
-    except BaseException as exc:  # reported through the future, like every later error
+    except BaseException as exc:
+        out.abort()
         return _fail_early(future, exc)
     try:
         if not lazy:  # a lazy call returns at once: its thread reserves (~3 ms per GiB)
@@ -446,6 +466,8 @@ def async_save(
         return _fail_early(future, exc)
     if plan.frames:  # compressed while written (compressed_writer.py)
         return _start_compressed(future, plan, out, path, snapshot=snapshot)
+    if into_file:
+        return _start_written(future, plan, out, path, progress=progress)
     assert pool is not None  # (only compressed saves go without one)
     writer = StreamWriter(
         plan,
@@ -520,6 +542,27 @@ def _start_in_order(
             out.abort()
         return _fail_early(future, exc)
     return future
+
+
+class _Written:
+    """The writer of a file written in the call: nothing is left to stop."""
+
+    def abort(self) -> None:
+        pass
+
+
+def _start_written(
+    future: SaveFuture, plan: Any, out: AtomicFile, path: str, *, progress: bool | None
+) -> SaveFuture:
+    """The rest of an eager ``async_save`` over a spare file on a memory file system: the
+    tensors (checksummed and hashed) are written into it in the call, which is the
+    snapshot; the save's thread only commits it, in order."""
+    try:
+        _write_from_tensors(plan, out.file, progress=progress)
+    except BaseException as exc:
+        out.abort()
+        return _fail_early(future, exc)
+    return _start_in_order(future, path, lambda: None, _Written(), out)
 
 
 def _start_compressed(

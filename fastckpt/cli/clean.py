@@ -5,7 +5,9 @@ does not exist for :class:`~fastckpt.series.manager.CheckpointManager` and the n
 removes it. ``clean`` removes such directories now (to free the space without starting a
 run), naming each: ``partial save`` or ``stale drain`` (a partial copy in ROOT of a step
 committed in the fast tier: the next manager drains that step again). Committed steps are
-never touched.
+never touched. A local fast tier's spare file (a deleted step's file kept for the next save
+to write over, removed when its manager closes) left by a killed run goes too: on
+``/dev/shm`` it holds memory.
 
 It takes each tier's manager lock first: while a manager runs on a tier, its partial
 directories are saves in progress, and ``clean`` refuses (status 1) rather than race them.
@@ -23,6 +25,7 @@ Example (shell)::
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes, spellings
@@ -78,6 +81,16 @@ def leftovers(root: Tier | str, fast: Tier | str | None = None) -> list[tuple[St
     return found
 
 
+def _spare_of(fast: Tier | None) -> str | None:
+    """The spare file a killed manager left in a local fast tier, if there is one."""
+    from fastckpt.series.steps import SPARE_FILE
+
+    if fast is None or fast.is_url:
+        return None
+    spare = os.path.join(fast.location, SPARE_FILE)
+    return spare if os.path.isfile(spare) else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt clean``; 0 when everything found was removed (or listed, dry)."""
     from fastckpt.series import steps as layout  # here: `fastckpt --help` loads no I/O engine
@@ -100,7 +113,16 @@ def run(args: argparse.Namespace) -> int:
                     continue
             freed += copy.size
             print(f"{verb} {copy.directory} ({why}, {format_bytes(copy.size)})")
+        spare = _spare_of(fast)
+        if spare is not None:
+            size = os.path.getsize(spare)
+            if not args.dry_run:
+                os.unlink(spare)
+            freed += size
+            print(f"{verb} {spare} (spare file, {format_bytes(size)})")
     count = len(found) - failed
     noun = "directory" if count == 1 else "directories"
-    print(f"{verb} {count} {noun}, {format_bytes(freed)}" if found else "nothing to clean")
+    also = " and a spare file" if spare is not None else ""
+    summary = f"{verb} {count} {noun}{also}, {format_bytes(freed)}"
+    print(summary if found or spare is not None else "nothing to clean")
     return FAILURE if failed else 0

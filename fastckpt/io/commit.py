@@ -37,6 +37,7 @@ import stat
 from typing import Any
 
 from fastckpt import _C
+from fastckpt.io import spare_files
 from fastckpt.io.files import File
 
 __all__ = [
@@ -215,6 +216,10 @@ class AtomicFile:
     ``overwrite_readonly=True`` replaces a read-only file at ``path`` (refused otherwise, see
     :func:`check_writable`). :meth:`commit` may name another final path in the same
     directory: a multi-file commit (:mod:`fastckpt.io.commit_set`) picks the names late.
+
+    ``spare`` names a spare file (:mod:`fastckpt.io.spare_files`) in the same directory to
+    write over instead of a new file, cut to ``size`` bytes (the file's final size, which
+    the caller then writes whole); without a spare there, a new file as usual.
     """
 
     def __init__(
@@ -223,6 +228,8 @@ class AtomicFile:
         *,
         direct: bool = True,
         overwrite_readonly: bool = False,
+        spare: str | None = None,
+        size: int | None = None,
     ):
         self.path = os.path.abspath(os.fspath(path))
         self.overwrite_readonly = overwrite_readonly
@@ -232,14 +239,20 @@ class AtomicFile:
         _check_directory(directory, self.path)
         check_writable(self.path, overwrite_readonly=overwrite_readonly)
         remove_stale_temporaries(self.path)
+        if spare is not None and size is None:
+            raise ValueError("spare= needs size=: the file is cut to the size then written whole")
+        taken = None if spare is None else spare_files.take(spare, directory, name)
+        self.reused = taken is not None
         try:
-            self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
+            self.tmp_path, self._lock_fd = taken or _locked_temporary(directory, name)
         except OSError as exc:  # name the user's path, not the temporary one
             raise type(exc)(
                 exc.errno, f"cannot save {self.path}: {exc.strerror}", directory
             ) from exc
         try:
             self.file = File(self.tmp_path, write=True, direct=direct)
+            if taken is not None:
+                os.ftruncate(self.file.fd, size)  # type: ignore[arg-type]  # (checked above)
         except BaseException:
             self._release()
             raise

@@ -67,6 +67,7 @@ from typing import Any
 
 from fastckpt import api
 from fastckpt.errors import ChecksumError, FastCkptError
+from fastckpt.io import spare_files
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
@@ -94,6 +95,10 @@ class CheckpointManager:
             metric passed to :meth:`save`.
         keep_fast: steps the fast tier keeps (those not yet drained are always kept).
         drain_bytes_per_second: cap on the drain's copy speed (None: no cap).
+        drain_nice: the drain thread's CPU priority, 0 to 19 (Linux), or None (the default:
+            the process's). A high value makes the drain take the CPU time training leaves
+            idle; where training keeps every core busy the drain then falls behind (measured
+            in docs/series.md), so it suits hosts whose cores wait on a GPU.
         storage_options: for a tier at a URL, passed to its fsspec file system (``key``,
             ``secret``, ``endpoint_url``, ...; None: ``FASTCKPT_STORAGE_OPTIONS``).
         lease_seconds: how long a URL tier's lease outlives its holder's last renewal
@@ -119,6 +124,7 @@ class CheckpointManager:
         best: tuple[str, str, int] | None = None,
         keep_fast: int = 1,
         drain_bytes_per_second: float | None = None,
+        drain_nice: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         lease_seconds: float = 60.0,
         distributed: bool | None = None,
@@ -127,6 +133,13 @@ class CheckpointManager:
     ):
         self._root = _tier(root, "root", storage_options)
         self._fast = None if fast is None else _tier(fast, "fast", storage_options)
+        # A local fast tier keeps its newest deleted step's file for the next save to write
+        # over (fastckpt.io.spare_files: on /dev/shm that spares allocating its pages).
+        self._spare = (
+            None
+            if self._fast is None or self._fast.is_url
+            else os.path.join(self._fast.location, layout.SPARE_FILE)
+        )
         if self._fast is not None and _same(self._fast, self._root):
             raise ValueError(f"fast and root are the same directory: {self._root}")
         self.retention = Retention(keep_last, keep_every, best)
@@ -136,6 +149,12 @@ class CheckpointManager:
                 f"drain_bytes_per_second must be positive, got {drain_bytes_per_second!r}"
             )
         self._rate = drain_bytes_per_second
+        if drain_nice is not None and (
+            isinstance(drain_nice, bool)
+            or not isinstance(drain_nice, int)
+            or not 0 <= drain_nice <= 19
+        ):
+            raise ValueError(f"drain_nice must be an int within 0..19 or None, got {drain_nice!r}")
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
         self.incremental = bool(incremental)
@@ -149,7 +168,12 @@ class CheckpointManager:
         self._locks: list[Any] = []
         self._guard = threading.Lock()  # retention and drains never race on a tier
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
-        self._drains = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-drain")
+        self._drains = concurrent.futures.ThreadPoolExecutor(
+            1,
+            "fastckpt-manager-drain",
+            initializer=transfer.lower_thread_priority,
+            initargs=(drain_nice,),
+        )
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._closed = False
         try:
@@ -251,6 +275,8 @@ class CheckpointManager:
                         layout.step_dir(tier, base), layout.STATE_FILE
                     )
                     save_options["frozen"] = frozen
+                if tier == self._fast and self._spare is not None:
+                    save_options.setdefault("spare_file", self._spare)
                 written = api.async_save(state, path, **save_options)
         except BaseException:
             self._release_base(tier, base)
@@ -415,9 +441,10 @@ class CheckpointManager:
             kept |= self._needed_by(tier, kept, committed)
             # newest first: a step goes before the older ones it needs, so a crash
             # mid-way never leaves a committed step without its base
+            spare = self._spare if tier == self._fast else None
             for step in reversed(committed):
                 if step not in kept:
-                    layout.remove_step(tier, step)
+                    layout.remove_step(tier, step, spare=spare)
                     self._markers.pop((tier.location, step), None)
 
     def _needed_by(self, tier: Tier, kept: set[int], committed: list[int]) -> set[int]:
@@ -635,6 +662,8 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
+            if self._spare is not None:  # its memory goes back to the system
+                spare_files.discard(self._spare)
             for lock in self._locks:
                 lock.release()
 

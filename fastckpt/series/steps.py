@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastckpt import storage
+from fastckpt.io import spare_files
 from fastckpt.io.commit import fsync_directory, write_atomically
 from fastckpt.storage import join
 from fastckpt.storage.url import url_errors
@@ -49,6 +50,7 @@ from fastckpt.storage.url import url_errors
 __all__ = [
     "FILE_LAYOUT",
     "MARKER",
+    "SPARE_FILE",
     "STATE_FILE",
     "Tier",
     "abort_unfinished_uploads",
@@ -68,6 +70,9 @@ MARKER = "COMMITTED"
 #: The layout of a step holding one ``state.safetensors`` (markers without one mean it).
 FILE_LAYOUT = "file"
 STATE_FILE = "state.safetensors"
+#: A local fast tier's spare file: a deleted step's state file kept for the next save to
+#: write over (:mod:`fastckpt.io.spare_files`); never a step, removed when its manager closes.
+SPARE_FILE = ".spare.safetensors"
 _STEP = re.compile(r"step-(\d{12})")
 
 
@@ -225,8 +230,10 @@ def marker_of(tier: Tier | str, step: int) -> dict[str, Any]:
     return document
 
 
-def remove_step(tier: Tier | str, step: int) -> None:
-    """Deletes a step: its marker first (durably), then its files."""
+def remove_step(tier: Tier | str, step: int, *, spare: str | None = None) -> None:
+    """Deletes a step: its marker first (durably), then its files. With ``spare`` (a local
+    tier), its state file may be kept as that spare file for the next save to write over
+    (:func:`fastckpt.io.spare_files.retire`)."""
     tier = _tier(tier)
     directory = step_dir(tier, step)
     if tier.is_url:
@@ -243,6 +250,9 @@ def remove_step(tier: Tier | str, step: int) -> None:
         fsync_directory(directory)
     except FileNotFoundError:
         pass
+    if spare is not None:  # the step no longer exists: its file's storage may be reused
+        with contextlib.suppress(OSError):
+            spare_files.retire(os.path.join(directory, STATE_FILE), spare)
     shutil.rmtree(directory, ignore_errors=True)
 
 

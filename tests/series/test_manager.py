@@ -91,6 +91,65 @@ def test_restore_skips_damage_for_the_other_tier_then_older_steps(tmp_path, capl
     assert "step 2 in" in caplog.text and "cannot be restored" in caplog.text
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("nice", [19, 7, None])
+def test_the_drain_runs_at_its_own_low_cpu_priority(tmp_path, monkeypatch, nice):
+    import threading
+
+    from fastckpt.series import transfer
+
+    seen = []
+    real_copy = transfer.copy_file
+
+    def observed_copy(*args, **kwargs):  # the real copy, noting its thread's priority
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(transfer, "copy_file", observed_copy)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with fastckpt.CheckpointManager(
+        tmp_path / "root", fast=tmp_path / "fast", drain_nice=nice
+    ) as manager:
+        manager.save(1, _state(1))
+        manager.wait()
+        assert layout.committed_steps(str(tmp_path / "root")) == [1]
+    assert seen == [before if nice is None else max(nice, before)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the caller's thread is untouched
+    for bad in (-1, 20, 1.5, True):
+        with pytest.raises(ValueError, match="drain_nice"):
+            fastckpt.CheckpointManager(tmp_path / "other", drain_nice=bad)
+
+
+def test_the_fast_tier_writes_each_step_over_a_deleted_one_unless_it_is_being_read(tmp_path):
+    fast = tmp_path / "fast"
+
+    def inode(step):
+        return os.stat(fast / f"step-{step:012d}" / layout.STATE_FILE).st_ino
+
+    with fastckpt.CheckpointManager(tmp_path / "root", fast=fast, keep_fast=1) as manager:
+        inodes = {}
+        for step in (1, 2, 3):
+            manager.save(step, _state(step, 1 << 16)).result()
+            manager.wait()
+            inodes[step] = inode(step)
+        assert inodes[3] == inodes[1]  # step 1's file, deleted, became step 3's
+        assert (fast / layout.SPARE_FILE).exists()  # step 2's, kept for step 4
+        with open(fast / "step-000000000003" / layout.STATE_FILE, "rb") as reader:
+            before = reader.read()
+            manager.save(4, _state(4, 1 << 16)).result()  # over step 2's file
+            manager.wait()
+            assert inode(4) == inodes[2]
+            manager.save(5, _state(5, 1 << 16)).result()  # a new file: step 3's is read
+            manager.wait()
+            reader.seek(0)
+            held = reader.read()
+        assert inode(5) not in inodes.values()
+        assert held == before  # the reader's bytes never changed
+        step, state = manager.restore()
+        assert step == 5 and torch.equal(state["w"], _state(5, 1 << 16)["w"])
+    assert not (fast / layout.SPARE_FILE).exists()  # close() gives its memory back
+
+
 def test_one_manager_per_tier_and_clear_refusals(tmp_path):
     manager = fastckpt.CheckpointManager(tmp_path)
     with pytest.raises(RuntimeError, match="another CheckpointManager manages"):

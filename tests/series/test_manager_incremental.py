@@ -138,12 +138,12 @@ def test_retention_deletes_newest_first_so_a_crash_never_orphans_a_step(tmp_path
     removed = []
     real_remove = layout.remove_step
 
-    def recording(tier, step):
+    def recording(tier, step, **options):
         # at every deletion, each remaining committed step still has its bases
         for kept in layout.committed_steps(tier):
             dependencies(_state_file(tier, kept))
         removed.append(step)
-        real_remove(tier, step)
+        real_remove(tier, step, **options)
 
     monkeypatch.setattr(layout, "remove_step", recording)
     with fastckpt.CheckpointManager(tmp_path, keep_last=1, incremental=True) as manager:

@@ -1,0 +1,101 @@
+"""Spare files: a retired file's storage handed to the next save instead of freed.
+
+On a memory file system (tmpfs, ``/dev/shm``) a file's pages are allocated as it is
+written, and memory the system has not touched lately is slow to allocate: on a 2-core VM,
+writing 2 GiB into a new ``/dev/shm`` file took 0.75 to 5.6 s, writing over the pages of an
+existing file 0.47 s every time. A checkpoint manager's fast tier writes a step, then
+deletes an older one; a spare keeps the older file's pages for the next save, which
+renames it into place as its temporary file and writes over it.
+
+A file becomes a spare only when nobody else has it open or mapped, so a reader of an old
+step never sees its bytes change. The test is a Linux write lease, which the kernel grants
+only to the file's one opener; it is released at once. Where leases are refused (another
+opener, another owner, a file system without them), the file is deleted as before.
+
+Example:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> old, spare = os.path.join(d, "old.bin"), os.path.join(d, ".spare")
+    >>> with open(old, "wb") as f:
+    ...     _ = f.write(b"x" * 4096)
+    >>> retire(old, spare), os.path.exists(old)
+    (True, False)
+    >>> tmp, lock_fd = take(spare, d, "new.bin")
+    >>> os.path.getsize(tmp), os.path.exists(spare)
+    (4096, False)
+    >>> os.close(lock_fd)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import stat
+
+__all__ = ["discard", "retire", "take"]
+
+_F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)  # Linux only
+
+
+def _alone(fd: int) -> bool:
+    """Whether ``fd`` is the only open file description of its file (no other descriptor,
+    in this process or another, and no mapping): the kernel grants a write lease only then."""
+    if _F_SETLEASE is None:
+        return False
+    try:
+        fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:  # EAGAIN: another opener; EACCES: not our file; EINVAL: no leases here
+        return False
+    # Released at once: nobody can open the file meanwhile (its name is gone, see retire).
+    fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
+    return True
+
+
+def retire(path: str, spare: str) -> bool:
+    """Removes the regular file ``path``, keeping its storage as ``spare`` when no spare is
+    there yet and nobody else has the file open (True); else deletes it (False). A file
+    that is missing is no error (False)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.path.lexists(spare):
+            os.unlink(path)
+            return False
+        os.rename(path, spare)  # from here no one can open it by its old name
+        if _alone(fd):  # nobody opened it before the rename either
+            return True
+        os.unlink(spare)
+        return False
+    finally:
+        os.close(fd)
+
+
+def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
+    """Renames ``spare`` to a new temporary file ``<name>.<random>.tmp`` in ``directory``
+    (the same file system) and returns its path with a descriptor holding its lifetime
+    lock (``flock``, as :func:`fastckpt.io.commit.AtomicFile` keeps on its temporary files),
+    or None when there is no spare to take. The file keeps the spare's bytes and size."""
+    try:
+        fd = os.open(spare, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not os.fstat(fd).st_nlink:
+            raise OSError("not a spare file")
+        tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
+        os.rename(spare, tmp_path)
+    except OSError:
+        os.close(fd)
+        return None
+    return tmp_path, fd
+
+
+def discard(spare: str) -> None:
+    """Deletes ``spare`` if it is there (its memory goes back to the system)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(spare)
