@@ -474,10 +474,20 @@ _MANAGED_RUN = textwrap.dedent(
 def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
     """kill -9 a run of CheckpointManager saves and drains at random times; the next manager
     must restore a whole step, never older than the last one reported durable in root. Run
-    with root a local directory, then with incremental steps (every kept step must load with
+    with root a local directory (the fast tier on /dev/shm where there is one), then with incremental steps (every kept step must load with
     its bases), then (when moto's server and s3fs are installed) an s3:// prefix on a local S3
     server, where kills also land mid-upload."""
-    report = _manager_kill_runs(work / "managed-root", work / "managed-fast", None, count, seed)
+    # The first run's fast tier is in memory where it can be: saves there write over spare
+    # files, the snapshot being the file itself (fastckpt.io.spare_files).
+    memory = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    fast = Path(tempfile.mkdtemp(prefix="torture-fast-", dir="/dev/shm")) if memory else None
+    try:
+        report = _manager_kill_runs(
+            work / "managed-root", fast or work / "managed-fast", None, count, seed
+        )
+    finally:
+        if fast is not None:
+            shutil.rmtree(fast, ignore_errors=True)
     incremental = _manager_kill_runs(
         work / "managed-incremental-root",
         work / "managed-incremental-fast",

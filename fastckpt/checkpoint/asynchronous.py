@@ -45,7 +45,7 @@ import weakref
 from typing import Any, Callable
 
 from fastckpt import config
-from fastckpt.checkpoint import compressed_tensors, compressed_writer, save_order
+from fastckpt.checkpoint import compressed_tensors, compressed_writer, file_snapshot, save_order
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.checkpoint.save import (
     StreamWriter,
@@ -555,14 +555,17 @@ def _start_written(
     future: SaveFuture, plan: Any, out: AtomicFile, path: str, *, progress: bool | None
 ) -> SaveFuture:
     """The rest of an eager ``async_save`` over a spare file on a memory file system: the
-    tensors (checksummed and hashed) are written into it in the call, which is the
-    snapshot; the save's thread only commits it, in order."""
+    tensors are written into it in the call, which is the snapshot
+    (:mod:`~fastckpt.checkpoint.file_snapshot`); the save's thread checksums the file's
+    bytes, writes the header and commits, in order."""
     try:
-        _write_from_tensors(plan, out.file, progress=progress)
+        file_snapshot.write_tensors(plan, out.file, progress=progress)
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)
-    return _start_in_order(future, path, lambda: None, _Written(), out)
+    return _start_in_order(
+        future, path, lambda: file_snapshot.checksum_and_header(plan, out.file), _Written(), out
+    )
 
 
 def _start_compressed(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fastckpt.checkpoint import compressed_writer
-from fastckpt.checkpoint.save import SavePlan, _byte_chunks
+from fastckpt.checkpoint.save import SavePlan, byte_chunks
 from fastckpt.io import parallel_io
 from fastckpt.io.checksums import PieceCrcs
 from fastckpt.storage.base import Storage
@@ -39,7 +39,7 @@ PIECE_BYTES = 16 << 20
 
 
 def _tensor_crc(t: torch.Tensor, acc: PieceCrcs, piece: int) -> PieceCrcs:
-    for chunk in _byte_chunks(t, piece):
+    for chunk in byte_chunks(t, piece):
         if chunk.device.type != "cpu":
             chunk = chunk.cpu()
         acc.update(chunk.data_ptr(), chunk.numel())
@@ -61,7 +61,7 @@ def _file_bytes(plan: SavePlan, header: bytes, piece: int) -> Iterator[Any]:
     """The checkpoint's bytes in file order: the header, then each tensor in pieces."""
     yield header
     for entry in plan.entries:
-        yield from _byte_chunks(plan.tensors[entry.name], piece)
+        yield from byte_chunks(plan.tensors[entry.name], piece)
 
 
 def write_in_order(plan: SavePlan, sink: Storage, *, piece_bytes: int = PIECE_BYTES) -> None:

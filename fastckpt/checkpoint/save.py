@@ -268,7 +268,7 @@ def _check_piece_size(piece_size: int) -> None:
         )
 
 
-def _byte_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+def byte_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
     """uint8 tensors covering ``t``'s bytes in row-major order, none larger than ``max_bytes``.
 
     Contiguous tensors are viewed in place; a non-contiguous one is made contiguous a slab
@@ -285,7 +285,7 @@ def _byte_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
     row_bytes = (t.numel() // t.shape[0]) * t.element_size()
     step = max(1, max_bytes // max(1, row_bytes))
     for start in range(0, t.shape[0], step):
-        yield from _byte_chunks(t[start : start + step].contiguous(), max_bytes)
+        yield from byte_chunks(t[start : start + step].contiguous(), max_bytes)
 
 
 class StreamWriter:
@@ -463,7 +463,7 @@ class StreamWriter:
                                 bar.update(piece)
                         guard.copied(entry.name)
                         continue
-                    for chunk in _byte_chunks(plan.tensors[entry.name], piece):
+                    for chunk in byte_chunks(plan.tensors[entry.name], piece):
                         done, n = 0, chunk.numel()
                         while done < n:
                             if buf is None:
@@ -849,7 +849,7 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
         for e in strided:  # rare (transposed views): made contiguous a slab at a time
             at = 0
             acc = sums[e.name]
-            for chunk in _byte_chunks(plan.tensors[e.name], 64 << 20):
+            for chunk in byte_chunks(plan.tensors[e.name], 64 << 20):
                 n = chunk.numel()
                 piece_ends = list(piece_cuts(at, n, acc.piece_size))
                 offset = plan.header_size + e.begin + at

@@ -24,7 +24,7 @@ import torch
 
 from fastckpt import format
 from fastckpt.checkpoint import compressed_writer
-from fastckpt.checkpoint.save import SavePlan, _byte_chunks, plan_save
+from fastckpt.checkpoint.save import SavePlan, byte_chunks, plan_save
 
 __all__ = ["save_to_stream", "save_bytes"]
 
@@ -45,7 +45,7 @@ def _check_writable(f: Any, argname: str) -> None:
 
 def _host_chunks(t: torch.Tensor) -> Any:
     """``t``'s bytes in file order as uint8 CPU tensors of at most :data:`_CHUNK_BYTES`."""
-    for chunk in _byte_chunks(t, _CHUNK_BYTES):
+    for chunk in byte_chunks(t, _CHUNK_BYTES):
         yield chunk.cpu() if chunk.device.type != "cpu" else chunk
 
 

@@ -48,6 +48,7 @@ from fastckpt import _C, storage
 from fastckpt.checkpoint.read import CheckpointReader
 from fastckpt.checkpoint.tensor_crcs import damaged
 from fastckpt.errors import ChecksumError
+from fastckpt.io.checksums import crc32c_combine
 from fastckpt.io.commit import fsync_directory
 from fastckpt.io.files import File
 from fastckpt.storage.url import UrlStorage
@@ -334,18 +335,23 @@ def verify_copy(location: str, crc: int, options: Options = None) -> None:
     whole, position, index = 0, 0, 0
     for chunk in _chunks(location, options, total, rate=None, ahead=_READ_AHEAD, reuse=True):
         address, end = _address(chunk), position + len(chunk)
-        whole = _C.crc32c(address, len(chunk), whole)
-        while index < len(entries):  # the tensors' bytes in this chunk, in file order
-            entry = entries[index]
-            first = max(data_offset + entry.begin, position)
-            last = min(data_offset + entry.end, end)
-            if first < last:
-                actual[entry.name] = _C.crc32c(
-                    address + first - position, last - first, actual[entry.name]
-                )
-            if data_offset + entry.end > end:
-                break
-            index += 1
+        at = position  # each byte is read once: a segment's CRC32C goes to the whole file's
+        while at < end:  # and, inside a tensor, to the tensor's
+            entry = entries[index] if index < len(entries) else None
+            inside = entry is not None and data_offset + entry.begin <= at
+            if entry is None:
+                stop = end
+            else:
+                stop = min(end, data_offset + (entry.end if inside else entry.begin))
+            if stop > at:
+                segment = _C.crc32c(address + at - position, stop - at)
+                whole = crc32c_combine(whole, segment, stop - at)
+                if inside:
+                    assert entry is not None
+                    actual[entry.name] = crc32c_combine(actual[entry.name], segment, stop - at)
+            at = stop
+            if entry is not None and data_offset + entry.end <= at:
+                index += 1  # (an empty tensor is passed at once)
         position = end
     bad = damaged(entries, actual, expected)
     if bad or whole != crc:

@@ -124,3 +124,28 @@ def test_over_a_spare_in_memory_the_snapshot_is_the_file_itself(monkeypatch):
         assert all(torch.equal(loaded[k], expected[k]) for k in expected)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+def test_in_memory_over_a_spare_strided_tensors_and_incremental_saves_round_trip():
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        spare = os.path.join(directory, ".spare.safetensors")
+        frozen = torch.randn(1 << 18)
+        state = {"frozen": frozen, "t": torch.randn(256, 64).t(), "step": torch.tensor(1)}
+        first = os.path.join(directory, "1.safetensors")
+        fastckpt.save(state, first)
+        fastckpt.save({"junk": torch.zeros(1 << 19)}, os.path.join(directory, "junk"))
+        assert spare_files.retire(os.path.join(directory, "junk"), spare)
+        state["step"].add_(1)
+        second = os.path.join(directory, "2.safetensors")
+        fastckpt.async_save(state, second, base=first, spare_file=spare).result()
+        assert not os.path.exists(spare)
+        with fastckpt.open(second) as reader:
+            assert reader.verify() == []
+        loaded = fastckpt.load(second, verify=True)
+        assert torch.equal(loaded["frozen"], frozen) and torch.equal(loaded["t"], state["t"])
+        assert int(loaded["step"]) == 2
+        assert os.path.getsize(second) < frozen.nbytes  # the frozen tensor is referred to
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -53,3 +53,24 @@ def test_a_copy_that_differs_from_its_source_is_refused(tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ChecksumError, match="dst.bin"):
         transfer.verify_copy(str(target), crc)
+
+
+def test_the_copy_of_a_checkpoint_is_checked_tensor_by_tensor_in_one_pass(tmp_path):
+    import torch
+
+    import fastckpt
+
+    source, target = tmp_path / "src.safetensors", tmp_path / "dst.safetensors"
+    state = {"a": torch.randn(3 << 20), "empty": torch.zeros(0), "b": torch.arange(1000)}
+    fastckpt.save(state, source)
+    crc = transfer.copy_file(str(source), str(target))
+    transfer.verify_copy(str(target), crc)
+    with fastckpt.open(target) as reader:
+        begin = reader.header.data_offset + reader.header.entries["b"].begin
+    with open(target, "r+b") as f:  # one byte of tensor 'b' flipped
+        f.seek(begin + 10)
+        byte = f.read(1)
+        f.seek(begin + 10)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ChecksumError, match=r"damaged tensors \['b'\]"):
+        transfer.verify_copy(str(target), crc)
