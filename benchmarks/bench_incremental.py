@@ -16,6 +16,8 @@ Parts (``--parts``, default all; each is its own function, reporting one JSON-ab
     version counter and storage have not moved since the last save are not hashed;
   - ``frozen``: ``base=previous, frozen=<the base's names>``: the frozen tensors are referred
     to unread, on the caller's word.
+  - ``compressed``: ``versions`` with ``compress=True``: the tensors that changed are
+    written compressed (byte planes), for storage where bytes are expensive.
 
   Reported per mode: bytes written and seconds per checkpoint (each save is durable: fsync
   and rename), medians and the first checkpoint apart (it is a full save in every mode), and
@@ -56,7 +58,7 @@ from typing import Any, Callable
 from fastckpt.bench.units import format_bytes
 from fastckpt.config import parse_size
 
-INCREMENTAL_MODES = ("full", "hash", "versions", "frozen")
+INCREMENTAL_MODES = ("full", "hash", "versions", "frozen", "compressed")
 
 
 # -- the incremental part -----------------------------------------------------------------
@@ -130,6 +132,8 @@ def _checkpoint_series(
             options["base"] = paths[-1]
             if mode == "frozen":
                 options["frozen"] = frozen_set
+            if mode == "compressed":
+                options["compress"] = True
             if mode == "hash":
                 tensor_records.forget()
         started = time.perf_counter()

@@ -1,5 +1,5 @@
 """Copies of a step's files from one tier to another (the drain): bounded memory, a bandwidth
-cap, and every copy read back and checked before the step is committed at its target.
+cap, and every copy checked before the step is committed at its target.
 
 A file is streamed in chunks of 16 MiB from its source (a local file or a URL) to its target:
 a local file (written, then fsynced) or a URL's atomic sink (on S3 a multipart upload with a
@@ -7,17 +7,20 @@ few parts in flight; the object appears only once complete). At most :data:`COPY
 bytes are held at once, the HTTP client's copies included, whatever the file's size up to
 160 GiB (S3 takes at most 10,000 parts, so a larger file needs larger parts: one in flight).
 
-Between two local files the copy touches no new memory: the source is mapped, its pages are
-written to the target with O_DIRECT (where the target's file system takes it) and read back
-the same way into one reused buffer. A buffered copy would allocate the file's size in page
-cache twice and copy every byte three times, and on a busy machine that work is taken from
-the training loop (measured with ``benchmarks/bench_manager.py``).
+Between two local files (:func:`copy_file`) the copy touches no new memory and reads each
+byte once: the source is mapped a window at a time, each tensor of a fastckpt checkpoint is
+checked against the CRC32C its header records as its bytes go out (damage in the source tier
+raises rather than spreading to root), and the pages are written to the target with O_DIRECT
+where its file system takes it, then fsynced (a failed write is reported by the kernel). A
+buffered copy read back for a check would allocate the file's size in page cache twice,
+copy every byte three times and read it twice: on a busy machine, CPU time taken from the
+training loop (measured with ``benchmarks/bench_manager.py``). Restores verify every CRC32C
+again.
 
-The copy is then read back from the target, as a stream of the same bounded size, and
-checked twice: its CRC32C must be the source's (computed as the bytes went out), and for a
-fastckpt file each tensor's bytes must have the CRC32C its header records (computed when the
-checkpoint was saved, so damage in the source tier is caught too). Any difference raises
-:class:`~fastckpt.errors.ChecksumError` naming the file (and the tensors).
+A copy to a URL is read back (:func:`verify_copy`), as a stream of the same bounded size,
+and checked twice: its CRC32C must be the source's (computed as the bytes went out), and for
+a fastckpt file each tensor's bytes must have the CRC32C its header records. Any difference
+raises :class:`~fastckpt.errors.ChecksumError` naming the file (and the tensors).
 
 Example:
     >>> import tempfile, os, torch
@@ -285,14 +288,19 @@ def _windows(source: str, total: int) -> Iterator[memoryview]:
 def _copy_local(source: str, target: str, total: int, rate: float | None) -> int:
     """Copies a local file to a local file from mappings of the source: O_DIRECT writes of
     its aligned part where the target's file system takes them (the tail, and every byte
-    elsewhere, through the page cache); fsynced. Returns the CRC32C of the bytes."""
+    elsewhere, through the page cache); fsynced. Returns the CRC32C of the bytes; each
+    tensor of a checkpoint is checked against its header's CRC32C as it goes out.
+
+    Raises:
+        ChecksumError: the source is damaged (named, with its tensors).
+    """
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    pace, crc, offset = _Pace(rate), 0, 0
+    pace, offset, checker = _Pace(rate), 0, _Checker(source, None)
     with File(target, write=True, create=True, truncate=True, direct=True) as out:
         direct_fd, align = (out.direct_fd, out.alignment) if out.direct else (-1, 1)
         for view in _windows(source, total):
             n = len(view)
-            crc = _C.crc32c(_address(view), n, crc)
+            checker.feed(_address(view), n)
             aligned = n - n % align if direct_fd >= 0 else 0
             if aligned:
                 _pwrite_all(direct_fd, view[:aligned], offset)
@@ -303,13 +311,64 @@ def _copy_local(source: str, target: str, total: int, rate: float | None) -> int
         out.fsync()
     with contextlib.suppress(OSError):
         fsync_directory(os.path.dirname(target))
-    return crc
+    checker.check(source, "the source of a copy is damaged")
+    return checker.whole
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
+
+
+class _Checker:
+    """The CRC32C of a file's bytes, fed in order, and for a fastckpt checkpoint each
+    tensor's, checked against its header: every byte is read once, its segment's CRC32C
+    combined into the whole file's and, inside a tensor, into the tensor's."""
+
+    def __init__(self, location: str, options: Options):
+        self.entries: list[Any] = []
+        self.expected: dict[str, int] = {}
+        self.data_offset = 0
+        if location.endswith(".safetensors"):
+            # the file alone: an incremental file's bases are checked by the drain, in root
+            with CheckpointReader(location, storage_options=options) as reader:
+                if reader.has_checksums:
+                    self.entries = sorted(reader.header.entries.values(), key=lambda e: e.begin)
+                    self.expected = dict(reader.meta.crcs or {})
+                    self.data_offset = reader.header.data_offset
+        self.actual: dict[str, int] = {e.name: 0 for e in self.entries}
+        self.whole, self.position, self.index = 0, 0, 0
+
+    def feed(self, address: int, nbytes: int) -> None:
+        """Takes the file's next ``nbytes`` bytes, at ``address``."""
+        at, end = self.position, self.position + nbytes
+        while at < end:
+            entry = self.entries[self.index] if self.index < len(self.entries) else None
+            inside = entry is not None and self.data_offset + entry.begin <= at
+            if entry is None:
+                stop = end
+            else:
+                stop = min(end, self.data_offset + (entry.end if inside else entry.begin))
+            if stop > at:
+                segment = _C.crc32c(address + at - self.position, stop - at)
+                self.whole = crc32c_combine(self.whole, segment, stop - at)
+                if inside:
+                    assert entry is not None
+                    name = entry.name
+                    self.actual[name] = crc32c_combine(self.actual[name], segment, stop - at)
+            at = stop
+            if entry is not None and self.data_offset + entry.end <= at:
+                self.index += 1  # (an empty tensor is passed at once)
+        self.position = end
+
+    def check(self, location: str, what: str, crc: int | None = None) -> None:
+        """Raises :class:`ChecksumError` naming ``location`` when a tensor's bytes differ
+        from its header's CRC32C, or the whole file's from ``crc`` (when given)."""
+        bad = damaged(self.entries, self.actual, self.expected)
+        if bad or (crc is not None and self.whole != crc):
+            detail = f"damaged tensors {bad}" if bad else "its bytes differ from the source's"
+            raise ChecksumError(f"{location}: {what}: {detail}")
 
 
 def verify_copy(location: str, crc: int, options: Options = None) -> None:
@@ -321,39 +380,7 @@ def verify_copy(location: str, crc: int, options: Options = None) -> None:
         ChecksumError: the copy differs, naming the file and the damaged tensors.
     """
     total = _size(location, options)
-    entries: list[Any] = []
-    expected: dict[str, int] = {}
-    data_offset = 0
-    if location.endswith(".safetensors"):
-        # the file alone: an incremental file's bases are checked by the drain, in root
-        with CheckpointReader(location, storage_options=options) as reader:
-            if reader.has_checksums:
-                entries = sorted(reader.header.entries.values(), key=lambda e: e.begin)
-                expected = dict(reader.meta.crcs or {})
-                data_offset = reader.header.data_offset
-    actual: dict[str, int] = {e.name: 0 for e in entries}
-    whole, position, index = 0, 0, 0
+    checker = _Checker(location, options)
     for chunk in _chunks(location, options, total, rate=None, ahead=_READ_AHEAD, reuse=True):
-        address, end = _address(chunk), position + len(chunk)
-        at = position  # each byte is read once: a segment's CRC32C goes to the whole file's
-        while at < end:  # and, inside a tensor, to the tensor's
-            entry = entries[index] if index < len(entries) else None
-            inside = entry is not None and data_offset + entry.begin <= at
-            if entry is None:
-                stop = end
-            else:
-                stop = min(end, data_offset + (entry.end if inside else entry.begin))
-            if stop > at:
-                segment = _C.crc32c(address + at - position, stop - at)
-                whole = crc32c_combine(whole, segment, stop - at)
-                if inside:
-                    assert entry is not None
-                    actual[entry.name] = crc32c_combine(actual[entry.name], segment, stop - at)
-            at = stop
-            if entry is not None and data_offset + entry.end <= at:
-                index += 1  # (an empty tensor is passed at once)
-        position = end
-    bad = damaged(entries, actual, expected)
-    if bad or whole != crc:
-        detail = f"damaged tensors {bad}" if bad else "its bytes differ from the source's"
-        raise ChecksumError(f"{location}: the copy does not verify: {detail}")
+        checker.feed(_address(chunk), len(chunk))
+    checker.check(location, "the copy does not verify", crc)

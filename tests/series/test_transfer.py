@@ -74,3 +74,21 @@ def test_the_copy_of_a_checkpoint_is_checked_tensor_by_tensor_in_one_pass(tmp_pa
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ChecksumError, match=r"damaged tensors \['b'\]"):
         transfer.verify_copy(str(target), crc)
+
+
+def test_a_local_copy_checks_each_tensor_of_its_source_as_it_goes_out(tmp_path):
+    import torch
+
+    import fastckpt
+
+    source, target = tmp_path / "src.safetensors", tmp_path / "dst.safetensors"
+    fastckpt.save({"a": torch.randn(1 << 20), "b": torch.arange(4096)}, source)
+    with fastckpt.open(source) as reader:
+        begin = reader.header.data_offset + reader.header.entries["a"].begin
+    with open(source, "r+b") as f:  # damage in the fast tier, after its save
+        f.seek(begin + 4)
+        byte = f.read(1)
+        f.seek(begin + 4)
+        f.write(bytes([byte[0] ^ 0x80]))
+    with pytest.raises(ChecksumError, match=r"src.safetensors.*damaged tensors \['a'\]"):
+        transfer.copy_file(str(source), str(target))
