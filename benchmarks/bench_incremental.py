@@ -93,16 +93,19 @@ def lora_like_state(base_size: int, trainable: float) -> tuple[dict[str, Any], l
 
 
 def optimizer_step(state: dict[str, Any], frozen: set[str]) -> None:
-    """Changes every trainable tensor in place, as an Adam step would (version bumps)."""
+    """Changes every trainable tensor in place as an Adam step does, from a random gradient
+    (version bumps, and values as varied as real moments: a compressor finds no shortcut)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(int(state["optimizer.step"]) + 1)
     for name, t in state.items():
-        if name in frozen or name == "optimizer.step":
+        if name in frozen or name.startswith("optimizer.") or name == "optimizer.step":
             continue
-        if name.endswith(".exp_avg_sq"):
-            t.mul_(0.999).add_(1e-6)
-        elif name.endswith(".exp_avg"):
-            t.mul_(0.9).add_(1e-3)
-        else:
-            t.add_(1e-3)
+        grad = torch.randn(t.shape, generator=generator) * 1e-3
+        m, v = state[f"optimizer.{name}.exp_avg"], state[f"optimizer.{name}.exp_avg_sq"]
+        m.mul_(0.9).add_(grad, alpha=0.1)
+        v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        t.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-4)
     state["optimizer.step"].add_(1)
 
 
@@ -319,13 +322,13 @@ def print_s3(results: dict[str, Any], args: argparse.Namespace) -> None:
 
 def _print_modes(results: dict[str, Any], per_checkpoint: str, total: str) -> None:
     print(
-        f"  {'mode':9} {per_checkpoint:>13} {'s/ckpt':>8} {total:>15} "
+        f"  {'mode':10} {per_checkpoint:>13} {'s/ckpt':>8} {total:>15} "
         f"{'restore s':>10} {'full/restore':>13}"
     )
     for mode, r in results["modes"].items():
         ratio = r.get("restore_vs_full")
         print(
-            f"  {mode:9} {format_bytes(r['median_bytes']):>13} {r['median_seconds']:8.3f} "
+            f"  {mode:10} {format_bytes(r['median_bytes']):>13} {r['median_seconds']:8.3f} "
             f"{format_bytes(r['total_bytes']):>15} {r['restore_seconds']:10.3f} "
             f"{'' if ratio is None else f'{ratio:.2f}x':>13}"
         )
