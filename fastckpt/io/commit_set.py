@@ -79,6 +79,7 @@ from fastckpt.io.commit import (
     fsync_directory,
     write_atomically,
 )
+from fastckpt.io.files import lock_if_free
 
 __all__ = [
     "CommitSet",
@@ -130,14 +131,8 @@ def fresh_name(stem: str, suffix: str, taken: Collection[str]) -> str:
 
 def _remove_if_abandoned(path: str) -> bool:
     """Removes the temporary file ``path`` if no live writer holds its lock; whether it did."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
+    fd = lock_if_free(path)
+    if fd is None:
         return False
     try:
         os.unlink(path)

@@ -13,6 +13,7 @@ operation lets go (:meth:`File.unhold`).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import threading
@@ -20,7 +21,33 @@ from typing import Any
 
 from fastckpt import _C
 
-__all__ = ["File", "require_regular_file"]
+__all__ = ["File", "lock_if_free", "require_regular_file"]
+
+
+def lock_if_free(path: str) -> int | None:
+    """Opens ``path`` read-only (not through a symlink) and takes its ``flock`` exclusively
+    without waiting: the descriptor holding the lock, or None when the file is gone or
+    another holds its lock (a live writer's temporary file, say).
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkstemp()[1]
+        >>> fd = lock_if_free(path)
+        >>> lock_if_free(path) is None  # another open file description holds it
+        True
+        >>> os.close(fd)
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -34,6 +34,8 @@ import os
 import secrets
 import stat
 
+from fastckpt.io.files import lock_if_free
+
 __all__ = ["discard", "retire", "take"]
 
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)  # Linux only
@@ -79,12 +81,10 @@ def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
     (the same file system) and returns its path with a descriptor holding its lifetime
     lock (``flock``, as :func:`fastckpt.io.commit.AtomicFile` keeps on its temporary files),
     or None when there is no spare to take. The file keeps the spare's bytes and size."""
-    try:
-        fd = os.open(spare, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    fd = lock_if_free(spare)
+    if fd is None:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if not stat.S_ISREG(os.fstat(fd).st_mode) or not os.fstat(fd).st_nlink:
             raise OSError("not a spare file")
         tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")

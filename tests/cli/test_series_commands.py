@@ -139,6 +139,19 @@ def test_clean_dry_run_then_removes_partials_and_stale_drains(series, capsys):
     assert status == 0 and "nothing to clean" in out
 
 
+def test_clean_removes_the_spare_file_a_killed_manager_left(series, capsys):
+    root, fast = series
+    spare = fast / steps.SPARE_FILE
+    spare.write_bytes(b"x" * 8192)  # what a run killed between two saves leaves
+    status, out, _ = run_main(capsys, "clean", root, "--fast", fast, "--dry-run")
+    assert status == 0 and f"would remove {spare} (spare file, 8.00 KiB)" in out
+    assert spare.exists()
+    status, out, _ = run_main(capsys, "clean", root, "--fast", fast)
+    assert status == 0 and "removed 2 directories and a spare file" in out
+    assert not spare.exists()
+    assert steps.committed_steps(str(fast)) == [200, 300, 500]
+
+
 def test_clean_and_prune_refuse_a_tier_a_manager_holds(series, capsys):
     root, fast = series
     with CheckpointManager(root, keep_last=None):
