@@ -95,7 +95,12 @@ class BufferHasher:
                 if isinstance(digest, TensorDigest):
                     digest.hash_memory(address, nbytes)
 
-        self._jobs[key] = self._pool.submit(run)
+        try:
+            self._jobs[key] = self._pool.submit(run)
+        except RuntimeError:  # the interpreter is exiting (pending saves still finish):
+            for job in self._jobs.values():  # hash here, after the buffers handed over before
+                job.result()
+            run()
 
     def wait(self, key: int) -> None:
         """Returns once the buffer ``key`` is hashed (at once if it never was handed over)."""

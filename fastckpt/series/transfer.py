@@ -241,6 +241,7 @@ def copy_file(
     def counted() -> Iterator[bytes]:
         nonlocal crc
         for chunk in _chunks(source, source_options, total, rate=rate, ahead=1):
+            assert isinstance(chunk, bytes)  # (without reuse=True: its own bytes each time)
             crc = _C.crc32c(_address(chunk), len(chunk), crc)
             yield chunk
 
