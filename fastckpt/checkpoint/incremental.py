@@ -227,6 +227,8 @@ def choose(
         if mine is not None and mine.matches(t):
             (same if mine.xxh3_128 == loc.xxh3_128 else known)[name] = mine.xxh3_128
             continue
+        if mine is not None and mine.written_in_place(t):
+            continue  # changed in place since saved: written, and hashed as it is written
         to_hash[name] = t
     for name, digest in hash_tensors(to_hash, parallel_io.worker_count()).items():
         (same if digest == index[name].xxh3_128 else known)[name] = digest

@@ -71,6 +71,21 @@ class TensorState:
         )
 
 
+    def written_in_place(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the same memory (storage, address, layout) written in place
+        since: its version counter moved, so its bytes have most likely changed."""
+        state = _state_of(t)
+        if state is None:
+            return False
+        storage, version, data_ptr, layout = state
+        return (
+            self.storage() is storage
+            and self.version != version
+            and self.data_ptr == data_ptr
+            and self.layout == layout
+        )
+
+
 def _state_of(t: torch.Tensor) -> tuple[Any, int, int, tuple[Any, ...]] | None:
     try:
         storage = t.untyped_storage()

@@ -227,6 +227,40 @@ def test_version_counters_skip_hashing_of_tensors_unmoved_since_the_last_save(tm
     _assert_same(fastckpt.load(tmp_path / "2.safetensors"), fresh)
 
 
+def test_a_tensor_written_in_place_since_the_last_save_is_written_without_hashing_first(
+    tmp_path, monkeypatch
+):
+    """Its version moved on the same memory: its bytes most likely changed, so the save
+    writes it (hashing it as it writes) instead of hashing it twice. Only tensors this
+    process knows nothing of are hashed to be compared with the base."""
+    from fastckpt.checkpoint import incremental
+
+    compared: list[str] = []
+    real = incremental.hash_tensors
+
+    def observed(tensors, workers):
+        compared.extend(tensors)
+        return real(tensors, workers)
+
+    monkeypatch.setattr(incremental, "hash_tensors", observed)
+    state = _state()
+    p0 = tmp_path / "0.safetensors"
+    fastckpt.save(state, p0)
+    state["lora.A"].add_(1)
+    state["base.bias"].add_(0)  # in place, bytes unchanged: written again, never wrong
+    fastckpt.save(state, tmp_path / "1.safetensors", base=p0)
+    assert compared == []
+    assert sorted(safetensors.torch.load_file(str(tmp_path / "1.safetensors"))) == [
+        "base.bias",
+        "lora.A",
+    ]
+    _assert_same(fastckpt.load(tmp_path / "1.safetensors", verify=True), state)
+    fresh = {name: t.clone() for name, t in state.items()}  # unknown memory: compared
+    fastckpt.save(fresh, tmp_path / "2.safetensors", base=tmp_path / "1.safetensors")
+    assert sorted(compared) == sorted(state)
+    assert safetensors.torch.load_file(str(tmp_path / "2.safetensors")) == {}
+
+
 def test_records_forget_freed_storages(tmp_path):
     t = torch.ones(8)
     record = tensor_records.SaveRecord(str(tmp_path / "r.safetensors"), {"t": t})
