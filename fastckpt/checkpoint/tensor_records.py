@@ -70,7 +70,6 @@ class TensorState:
             and self.layout == layout
         )
 
-
     def written_in_place(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the same memory (storage, address, layout) written in place
         since: its version counter moved, so its bytes have most likely changed."""
