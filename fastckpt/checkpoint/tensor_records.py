@@ -59,30 +59,23 @@ class TensorState:
 
     def matches(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the same memory, not modified in place since (see the module)."""
-        state = _state_of(t)
-        if state is None:
-            return False
-        storage, version, data_ptr, layout = state
-        return (
-            self.storage() is storage
-            and self.version == version
-            and self.data_ptr == data_ptr
-            and self.layout == layout
-        )
+        return self._version_on_same_memory(t) == self.version
 
     def written_in_place(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the same memory (storage, address, layout) written in place
         since: its version counter moved, so its bytes have most likely changed."""
+        version = self._version_on_same_memory(t)
+        return version is not None and version != self.version
+
+    def _version_on_same_memory(self, t: torch.Tensor) -> int | None:
+        """``t``'s version counter when it is this record's memory (storage, address and
+        layout), else None."""
         state = _state_of(t)
         if state is None:
-            return False
+            return None
         storage, version, data_ptr, layout = state
-        return (
-            self.storage() is storage
-            and self.version != version
-            and self.data_ptr == data_ptr
-            and self.layout == layout
-        )
+        same = self.storage() is storage and self.data_ptr == data_ptr and self.layout == layout
+        return version if same else None
 
 
 def _state_of(t: torch.Tensor) -> tuple[Any, int, int, tuple[Any, ...]] | None:
