@@ -55,10 +55,17 @@ def test_a_fenced_optimizer_steps_on_and_the_file_holds_the_call_time_values(tmp
 def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):
     state = _big_state()
     path = tmp_path / "torn.safetensors"
-    # a 16 MiB ring: the writer is at the first tensors when every tensor changes
-    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
-    for tensor in state.values():
-        tensor.add_(1)
+    ring = asynchronous.lazy_ring(16 << 20)  # held: the writer cannot copy a byte yet
+    held = []
+    while (buffer := ring.try_acquire()) is not None:
+        held.append(buffer)
+    try:
+        future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
+        for tensor in state.values():  # before the writer copied any of them
+            tensor.add_(1)
+    finally:
+        for buffer in held:
+            ring.release(buffer)
     with pytest.raises(fastckpt.LazySaveError) as caught:
         future.result()
     message = str(caught.value)

@@ -17,7 +17,7 @@ from dcp_lazy_ranks import fenced_and_unfenced
 from dcp_ranks import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fastckpt.checkpoint import lazy_guard
+from fastckpt.checkpoint import asynchronous, lazy_guard
 from fastckpt.dcp import FastCkptLazyStager, FastCkptWriter, load_full
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -77,9 +77,17 @@ def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):
     state = _big()
     stager = FastCkptLazyStager(staging_bytes=8 * MIB)
     path = tmp_path / "torn"
-    future = _async_save(state, path, stager)
-    for tensor in state.values():  # at once: the writer is at the first tensors
-        tensor.add_(1)
+    ring = asynchronous.lazy_ring(8 * MIB)  # held: the writer cannot copy a byte yet
+    held = []
+    while (buffer := ring.try_acquire()) is not None:
+        held.append(buffer)
+    try:
+        future = _async_save(state, path, stager)
+        for tensor in state.values():  # before the writer copied any of them
+            tensor.add_(1)
+    finally:
+        for buffer in held:
+            ring.release(buffer)
     with pytest.raises(CheckpointException) as caught:
         future.result()
     message = str(caught.value)
