@@ -438,12 +438,8 @@ def async_save(
         # Over a spare file's pages on a memory file system, the snapshot is the file itself:
         # writing the tensors into it copies the state once, as a snapshot into staging
         # does, and leaves nothing to write after (no staging memory, no second copy).
-        into_file = (
-            snapshot
-            and not lazy
-            and not plan.frames
-            and out.reused
-            and _through_page_cache(plan, out, direct_io)
+        into_file = (  # (a compressed save takes no spare: out.reused is False then)
+            snapshot and not lazy and out.reused and _through_page_cache(plan, out, direct_io)
         )
         if lazy:
             pool = lazy_ring(staging_bytes)
