@@ -45,7 +45,13 @@ import weakref
 from typing import Any, Callable
 
 from fastckpt import config
-from fastckpt.checkpoint import compressed_tensors, compressed_writer, file_snapshot, save_order
+from fastckpt.checkpoint import (
+    compressed_tensors,
+    compressed_writer,
+    fence_memory,
+    file_snapshot,
+    save_order,
+)
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.checkpoint.save import (
     StreamWriter,
@@ -251,7 +257,8 @@ def prepare_staging(nbytes: int, *, cuda: bool = False) -> int:
 
 def release_staging() -> None:
     """Frees the idle buffers of the asynchronous staging pool (they come back on demand;
-    :func:`prepare_staging` allocates them ahead).
+    :func:`prepare_staging` allocates them ahead), and the host memory lazy saves' fences
+    kept for the next fence (:mod:`~fastckpt.checkpoint.fence_memory`).
 
     Example:
         >>> import fastckpt
@@ -261,6 +268,7 @@ def release_staging() -> None:
         for pool in (_pool, _ring):
             if pool is not None:
                 pool.trim()
+    fence_memory.trim()
 
 
 def wait_all(timeout: float | None = None) -> None:
@@ -451,8 +459,9 @@ def async_save(
         out.abort()
         return _fail_early(future, exc)
     try:
+        allocated = False
         if not lazy:  # a lazy call returns at once: its thread reserves (~3 ms per GiB)
-            out.reserve(plan.file_size)
+            allocated = out.reserve(plan.file_size)
         from_tensors = not snapshot and _through_page_cache(plan, out, direct_io)
         guard = LazyGuard(plan.tensors, fence_bytes=fence_bytes) if lazy else None
         if guard is not None:
@@ -463,7 +472,7 @@ def async_save(
     if plan.frames:  # compressed while written (compressed_writer.py)
         return _start_compressed(future, plan, out, path, snapshot=snapshot)
     if into_file:
-        return _start_written(future, plan, out, path, progress=progress)
+        return _start_written(future, plan, out, path, progress=progress, allocated=allocated)
     assert pool is not None  # (only compressed saves go without one)
     writer = StreamWriter(
         plan,
@@ -548,14 +557,20 @@ class _Written:
 
 
 def _start_written(
-    future: SaveFuture, plan: Any, out: AtomicFile, path: str, *, progress: bool | None
+    future: SaveFuture,
+    plan: Any,
+    out: AtomicFile,
+    path: str,
+    *,
+    progress: bool | None,
+    allocated: bool,
 ) -> SaveFuture:
     """The rest of an eager ``async_save`` over a spare file on a memory file system: the
     tensors are written into it in the call, which is the snapshot
     (:mod:`~fastckpt.checkpoint.file_snapshot`); the save's thread checksums the file's
     bytes, writes the header and commits, in order."""
     try:
-        file_snapshot.write_tensors(plan, out.file, progress=progress)
+        file_snapshot.write_tensors(plan, out.file, progress=progress, allocated=allocated)
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)

@@ -17,7 +17,8 @@ Example:
     >>> state = {"w": torch.arange(6.0)}
     >>> plan = plan_save(state, destination=path)
     >>> with AtomicFile(path) as out:
-    ...     write_tensors(plan, out.file, progress=False)  # the snapshot
+    ...     allocated = out.reserve(plan.file_size)
+    ...     write_tensors(plan, out.file, progress=False, allocated=allocated)  # the snapshot
     ...     _ = state["w"].add_(1)  # changed after it: the file keeps the values written
     ...     checksum_and_header(plan, out.file)  # later, on another thread
     >>> import fastckpt
@@ -45,10 +46,15 @@ __all__ = ["checksum_and_header", "write_tensors"]
 _WINDOW = 64 << 20  # bytes of the file mapped at once while it is checksummed
 
 
-def write_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:
+def write_tensors(
+    plan: SavePlan, file: File, *, progress: bool | None, allocated: bool = False
+) -> None:
     """Writes every tensor's bytes from its own memory into ``file`` through the page cache
     (contiguous tensors on every core, the others a slab at a time); no checksum, no header
-    (:func:`checksum_and_header` adds them)."""
+    (:func:`checksum_and_header` adds them). ``allocated``: the file's blocks are allocated
+    up to its size (:meth:`AtomicFile.reserve` returned True), so the contiguous tensors are
+    copied into a mapping of it, which on tmpfs runs on every core where writes of one file
+    take turns (see :func:`fastckpt.io.parallel_io.write_mapped`)."""
     spans: list[Span] = []
     strided = []
     keep = []  # tensors whose memory the spans point into
@@ -71,7 +77,10 @@ def write_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:
             with lock:
                 bar.update(nbytes)
 
-        parallel_io.write_buffered(file, spans, checksum=False, on_progress=advance)
+        if allocated:
+            parallel_io.write_mapped(file, spans, on_progress=advance)
+        else:
+            parallel_io.write_buffered(file, spans, checksum=False, on_progress=advance)
         for e in strided:  # rare (transposed views): made contiguous a slab at a time
             offset = plan.header_size + e.begin
             for chunk in byte_chunks(plan.tensors[e.name], 64 << 20):
@@ -90,7 +99,13 @@ def _mapped(file: File, begin: int, end: int) -> Iterator[tuple[int, int]]:
     while position < end:
         start = position - position % granularity
         length = min(end, start + _WINDOW) - start
-        window = mmap.mmap(file.fd, length, prot=mmap.PROT_READ, offset=start)
+        window = mmap.mmap(
+            file.fd,
+            length,
+            flags=mmap.MAP_SHARED | parallel_io.MAP_POPULATE,
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
         try:
             array = np.frombuffer(window, np.uint8)
             yield int(array.ctypes.data) + (position - start), length - (position - start)

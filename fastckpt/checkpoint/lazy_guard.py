@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.checkpoint import fence_memory
 from fastckpt.errors import LazySaveError
 
 __all__ = ["LazyGuard", "LazySaveError"]
@@ -111,6 +112,7 @@ class LazyGuard:
         # what the fences took: name -> (first byte, flat uint8 bytes from it to the end);
         # the first byte is 0 unless the writer was copying the tensor (its tail)
         self._snapshots: dict[str, tuple[int, torch.Tensor]] = {}
+        self._kept: dict[str, torch.Tensor] = {}  # name -> fence_memory buffer it is in
         self._finished = False
         self._fenced_on: list[torch.optim.Optimizer] = []
         self.snapshot_bytes = 0  # host memory the fences took, for the docs' figures
@@ -187,6 +189,19 @@ class LazyGuard:
             slab = self._slab = (first * row_bytes, rows.reshape(-1).view(torch.uint8))
         return slab[1][start - slab[0] : start - slab[0] + nbytes]
 
+    def _host_tail(self, name: str, tensor: torch.Tensor, start: int) -> torch.Tensor:
+        """A host copy of ``tensor``'s bytes from ``start`` on; a contiguous one is copied
+        into :mod:`.fence_memory` of the whole tensor's size (kept in ``_kept`` until the
+        writer is done with it), so that the next checkpoint's fence finds the memory
+        touched already."""
+        t = _rows(tensor)
+        if t.numel() == 0 or not _plain(t):
+            return _host_tail(tensor, start)
+        flat = t.reshape(-1).view(torch.uint8)
+        buffer = self._kept[name] = fence_memory.take(flat.numel())
+        buffer[start:].copy_(flat[start:])
+        return buffer[start:]
+
     def on_device(self, name: str) -> bool:
         """Whether ``name`` is a CUDA tensor (copied with :meth:`copy_to_host`)."""
         return name in self._device
@@ -256,8 +271,11 @@ class LazyGuard:
             finally:
                 self._copying, self._slab = None, None
                 self._snapshots.pop(name, None)
+                kept = self._kept.pop(name, None)
                 self._done.add(name)
                 self._lock.notify_all()
+        if kept is not None:  # the writer is done reading it: the next fence may copy into it
+            fence_memory.give_back(kept)
 
     def settle(self) -> None:
         """Waits for the device-to-host copies queued so far, checking nothing: before a
@@ -276,6 +294,7 @@ class LazyGuard:
         with self._lock:
             self._finished = True
             self._snapshots.clear()
+            self._kept.clear()  # freed: a failed writer may still hold a view of one
             self._slab = None
             self._flat.clear()
             self._queued.clear()
@@ -322,6 +341,7 @@ class LazyGuard:
                     _call_events(t for t in tensors.values() if t.device in new_devices)
                 )
             self._tensors, self._versions, self._snapshots = tensors, versions, snapshots
+            self._kept = {}  # a snapshot may now serve two names: freed, not kept
             self._device = device
             self._fenced = {
                 new for new, old in names.items() if isinstance(old, str) and old in self._fenced
@@ -378,7 +398,7 @@ class LazyGuard:
                     self._snapshots[name] = (at, _queue_clone(stream, flat[at:]))
                     self.device_snapshot_bytes += nbytes
                 else:
-                    self._snapshots[name] = (at, _host_tail(tensor, at))
+                    self._snapshots[name] = (at, self._host_tail(name, tensor, at))
                     self.snapshot_bytes += nbytes
                 if budget is not None:
                     budget -= nbytes

@@ -267,11 +267,12 @@ class AtomicFile:
         finally:
             os.close(self._lock_fd)
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> bool:
         """Allocates the file's blocks up front (where the file system can), so parallel
         out-of-order direct writes still give one contiguous file that later reads stream
-        from, and a full disk fails here before any data is written (``OSError(ENOSPC)``)."""
-        _C.preallocate(self.file.fd, nbytes, self.tmp_path)
+        from, and a full disk fails here before any data is written (``OSError(ENOSPC)``).
+        Returns whether the blocks are allocated (False where the file system cannot)."""
+        return bool(_C.preallocate(self.file.fd, nbytes, self.tmp_path))
 
     def make_durable(self) -> None:
         """fsyncs and closes the temporary file; it stays locked and unnamed until

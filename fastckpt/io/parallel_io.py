@@ -13,6 +13,9 @@ from), cut into checksum segments. Three transfers:
   some virtual and network disks outruns both of the above (``fastckpt tune`` measures).
 - :func:`write_buffered`: worker threads ``pwrite`` spans from their memory, checksumming
   each step before it is written: no staging copy.
+- :func:`write_mapped`: worker threads copy spans into a shared mapping of a file whose
+  blocks are allocated (no checksum): into tmpfs, writes of one file serialize on its inode
+  lock, copies into a mapping do not (2 GiB, 2 cores: 0.17 s against 0.46 s).
 
 Each returns, per span, the CRC32C of each of its segments (empty lists without
 ``checksum``). No call returns while a transfer it started is still running, errors
@@ -56,12 +59,17 @@ __all__ = [
     "read_buffered",
     "read_direct",
     "read_mapped",
+    "write_mapped",
     "write_buffered",
     "worker_count",
 ]
 
 #: ``on_progress(nbytes)``: called from worker threads as spans complete.
 Progress = Callable[[int], None]
+
+#: Linux's MAP_POPULATE (0 elsewhere): one call faults in every page of a new mapping,
+#: rather than a page fault per page as it is touched.
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 # Spans smaller than this are handed to a worker together, so that a checkpoint of many
 # small tensors does not pay a task's overhead per tensor.
@@ -224,7 +232,7 @@ def read_mapped(
 
 
 def _address_of(mapping: mmap.mmap) -> int:
-    """The address of a read-only mapping (ctypes takes only writable buffers)."""
+    """The address of a mapping (ctypes takes only writable buffers; numpy takes both)."""
     import numpy as np
 
     return int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
@@ -256,6 +264,55 @@ def write_buffered(
     """Writes every span through the page cache on the worker threads (not durable until
     the file is fsynced)."""
     return _buffered(_C.pwrite_crc, file, spans, checksum, on_progress)
+
+
+def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | None = None) -> None:
+    """Copies every span into a shared, writable mapping of its own pages of ``file`` on the
+    worker threads (no checksum); spans under :data:`_MAPPED_MIN` are written with
+    ``pwrite``, where a mapping costs more than it saves. Each mapping is populated in one
+    call (not page fault by page fault) and unmapped once copied, so at most a span per
+    worker is mapped (and counted in the process's RSS) at a time.
+
+    The caller must have allocated the spans' blocks (:meth:`AtomicFile.reserve` returning
+    True): a store into a hole of a full memory file system is a SIGBUS, not an error.
+
+    Raises:
+        OSError: a span ends past the end of the file (``ENODATA``); filename included.
+    """
+    size = file.size()
+    for span in spans:
+        if span.file_offset + span.nbytes > size:
+            raise OSError(
+                errno.ENODATA,
+                f"file ends after {size} bytes; a write needs {span.file_offset + span.nbytes}",
+                file.path,
+            )
+
+    def work(span: Span) -> list[int]:
+        if span.nbytes < _MAPPED_MIN:
+            _C.pwrite_crc(
+                file.fd, span.address, span.nbytes, span.file_offset, [], False, file.path
+            )
+            return []
+        start = span.file_offset - span.file_offset % mmap.ALLOCATIONGRANULARITY
+        length = span.file_offset + span.nbytes - start
+        mapping = mmap.mmap(file.fd, length, flags=mmap.MAP_SHARED | MAP_POPULATE, offset=start)
+        try:
+            target = _address_of(mapping) + span.file_offset - start
+            _C.memcpy(target, span.address, span.nbytes)
+        finally:
+            mapping.close()
+        return []
+
+    file.hold()  # the workers use the descriptor: it must not be closed under them
+    try:
+        _run_all(spans, work, on_progress)
+    finally:
+        file.unhold()
+
+
+#: Spans smaller than this are written by :func:`write_mapped` with ``pwrite``.
+_MAPPED_MIN = 1 << 20
 
 
 def _buffered(

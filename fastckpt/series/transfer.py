@@ -54,6 +54,7 @@ from fastckpt.errors import ChecksumError
 from fastckpt.io.checksums import crc32c_combine
 from fastckpt.io.commit import fsync_directory
 from fastckpt.io.files import File
+from fastckpt.io.parallel_io import MAP_POPULATE
 from fastckpt.storage.url import UrlStorage
 
 __all__ = ["COPY_MEMORY", "copy_file", "lower_thread_priority", "verify_copy"]
@@ -65,7 +66,6 @@ _READ_AHEAD = 4  # ranged reads of a URL in flight while a copy is read back
 # Measured: each part in flight costs twice its size (ours, and the HTTP client's copy), and
 # the client's and the threads' own buffers about this much.
 _HEADROOM = 64 << 20
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: one call faults a window in
 _S3_MAX_PARTS = 10_000
 
 Options = Mapping[str, Any] | None
@@ -274,7 +274,7 @@ def _windows(source: str, total: int) -> Iterator[memoryview]:
             window = mmap.mmap(
                 f.fileno(),
                 min(_CHUNK, total - offset),
-                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                flags=mmap.MAP_SHARED | MAP_POPULATE,
                 prot=mmap.PROT_READ,
                 offset=offset,
             )

@@ -227,3 +227,34 @@ def test_every_mutation_gives_the_call_time_state_or_a_named_error(
     back = fastckpt.load(path)
     for name, tensor in expected.items():
         assert torch.equal(back["model"][name], tensor), name
+
+
+def test_the_next_checkpoints_fence_copies_into_the_memory_the_last_one_used(tmp_path):
+    from fastckpt.checkpoint import fence_memory
+
+    fastckpt.release_staging()
+    state = _big_state(16)
+    ring = asynchronous.lazy_ring(16 << 20)
+    for step in range(2):
+        expected = {k: v.clone() for k, v in state.items()}
+        held = []  # the writer copies nothing until the fence has snapshotted everything
+        while (buffer := ring.try_acquire()) is not None:
+            held.append(buffer)
+        try:
+            path = tmp_path / f"{step}.safetensors"
+            future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
+            idle_before = fence_memory.idle_bytes()
+            future.fence()
+            if step == 1:  # every snapshot came from what the first save's writer gave back
+                assert idle_before == 16 << 20 and fence_memory.idle_bytes() == 0
+            for tensor in state.values():
+                tensor.add_(1)
+        finally:
+            for buffer in held:
+                ring.release(buffer)
+        future.result()
+        back = fastckpt.load(path)
+        assert all(torch.equal(back[k], v) for k, v in expected.items())
+        assert fence_memory.idle_bytes() == 16 << 20  # kept for the next fence
+    fastckpt.release_staging()
+    assert fence_memory.idle_bytes() == 0

@@ -54,10 +54,10 @@ def assert_same(a, b, where="obj"):
         assert a.requires_grad == b.requires_grad, where
         assert torch.equal(a.detach(), b.detach()), where
     elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for (ka, va), kb in zip(a.items(), b):
-            assert type(ka) is type(kb), f"{where}: key {ka!r}"
-            assert_same(va, b[kb], f"{where}[{ka!r}]")
+        assert len(a) == len(b), where
+        for (ka, va), (kb, vb) in zip(a.items(), b.items()):
+            assert_same(ka, kb, f"{where}: key {ka!r}")  # a NaN key equals no key, itself too
+            assert_same(va, vb, f"{where}[{ka!r}]")
         if isinstance(a, OrderedDict):
             assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
     elif isinstance(a, (list, tuple)):

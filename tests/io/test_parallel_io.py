@@ -68,6 +68,36 @@ def test_write_then_read_buffered_round_trip(io_dir, size):
     assert written == read == _expected_crcs(data, _spans(data, size, offset), offset)
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_write_mapped_into_an_allocated_file_round_trips(io_dir, size):
+    data = _random(3 * size + 7, size)
+    path = os.path.join(io_dir, "mapped.bin")
+    offset = 12345
+    with File(path, write=True, create=True) as f:
+        f.pwrite_all(b"head", 0)  # bytes before the spans are kept
+        assert _C.preallocate(f.fd, offset + data.nbytes + 100, path)
+        progress = []
+        parallel_io.write_mapped(f, _spans(data, size, offset), on_progress=progress.append)
+        assert sum(progress) == data.nbytes
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert raw[:4] == b"head"
+    assert np.array_equal(np.frombuffer(raw[offset : offset + data.nbytes], np.uint8), data)
+    assert raw[offset + data.nbytes :] == bytes(100)  # nothing written past the spans
+
+
+def test_write_mapped_past_the_end_names_the_file_and_writes_nothing(tmp_path):
+    path = str(tmp_path / "short.bin")
+    data = _random(8192)
+    with File(path, write=True, create=True) as f:
+        _C.preallocate(f.fd, 4096, path)
+        with pytest.raises(OSError) as info:
+            parallel_io.write_mapped(f, [Span(0, data.ctypes.data, data.nbytes)])
+    assert info.value.errno == errno.ENODATA and info.value.filename == path
+    with open(path, "rb") as f:
+        assert f.read() == bytes(4096)
+
+
 @pytest.mark.parametrize("size", [4096, (1 << 20) + 3])
 def test_read_direct_round_trip(tmp_path, engine, size):
     data = _random(4 * size, 1)
