@@ -204,14 +204,7 @@ def read_mapped(
     Raises:
         OSError: the file ends before a span does (``ENODATA``); filename included.
     """
-    size = file.size()
-    for span in spans:
-        if span.file_offset + span.nbytes > size:
-            raise OSError(
-                errno.ENODATA,
-                f"file ended after {size} bytes; a read needs {span.file_offset + span.nbytes}",
-                file.path,
-            )
+    size = _check_within(file, spans, "a read")
     if not spans or size == 0:
         return [[0] * (len(s.cuts) + 1) if checksum else [] for s in spans]
     file.hold()
@@ -229,6 +222,20 @@ def read_mapped(
         return _run_all(spans, work, on_progress)
     finally:
         mapping.close()
+
+
+def _check_within(file: File, spans: Sequence[Span], what: str) -> int:
+    """``file``'s size, once every span is seen to end within it (``OSError(ENODATA)``
+    naming the file otherwise: mapped bytes past the end are a SIGBUS, not an error)."""
+    size = file.size()
+    for span in spans:
+        if span.file_offset + span.nbytes > size:
+            raise OSError(
+                errno.ENODATA,
+                f"file ended after {size} bytes; {what} needs {span.file_offset + span.nbytes}",
+                file.path,
+            )
+    return size
 
 
 def _address_of(mapping: mmap.mmap) -> int:
@@ -279,14 +286,7 @@ def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | N
     Raises:
         OSError: a span ends past the end of the file (``ENODATA``); filename included.
     """
-    size = file.size()
-    for span in spans:
-        if span.file_offset + span.nbytes > size:
-            raise OSError(
-                errno.ENODATA,
-                f"file ends after {size} bytes; a write needs {span.file_offset + span.nbytes}",
-                file.path,
-            )
+    _check_within(file, spans, "a write")
 
     def work(span: Span) -> list[int]:
         if span.nbytes < _MAPPED_MIN:
