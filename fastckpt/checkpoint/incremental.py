@@ -43,7 +43,7 @@ from typing import Any, Union
 import torch
 
 from fastckpt import format
-from fastckpt.checkpoint import save_order
+from fastckpt.checkpoint import known_indexes, save_order
 from fastckpt.checkpoint.chained_reader import Location, files_of, locate, resolve_path
 from fastckpt.checkpoint.digests import hash_tensors
 from fastckpt.checkpoint.read import open_checkpoint
@@ -52,20 +52,46 @@ from fastckpt.errors import HeaderError, MissingBaseError
 from fastckpt.io import parallel_io
 from fastckpt.storage import is_url
 
-__all__ = ["Choice", "Frozen", "base_index", "choose", "dependencies"]
+__all__ = ["Choice", "Frozen", "IndexDraft", "base_index", "choose", "dependencies"]
 
 #: ``frozen=``: tensor names, or a predicate on a tensor's name.
 Frozen = Union[None, Iterable[str], Callable[[str], bool]]
 
 
 @dataclasses.dataclass
+class IndexDraft:
+    """The index the file being saved will have (what :func:`base_index` of it would
+    find), but for the hashes of what it writes: completed and left in
+    :mod:`~fastckpt.checkpoint.known_indexes` once its header is made, so that the next
+    incremental save with this file as its base does not parse the chain again."""
+
+    destination: str  # absolute
+    written: dict[str, tuple[str, tuple[int, ...]]]  # name -> true dtype and shape
+    inherited: dict[str, Location]  # name -> where the base's chain holds it
+    aliases: dict[str, str]  # alias -> the tensor it names (read through, as a reader does)
+    chain: set[str]  # the files it refers to, directly or not
+
+    def remember(self, header: bytes, hashes: Mapping[str, str]) -> None:
+        """The file's ``header`` is made, with the XXH3-128 of each tensor it holds."""
+        index = dict(self.inherited)
+        for name, (dtype, shape) in self.written.items():
+            index[name] = Location(self.destination, name, dtype, shape, hashes.get(name))
+        for alias, target in self.aliases.items():
+            if target in index:
+                index[alias] = index[target]
+        known_indexes.remember(self.destination, header, index, self.chain)
+
+
+@dataclasses.dataclass
 class Choice:
     """What an incremental save refers to instead of writing, the hashes already computed
-    of what it writes, and the record kept for the next save."""
+    of what it writes, the record kept for the next save, and the index the file will have
+    (None for a save to a URL, or without checksums)."""
 
     references: format.References | None
     hashes: dict[str, str]
     record: SaveRecord | None
+    draft: IndexDraft | None = None
 
 
 def _frozen_test(frozen: Frozen) -> Callable[[str], bool]:
@@ -89,6 +115,18 @@ def base_index(base: str, storage_options: Mapping[str, Any] | None = None) -> d
     Raises:
         MissingBaseError: ``base`` is missing (``filename`` names it).
     """
+    return _index_and_chain(base, storage_options)[0]
+
+
+def _index_and_chain(
+    base: str, storage_options: Mapping[str, Any] | None
+) -> tuple[dict[str, Location], set[str]]:
+    """:func:`base_index` of ``base`` and the files of its chain (itself included): kept from
+    the save that wrote it when its headers are unchanged
+    (:mod:`~fastckpt.checkpoint.known_indexes`), else parsed."""
+    known = known_indexes.lookup(base)
+    if known is not None:
+        return known
     try:
         reader = open_checkpoint(base, storage_options=storage_options)
     except MissingBaseError:
@@ -98,7 +136,7 @@ def base_index(base: str, storage_options: Mapping[str, Any] | None = None) -> d
             errno.ENOENT, f"base checkpoint {base} of an incremental save is missing", base
         ) from exc
     with reader:
-        return {name: locate(reader, name) for name in reader.keys()}
+        return {name: locate(reader, name) for name in reader.keys()}, files_of(reader)
 
 
 def dependencies(
@@ -180,9 +218,11 @@ def choose(
     frozen: Frozen = None,
     checksum: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> Choice:
     """Which of ``stored`` (stored name -> tensor; ``specs``: their safetensors dtype and
-    shape) to refer to in ``base`` rather than write to ``destination``.
+    shape; ``aliases``: alias -> the stored name it names) to refer to in ``base`` rather
+    than write to ``destination``.
 
     ``base`` and ``destination`` are both local paths or both URLs (``base`` then read
     with ``storage_options``, its header only).
@@ -195,15 +235,30 @@ def choose(
     """
     record = SaveRecord(destination, stored) if destination is not None and checksum else None
     is_frozen = _frozen_test(frozen)
+    described = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
+
+    def draft(
+        index: Mapping[str, Location], same: Mapping[str, str], chain: set[str]
+    ) -> IndexDraft | None:
+        if record is None or destination is None or is_url(destination):
+            return None
+        return IndexDraft(
+            os.path.abspath(destination),
+            {name: spec for name, spec in described.items() if name not in same},
+            {name: index[name] for name in same},
+            dict(aliases or {}),
+            chain if same else set(),  # a file that refers to nothing needs no other
+        )
+
     if base is None:
         if frozen is not None:
             raise ValueError("frozen= needs base=: it names tensors unchanged since the base")
-        return Choice(None, {}, record)
+        return Choice(None, {}, record, draft({}, {}, set()))
     base_path = _check_base(base, destination, checksum)
     assert destination is not None
     target = _identity(destination)
     save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
-    index = base_index(base_path, storage_options)
+    index, chain = _index_and_chain(base_path, storage_options)
     holders = {loc.file for loc in index.values()} | {base_path}
     files = {_identity(f) for f in holders}
     if target in files:
@@ -211,7 +266,6 @@ def choose(
             f"cannot save to {destination} with base={base_path}: the new file would replace "
             "a file it refers to; save to a new path"
         )
-    described = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
     earlier = previous(base_path)
     same: dict[str, str] = {}  # name -> hash, unchanged since base
     known: dict[str, str] = {}  # name -> hash, changed (written, not hashed again)
@@ -234,9 +288,10 @@ def choose(
         (same if digest == index[name].xxh3_128 else known)[name] = digest
     if record is not None:
         record.known({**same, **known})
+    plan = draft(index, same, chain | {base_path})
     if not same:
-        return Choice(None, known, record)
-    return Choice(_references(same, index, base_path, destination), known, record)
+        return Choice(None, known, record, plan)
+    return Choice(_references(same, index, base_path, destination), known, record, plan)
 
 
 def _references(

@@ -73,6 +73,8 @@ class SavePlan:
             file (an incremental save, :mod:`fastckpt.checkpoint.incremental`), or None.
         known_hashes: stored name -> XXH3-128 already computed (not hashed again).
         record: what this save remembers of its tensors for the next incremental save.
+        index_draft: the index the file will have, completed and kept once its header is
+            made (:mod:`fastckpt.checkpoint.known_indexes`).
     """
 
     entries: list[format.TensorEntry]
@@ -87,6 +89,7 @@ class SavePlan:
     references: Any = None  # fastckpt.format.references.References
     known_hashes: dict[str, str] = dataclasses.field(default_factory=dict)
     record: Any = None  # fastckpt.checkpoint.incremental.SaveRecord
+    index_draft: Any = None  # fastckpt.checkpoint.incremental.IndexDraft
     #: compressed tensors' true dtype, shape and CRC32C (``tensors`` holds them raw; the
     #: CRC32Cs are known once written)
     compressed: dict[str, format.compressed.CompressedTensor] = dataclasses.field(
@@ -148,11 +151,14 @@ class SavePlan:
             raise AssertionError(f"tensor {missing[0]!r} was not hashed while it was written")
         if self.record is not None:
             self.record.hashed(hashes)
-        return self.header(
+        header = self.header(
             {name: acc.whole for name, acc in sums.items()},
             {name: acc.pieces for name, acc in sums.items() if acc.pieces},
             hashes,  # type: ignore[arg-type]
         )
+        if self.index_draft is not None:
+            self.index_draft.remember(header, hashes)
+        return header
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
@@ -219,6 +225,7 @@ def plan_save(
         frozen=frozen,
         checksum=checksum,
         storage_options=storage_options,
+        aliases=flat.aliases,
     )
     if choice.references is not None:
         specs = [spec for spec in specs if spec[0] not in choice.references.tensors]
@@ -235,6 +242,7 @@ def plan_save(
         references=choice.references,
         known_hashes=choice.hashes,
         record=choice.record,
+        index_draft=choice.draft,
         user_metadata=dict(metadata) if metadata is not None else None,
         aliases=flat.aliases,
         tree=flat.tree,
