@@ -32,8 +32,9 @@ def test_torture_smoke(tmp_path):
 
 
 def test_torture_full_disk(tmp_path):
-    """Every saver (plain, eager and lazy async, a manager's step) meets a full file system:
-    each fails with ENOSPC, leaves nothing behind, and the manager's earlier step restores."""
+    """Every saver (plain, eager and lazy async, a manager's step, a fast tier's step over its
+    spare file) meets a full file system: each fails with ENOSPC, leaves nothing behind, and
+    the managers' earlier steps restore."""
     out = subprocess.run(
         [sys.executable, str(TORTURE), "--only=enospc", f"--dir={tmp_path}"],
         capture_output=True,
@@ -43,9 +44,12 @@ def test_torture_full_disk(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     if "cannot mount a small tmpfs" in out.stdout:
         pytest.skip("mounting a small tmpfs needs root")
-    for saver in ("save", "async_save", "async_save(lazy)", "manager.save"):
+    savers = ("save", "async_save", "async_save(lazy)", "manager.save")
+    for saver in (*savers, "manager.save (fast tier, over its spare)"):
         assert f'"{saver}: ENOSPC": 1' in out.stdout, out.stdout
     assert '"manager: step restored after the failed step": 0' in out.stdout
+    assert '"fast tier: a spare file before the big save": true' in out.stdout
+    assert '"fast tier: step 3 restored after the failed step 4": true' in out.stdout
     assert "bad outcomes in total: 0" in out.stdout
 
 
