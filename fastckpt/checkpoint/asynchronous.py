@@ -446,13 +446,14 @@ def async_save(
         # Over a spare file's pages on a memory file system, the snapshot is the file itself:
         # writing the tensors into it copies the state once, as a snapshot into staging
         # does, and leaves nothing to write after (no staging memory, no second copy).
-        into_file = (  # (a compressed save takes no spare: out.reused is False then)
-            snapshot and not lazy and out.reused and _through_page_cache(plan, out, direct_io)
-        )
-        if lazy:
-            pool = lazy_ring(staging_bytes)
-        elif plan.frames or into_file:  # compressed saves write from a snapshot of their own
+        # (a compressed save takes no spare: out.reused is False then)
+        in_memory = out.reused and _through_page_cache(plan, out, direct_io)
+        into_file = snapshot and not lazy and in_memory
+        lazy_into_file = lazy and in_memory  # read through the fence straight into the file
+        if plan.frames or into_file or lazy_into_file:  # (compressed saves: their own copy)
             pool = None
+        elif lazy:
+            pool = lazy_ring(staging_bytes)
         else:
             pool = _async_pool(staging_bytes, plan.data_size)
     except BaseException as exc:
@@ -473,6 +474,9 @@ def async_save(
         return _start_compressed(future, plan, out, path, snapshot=snapshot)
     if into_file:
         return _start_written(future, plan, out, path, progress=progress, allocated=allocated)
+    if lazy_into_file:
+        assert guard is not None
+        return _start_lazy_into_file(future, plan, out, path, guard)
     assert pool is not None  # (only compressed saves go without one)
     writer = StreamWriter(
         plan,
@@ -577,6 +581,25 @@ def _start_written(
     return _start_in_order(
         future, path, lambda: file_snapshot.checksum_and_header(plan, out.file), _Written(), out
     )
+
+
+def _start_lazy_into_file(
+    future: SaveFuture, plan: Any, out: AtomicFile, path: str, guard: LazyGuard
+) -> SaveFuture:
+    """The rest of a lazy ``async_save`` over a spare file on a memory file system: the
+    save's thread copies each tensor through the guard into the file's pages
+    (:class:`~fastckpt.checkpoint.file_snapshot.LazyIntoFile`), then commits, in order."""
+    writer = file_snapshot.LazyIntoFile(plan, out.file, guard, cancel=_cancel_at_exit)
+    future._guard = guard
+
+    def work() -> None:
+        try:
+            writer.fill(allocated=out.reserve(plan.file_size))
+        finally:
+            guard.finish()  # fences return, steps stop fencing: no tensor is read any more
+        writer.finish()
+
+    return _start_in_order(future, path, work, writer, out)
 
 
 def _start_compressed(

@@ -55,13 +55,14 @@ from fastckpt.io.interrupts import wait_through_interrupts
 
 __all__ = [
     "Span",
+    "address_of",
     "checksum_memory",
     "read_buffered",
     "read_direct",
     "read_mapped",
-    "write_mapped",
-    "write_buffered",
     "worker_count",
+    "write_buffered",
+    "write_mapped",
 ]
 
 #: ``on_progress(nbytes)``: called from worker threads as spans complete.
@@ -214,7 +215,7 @@ def read_mapped(
         file.unhold()
     try:
         mapping.madvise(mmap.MADV_SEQUENTIAL)
-        base = _address_of(mapping)
+        base = address_of(mapping)
 
         def work(span: Span) -> list[int]:
             return _copy_segments(base + span.file_offset, span, checksum)
@@ -238,7 +239,7 @@ def _check_within(file: File, spans: Sequence[Span], what: str) -> int:
     return size
 
 
-def _address_of(mapping: mmap.mmap) -> int:
+def address_of(mapping: mmap.mmap) -> int:
     """The address of a mapping (ctypes takes only writable buffers; numpy takes both)."""
     import numpy as np
 
@@ -298,7 +299,7 @@ def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | N
         length = span.file_offset + span.nbytes - start
         mapping = mmap.mmap(file.fd, length, flags=mmap.MAP_SHARED | MAP_POPULATE, offset=start)
         try:
-            target = _address_of(mapping) + span.file_offset - start
+            target = address_of(mapping) + span.file_offset - start
             _C.memcpy(target, span.address, span.nbytes)
         finally:
             mapping.close()

@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -147,5 +148,77 @@ def test_in_memory_over_a_spare_strided_tensors_and_incremental_saves_round_trip
         assert torch.equal(loaded["frozen"], frozen) and torch.equal(loaded["t"], state["t"])
         assert int(loaded["step"]) == 2
         assert os.path.getsize(second) < frozen.nbytes  # the frozen tensor is referred to
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+@pytest.mark.parametrize("fence_at", ["at once", "after the save"])
+def test_a_lazy_save_over_a_spare_in_memory_reads_through_the_fence_into_the_file(
+    monkeypatch, fence_at
+):
+    from fastckpt.checkpoint import file_snapshot
+
+    monkeypatch.setattr(file_snapshot, "LAZY_PIECE", 1 << 16)  # many pieces per tensor
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        spare = os.path.join(directory, ".spare.safetensors")
+        fastckpt.save({"junk": torch.zeros(1 << 20)}, os.path.join(directory, "old"))
+        inode = os.stat(os.path.join(directory, "old")).st_ino
+        assert spare_files.retire(os.path.join(directory, "old"), spare)
+
+        def no_ring(*args, **kwargs):
+            raise AssertionError("a lazy save over a spare in memory used the staging ring")
+
+        monkeypatch.setattr(asynchronous, "lazy_ring", no_ring)
+        g = torch.Generator().manual_seed(5)
+        state = {
+            "w": torch.randn(1 << 19, generator=g),
+            "t": torch.randn(512, 96, generator=g).t(),  # strided: read by rows
+            "step": torch.tensor(3),
+        }
+        expected = {k: v.clone() for k, v in state.items()}
+        path = os.path.join(directory, "new.safetensors")
+        future = fastckpt.async_save(state, path, lazy=True, spare_file=spare)
+        if fence_at == "at once":
+            future.fence()  # the rest is snapshotted: the tensors may change now
+        else:
+            future.result()
+        for tensor in state.values():
+            tensor.add_(1)
+        future.result()
+        assert os.stat(path).st_ino == inode  # written over the spare's pages
+        loaded = fastckpt.load(path, verify=True)
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+def test_a_lazy_save_over_a_spare_in_memory_fails_naming_a_tensor_changed_unfenced(monkeypatch):
+    from fastckpt.checkpoint import file_snapshot
+
+    started = threading.Event()  # the writer copies nothing until the change is made
+    fill = file_snapshot.LazyIntoFile.fill
+
+    def after_the_change(self, **options):
+        assert started.wait(30)
+        return fill(self, **options)
+
+    monkeypatch.setattr(file_snapshot.LazyIntoFile, "fill", after_the_change)
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        spare = os.path.join(directory, ".spare.safetensors")
+        fastckpt.save({"junk": torch.zeros(1 << 20)}, os.path.join(directory, "old"))
+        assert spare_files.retire(os.path.join(directory, "old"), spare)
+        state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20)}
+        path = os.path.join(directory, "new.safetensors")
+        future = fastckpt.async_save(state, path, lazy=True, spare_file=spare)
+        state["b"].add_(1)  # no fence
+        started.set()
+        with pytest.raises(fastckpt.LazySaveError) as caught:
+            future.result()
+        assert "'b'" in str(caught.value)
+        assert not os.path.exists(path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
