@@ -451,19 +451,27 @@ _MANAGED_RUN = textwrap.dedent(
     """
     import json, sys, torch, fastckpt
     root, fast, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    incremental = sys.argv[4] == "incremental"
+    incremental, lazy = sys.argv[4] == "incremental", sys.argv[4] == "lazy"
     manager = fastckpt.CheckpointManager(
         root, fast=fast, keep_last=2, drain_bytes_per_second=64 << 20, storage_options=options,
         incremental=incremental, full_every=3,
     )
     frozen = torch.arange(4 << 20, dtype=torch.float32)  # incremental steps refer to it
     step = max(manager.steps(), default=0)
+    # lazy: one tensor, saved with fence=optimizer, whose every step adds 1 at once
+    w = torch.full((4 << 20,), float(step + 1))
+    w.grad = torch.full_like(w, -1.0)
+    optimizer = torch.optim.SGD([w], lr=1.0)
     while True:
         step += 1
-        state = {"w": torch.full((4 << 20,), float(step)), "step": step}
-        if incremental:
-            state["frozen"] = frozen
-        manager.save(step, state)
+        if lazy:
+            manager.save(step, {"w": w, "step": step}, fence=optimizer)
+            optimizer.step()  # w == step + 1: after the fence took what was not yet copied
+        else:
+            state = {"w": torch.full((4 << 20,), float(step)), "step": step}
+            if incremental:
+                state["frozen"] = frozen
+            manager.save(step, state)
         if step % 2 == 0:
             manager.wait()  # drained: durable in root from here on
             print("durable", step, flush=True)
@@ -474,27 +482,38 @@ _MANAGED_RUN = textwrap.dedent(
 def manager_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
     """kill -9 a run of CheckpointManager saves and drains at random times; the next manager
     must restore a whole step, never older than the last one reported durable in root. Run
-    with root a local directory (the fast tier on /dev/shm where there is one), then with incremental steps (every kept step must load with
+    with root a local directory (the fast tier on /dev/shm where there is one), the same
+    with lazy saves (``fence=optimizer``, the state changed right after each save), then with
+    incremental steps (every kept step must load with
     its bases), then (when moto's server and s3fs are installed) an s3:// prefix on a local S3
     server, where kills also land mid-upload."""
     # The first run's fast tier is in memory where it can be: saves there write over spare
     # files, the snapshot being the file itself (fastckpt.io.spare_files).
     memory = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-    fast = Path(tempfile.mkdtemp(prefix="torture-fast-", dir="/dev/shm")) if memory else None
+    fast, fast_lazy = (
+        [Path(tempfile.mkdtemp(prefix="torture-fast-", dir="/dev/shm")) for _ in range(2)]
+        if memory
+        else [work / "managed-fast", work / "managed-lazy-fast"]
+    )
     try:
-        report = _manager_kill_runs(
-            work / "managed-root", fast or work / "managed-fast", None, count, seed
+        report = _manager_kill_runs(work / "managed-root", fast, None, count, seed)
+        # lazy saves (fence=optimizer) over the in-memory fast tier's spare files: read
+        # through the fence straight into the file (fastckpt.checkpoint.file_snapshot)
+        lazy = _manager_kill_runs(
+            work / "managed-lazy-root", fast_lazy, None, count, seed, flavor="lazy"
         )
+        report.update({f"{k} (lazy)": v for k, v in lazy.items()})
     finally:
-        if fast is not None:
+        if memory:
             shutil.rmtree(fast, ignore_errors=True)
+            shutil.rmtree(fast_lazy, ignore_errors=True)
     incremental = _manager_kill_runs(
         work / "managed-incremental-root",
         work / "managed-incremental-fast",
         None,
         count,
         seed,
-        incremental=True,
+        flavor="incremental",
     )
     report.update({f"{k} (incremental)": v for k, v in incremental.items()})
     try:
@@ -533,8 +552,10 @@ def _manager_kill_runs(
     count: int,
     seed: int,
     *,
-    incremental: bool = False,
+    flavor: str = "full",
 ) -> dict[str, Any]:
+    """``count`` runs of ``_MANAGED_RUN`` in ``flavor`` ("full", "incremental" or "lazy"),
+    each killed at a random time, then checked by the next manager."""
     import torch
 
     from fastckpt.api import load
@@ -554,7 +575,7 @@ def _manager_kill_runs(
                 str(root),
                 str(fast),
                 json.dumps(options),
-                "incremental" if incremental else "full",
+                flavor,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -583,8 +604,10 @@ def _manager_kill_runs(
                     except FileNotFoundError:  # a base missing: a kept step that cannot load
                         broken += 1
                         continue
-                    if incremental and not bool((kept["frozen"] == frozen).all()):
+                    if flavor == "incremental" and not bool((kept["frozen"] == frozen).all()):
                         partial += 1
+                    if kept["step"] != s or not bool((kept["w"] == float(s)).all()):
+                        partial += 1  # a kept step holding another step's values
     return {
         "kills": count,
         "durable steps lost": lost,
