@@ -133,6 +133,12 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   return ~crc_raw(~crc, static_cast<const unsigned char*>(data), n);
 }
 
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // Appending len_b zero bytes multiplies a register by x^(8 len_b); the pre- and
+  // post-inversions of A's and B's CRCs cancel, as in zlib's crc32_combine.
+  return len_b ? multiply_mod_poly(x_pow_8n(len_b), crc_a) ^ crc_b : crc_a;
+}
+
 bool crc32c_hardware() { return g_hardware; }
 
 }  // namespace fastckpt

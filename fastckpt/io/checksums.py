@@ -17,47 +17,9 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 from fastckpt import _C
 
 __all__ = ["PieceCrcs", "crc32c_combine", "piece_cuts"]
-
-# CRC32C's polynomial, bit-reversed (the CRC is computed least significant bit first).
-_POLY = 0x82F63B78
-
-
-def _multiply_mod_poly(a: int, b: int) -> int:
-    """a * b modulo the polynomial, both in the bit-reversed representation."""
-    product = 0
-    bit = 1 << 31
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return product
-
-
-# x^(2^k) modulo the polynomial, for k = 0..63 (x^1 is 1 << 30 in this representation).
-_X_POW_2K = [1 << 30]
-for _ in range(63):
-    _X_POW_2K.append(_multiply_mod_poly(_X_POW_2K[-1], _X_POW_2K[-1]))
-
-
-# Cached: every full piece of a checkpoint has the same length, so combining piece CRCs into
-# a tensor's CRC costs one multiplication per piece.
-@functools.lru_cache(maxsize=256)
-def _x_pow_8n(n: int) -> int:
-    """x^(8n) modulo the polynomial: appending n zero bytes multiplies a CRC by it."""
-    result, k = 1 << 31, 3  # x^0; 8n = n << 3
-    while n:
-        if n & 1:
-            result = _multiply_mod_poly(_X_POW_2K[k], result)
-        n >>= 1
-        k += 1
-    return result
 
 
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
@@ -73,9 +35,7 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
         >>> crc32c_combine(a, b, 700) == whole
         True
     """
-    if len_b == 0:
-        return crc_a
-    return _multiply_mod_poly(_x_pow_8n(len_b), crc_a) ^ crc_b
+    return _C.crc32c_combine(crc_a, crc_b, len_b)
 
 
 def piece_cuts(offset: int, nbytes: int, piece_size: int) -> tuple[int, ...]:
