@@ -446,8 +446,12 @@ def async_save(
         # Over a spare file's pages on a memory file system, the snapshot is the file itself:
         # writing the tensors into it copies the state once, as a snapshot into staging
         # does, and leaves nothing to write after (no staging memory, no second copy).
-        # (a compressed save takes no spare: out.reused is False then)
-        in_memory = out.reused and _through_page_cache(plan, out, direct_io)
+        # A caller that keeps spare files (a CheckpointManager's fast tier) writes into the
+        # file even before it has a spare: its pages are allocated once, in the call, and
+        # kept as spares from then on, instead of staging memory allocated besides them
+        # (and the file's new pages allocated in the background all the same).
+        # (a compressed save takes no spare: spare is None then)
+        in_memory = spare is not None and _through_page_cache(plan, out, direct_io)
         into_file = snapshot and not lazy and in_memory
         lazy_into_file = lazy and in_memory  # read through the fence straight into the file
         if plan.frames or into_file or lazy_into_file:  # (compressed saves: their own copy)

@@ -222,3 +222,31 @@ def test_a_lazy_save_over_a_spare_in_memory_fails_naming_a_tensor_changed_unfenc
         assert not os.path.exists(path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_series_with_spares_writes_into_memory_before_it_has_one(monkeypatch, lazy):
+    """The first saves of a series that keeps spares have none yet: they are written into
+    their new file in memory all the same, so no staging memory is ever allocated."""
+
+    def no_staging(*args, **kwargs):
+        raise AssertionError("a save of a series with spares in memory used staging memory")
+
+    monkeypatch.setattr(asynchronous, "_async_pool", no_staging)
+    monkeypatch.setattr(asynchronous, "lazy_ring", no_staging)
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        spare = os.path.join(directory, ".spare.safetensors")  # none yet
+        state = {"w": torch.randn(1 << 20), "n": torch.arange(7)}
+        expected = {k: v.clone() for k, v in state.items()}
+        path = os.path.join(directory, "first.safetensors")
+        future = fastckpt.async_save(state, path, spare_file=spare, lazy=lazy)
+        future.fence()
+        state["w"].add_(1)  # after the call (eager) or the fence (lazy)
+        future.result()
+        loaded = fastckpt.load(path, verify=True)
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+        assert not os.path.exists(spare)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
