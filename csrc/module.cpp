@@ -153,8 +153,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fd"), py::arg("src"), py::arg("nbytes"), py::arg("offset"),
       py::arg("cuts") = std::vector<size_t>{}, py::arg("checksum") = true, py::arg("path") = "",
       py::call_guard<py::gil_scoped_release>());
-  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"),
-        py::arg("len_b"));
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
   m.def("crc32c_hardware", &crc32c_hardware);
   m.def("dio_alignment", &dio_alignment, py::arg("fd"));
   m.def("preallocate", &preallocate, py::arg("fd"), py::arg("nbytes"), py::arg("path") = "",
