@@ -35,8 +35,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from fastckpt import _C
 from fastckpt.checkpoint.save import SavePlan, byte_chunks
 from fastckpt.io import parallel_io
@@ -100,25 +98,13 @@ def write_tensors(
 def _mapped(file: File, begin: int, end: int) -> Iterator[tuple[int, int]]:
     """``(address, nbytes)`` of the file's bytes ``[begin, end)`` in order, through read-only
     mappings of at most ``_WINDOW`` bytes, each unmapped before the next."""
-    granularity = mmap.ALLOCATIONGRANULARITY
-    position = begin
-    while position < end:
-        start = position - position % granularity
-        length = min(end, start + _WINDOW) - start
-        window = mmap.mmap(
-            file.fd,
-            length,
-            flags=mmap.MAP_SHARED | parallel_io.MAP_POPULATE,
-            prot=mmap.PROT_READ,
-            offset=start,
-        )
+    for position in range(begin, end, _WINDOW):
+        nbytes = min(_WINDOW, end - position)
+        mapping, address = parallel_io.map_range(file.fd, position, nbytes, writable=False)
         try:
-            array = np.frombuffer(window, np.uint8)
-            yield int(array.ctypes.data) + (position - start), length - (position - start)
-            del array
+            yield address, nbytes
         finally:
-            window.close()
-        position = start + length
+            mapping.close()
 
 
 def checksum_and_header(plan: SavePlan, file: File) -> None:
@@ -131,10 +117,7 @@ def checksum_and_header(plan: SavePlan, file: File) -> None:
             lo = plan.header_size + e.begin
             for address, nbytes in _mapped(file, lo, lo + e.nbytes):
                 acc.update(address, nbytes)
-    header = plan.header_from(sums)
-    if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
-        raise AssertionError("header size changed between planning and writing")
-    file.pwrite_all(header, 0)
+    plan.write_header(file, sums)
 
 
 class LazyIntoFile:
@@ -169,7 +152,8 @@ class LazyIntoFile:
     def __init__(self, plan: SavePlan, file: File, guard: Any, *, cancel: Any = None):
         self.plan, self.file, self._guard, self._cancel = plan, file, guard, cancel
         self._sums = plan.checksummers()
-        self._window: tuple[int, int, mmap.mmap, int] | None = None  # start, end, map, address
+        # the file bytes [first, end) mapped: (first, end, mapping, address of first)
+        self._window: tuple[int, int, mmap.mmap, int] | None = None
         self._threads = parallel_io.worker_count()
 
     def fill(self, *, allocated: bool) -> None:
@@ -204,15 +188,11 @@ class LazyIntoFile:
         window = self._window
         if window is None or not window[0] <= offset <= offset + nbytes <= window[1]:
             self._unmap()
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            end = min(self.plan.file_size, max(start + _WINDOW, offset + nbytes))
-            mapping = mmap.mmap(
-                self.file.fd,
-                end - start,
-                flags=mmap.MAP_SHARED | parallel_io.MAP_POPULATE,
-                offset=start,
+            end = min(self.plan.file_size, offset + max(_WINDOW, nbytes))
+            mapping, address = parallel_io.map_range(
+                self.file.fd, offset, end - offset, writable=True
             )
-            window = self._window = (start, end, mapping, parallel_io.address_of(mapping))
+            window = self._window = (offset, end, mapping, address)
         return window[3] + offset - window[0]
 
     def _unmap(self) -> None:
@@ -222,10 +202,7 @@ class LazyIntoFile:
 
     def finish(self) -> None:
         """Writes the header from the checksums the pieces fed."""
-        header = self.plan.header_from(self._sums)
-        if len(header) != self.plan.header_size:  # it would overwrite the first tensor
-            raise AssertionError("header size changed between planning and writing")
-        self.file.pwrite_all(header, 0)
+        self.plan.write_header(self.file, self._sums)
 
     def abort(self) -> None:
         """Unmaps the file (nothing else is in flight once :meth:`fill` returns or raises)."""

@@ -141,6 +141,14 @@ class SavePlan:
             e.name: TensorDigest(e.nbytes, self.piece_size, known.get(e.name)) for e in self.entries
         }
 
+    def write_header(self, file: File, sums: Mapping[str, PieceCrcs]) -> None:
+        """Writes the header with the checksums ``sums`` hold (:meth:`header_from`) into the
+        room planned for it at the start of ``file``."""
+        header = self.header_from(sums)
+        if len(header) != self.header_size:  # it would overwrite the first tensor's bytes
+            raise AssertionError("header size changed between planning and writing")
+        file.pwrite_all(header, 0)
+
     def header_from(self, sums: Mapping[str, PieceCrcs]) -> bytes:
         """The encoded header with the checksums that ``sums`` (fed every byte) hold."""
         hashes = {n: getattr(acc, "strong", None) for n, acc in sums.items()}
@@ -524,10 +532,7 @@ class StreamWriter:
             raise
         if self._hasher is not None:
             self._hasher.close()
-        header = self.plan.header_from(self.sums)
-        if len(header) != self.plan.header_size:  # the CRC digits are fixed-width
-            raise AssertionError("header size changed between planning and writing")
-        self.file.pwrite_all(header, 0)
+        self.plan.write_header(self.file, self.sums)
         if self.file.size() != self.plan.file_size:
             self.file.truncate(self.plan.file_size)
 
@@ -873,10 +878,7 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
                 at += n
                 advance(n)
     del keep
-    header = plan.header_from(sums)
-    if len(header) != plan.header_size:  # it would overwrite the first tensor's bytes
-        raise AssertionError("header size changed between planning and writing")
-    file.pwrite_all(header, 0)
+    plan.write_header(file, sums)
 
 
 def _hash_beside(plan: SavePlan, sums: Mapping[str, PieceCrcs]) -> threading.Thread:

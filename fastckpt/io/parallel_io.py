@@ -57,6 +57,7 @@ __all__ = [
     "Span",
     "address_of",
     "checksum_memory",
+    "map_range",
     "read_buffered",
     "read_direct",
     "read_mapped",
@@ -239,6 +240,31 @@ def _check_within(file: File, spans: Sequence[Span], what: str) -> int:
     return size
 
 
+def map_range(fd: int, offset: int, nbytes: int, *, writable: bool) -> tuple[mmap.mmap, int]:
+    """A shared mapping of file bytes ``[offset, offset + nbytes)`` (from the page boundary
+    at or before ``offset``), its pages faulted in by one call, and the address of byte
+    ``offset`` in it. The caller closes the mapping.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"0123456789")
+        ...     f.flush()
+        ...     mapping, address = map_range(f.fileno(), 3, 4, writable=False)
+        ...     import ctypes
+        ...     data = ctypes.string_at(address, 4)
+        ...     mapping.close()
+        >>> data
+        b'3456'
+    """
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mapping = mmap.mmap(
+        fd, offset + nbytes - start, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=prot, offset=start
+    )
+    return mapping, address_of(mapping) + offset - start
+
+
 def address_of(mapping: mmap.mmap) -> int:
     """The address of a mapping (ctypes takes only writable buffers; numpy takes both)."""
     import numpy as np
@@ -295,11 +321,8 @@ def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | N
                 file.fd, span.address, span.nbytes, span.file_offset, [], False, file.path
             )
             return []
-        start = span.file_offset - span.file_offset % mmap.ALLOCATIONGRANULARITY
-        length = span.file_offset + span.nbytes - start
-        mapping = mmap.mmap(file.fd, length, flags=mmap.MAP_SHARED | MAP_POPULATE, offset=start)
+        mapping, target = map_range(file.fd, span.file_offset, span.nbytes, writable=True)
         try:
-            target = address_of(mapping) + span.file_offset - start
             _C.memcpy(target, span.address, span.nbytes)
         finally:
             mapping.close()
