@@ -77,8 +77,11 @@ LOADS = {
     "safetensors": "safetensors load_file(device)",
     "torch": "torch.load(map_location)",
 }
-#: The lazy asynchronous save's row.
-LAZY = "fastckpt.async_save(lazy=True) + fence"
+#: The asynchronous saves' rows: eager (a snapshot into page-locked memory in the call) and lazy.
+ASYNC = {
+    "fastckpt-eager": "fastckpt.async_save (eager) + fence",
+    "fastckpt-lazy": "fastckpt.async_save(lazy=True) + fence",
+}
 
 LOAD_FILE = {
     "fastckpt": "fastckpt",
@@ -227,16 +230,18 @@ def _child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
     return {"gbps": nbytes / seconds / 1e9, "seconds": seconds, "cache": cache}
 
 
-def _child_lazy(spec: dict[str, Any]) -> dict[str, Any]:
-    """A lazy ``async_save`` of the state on the GPU, then at once what a training step does
-    first: ``future.fence()``, then an in-place update of every tensor. Reports the time the
-    caller was blocked in the call and in the fence, the time until the file is durable, the
-    page-locked memory the save streamed through and the device memory the fence cloned,
-    and the digest of the file's tensors (those of the state at call time)."""
+def _child_async(spec: dict[str, Any]) -> dict[str, Any]:
+    """An ``async_save`` of the state on the GPU (``spec["lazy"]``: lazy, else eager), then
+    at once what a training step does first: ``future.fence()``, then an in-place update of
+    every tensor. Reports the time the caller was blocked in the call and in the fence, the
+    time until the file is durable, the page-locked memory the save went through and the
+    device memory the fence cloned, and the digest of the file's tensors (those of the
+    state at call time)."""
     from fastckpt.bench.checks import crc_digest, tensor_crc32s
     from fastckpt.bench.synthetic import llm_like_state_dict
 
     device = spec["device"]
+    lazy = bool(spec.get("lazy", True))
     torch = _warm_cuda(device)
     import fastckpt
     from fastckpt.checkpoint import asynchronous
@@ -248,7 +253,7 @@ def _child_lazy(spec: dict[str, Any]) -> dict[str, Any]:
     os.sync()
     allocated = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
-    future = fastckpt.async_save(state, spec["file"], lazy=True)
+    future = fastckpt.async_save(state, spec["file"], lazy=lazy)
     t1 = time.perf_counter()
     future.fence()
     t2 = time.perf_counter()
@@ -257,18 +262,30 @@ def _child_lazy(spec: dict[str, Any]) -> dict[str, Any]:
         tensor.add_(1)
     future.result()
     t3 = time.perf_counter()
-    guard = future._guard  # what the fence took (lazy_guard.LazyGuard)
-    ring = asynchronous._ring
+    guard = future._guard  # what a lazy save's fence took (lazy_guard.LazyGuard)
+    staging = asynchronous._ring if lazy else asynchronous._pool
     loaded = fastckpt.load(spec["file"])
+    # A training loop's later checkpoints: the staging memory exists, so the call is the copy.
+    torch.cuda.synchronize(device)
+    t4 = time.perf_counter()
+    again = fastckpt.async_save(state, spec["file"] + ".next", lazy=lazy)
+    t5 = time.perf_counter()
+    again.fence()
+    t6 = time.perf_counter()
+    again.result()
+    os.remove(spec["file"] + ".next")
+    payload = sum(t.numel() * t.element_size() for t in state.values())
     return {
         "seconds": t3 - t0,
         "call_seconds": t1 - t0,
         "fence_seconds": t2 - t1,
-        "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-        "pinned_bytes": ring.budget if ring is not None else None,
-        "device_clone_bytes": guard.device_snapshot_bytes,
+        "next_call_seconds": t5 - t4,
+        "next_fence_seconds": t6 - t5,
+        "payload_bytes": payload,
+        "pinned_bytes": staging.budget if staging is not None else None,
+        "device_clone_bytes": guard.device_snapshot_bytes if guard is not None else 0,
         "device_allocated_after_fence": clones,
-        "host_snapshot_bytes": guard.snapshot_bytes,
+        "host_snapshot_bytes": guard.snapshot_bytes if guard is not None else payload,
         "digest": crc_digest(tensor_crc32s(loaded)),
         "call_time_digest": digest,
     }
@@ -277,7 +294,7 @@ def _child_lazy(spec: dict[str, Any]) -> dict[str, Any]:
 HANDLERS = {
     "save": _child_save,
     "load": _child_load,
-    "lazy": _child_lazy,
+    "async": _child_async,
     "ceiling": lambda spec: _child_ceiling(spec),
 }
 
@@ -289,13 +306,20 @@ def run_child(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return spawn(__file__, spec, args.child_timeout)
 
 
-def _lazy_stats(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians of the lazy rounds' blocked times, rate and memory; whether every file held
-    the state at call time."""
+def _async_stats(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of an asynchronous save's blocked times, rate and memory; whether every file
+    held the state at call time."""
     stats = summarize(rounds)
     ok = [r for r in rounds if "error" not in r and "skipped" not in r]
     if ok:
-        for key in ("call_seconds", "fence_seconds", "pinned_bytes", "device_clone_bytes"):
+        for key in (
+            "call_seconds",
+            "fence_seconds",
+            "next_call_seconds",
+            "next_fence_seconds",
+            "pinned_bytes",
+            "device_clone_bytes",
+        ):
             stats[key] = median([r[key] for r in ok])
         stats["same"] = "yes" if all(r["digest"] == r["call_time_digest"] for r in ok) else "NO"
     return stats
@@ -362,24 +386,26 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
             f"{fmt(_ratio(fast, s['gbps']), '.2f', '×') if method != 'fastckpt' else '—'} | "
             f"{fmt(s.get('cpu_seconds'), '.1f')} |"
         )
-    lazy = stats["lazy"]
     out += [
         "",
-        "### Lazy async_save from CUDA (fence and an in-place step right after the call)",
+        "### async_save from CUDA (fence and an in-place step right after the call)",
         "",
-        "| method | blocked in call (s) | blocked in fence (s) | until durable: GB/s | "
-        "extra pinned | device clones | file = call-time state |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| method | blocked in call (s) | blocked in fence (s) | next save: call + fence (s) | "
+        "until durable: GB/s | pinned staging | device clones | file = call-time state |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    if lazy.get("n"):
-        out.append(
-            f"| {LAZY} | {lazy['call_seconds']:.4f} | {lazy['fence_seconds']:.4f} | "
-            f"{lazy['gbps']:.2f} | {format_bytes(lazy['pinned_bytes'])} | "
-            f"{format_bytes(lazy['device_clone_bytes'])} | {lazy['same']} |"
-        )
-    else:
-        why = "; ".join(lazy.get("skipped", []) + lazy.get("errors", [])) or "not run"
-        out.append(f"| {LAZY} | — | — | — | — | — | {why} |")
+    for method, label in ASYNC.items():
+        row = stats["async"].get(method, {})
+        if row.get("n"):
+            out.append(
+                f"| {label} | {row['call_seconds']:.4f} | {row['fence_seconds']:.4f} | "
+                f"{row['next_call_seconds']:.4f} + {row['next_fence_seconds']:.4f} | "
+                f"{row['gbps']:.2f} | {format_bytes(row['pinned_bytes'])} | "
+                f"{format_bytes(row['device_clone_bytes'])} | {row['same']} |"
+            )
+        else:
+            why = "; ".join(row.get("skipped", []) + row.get("errors", [])) or "not run"
+            out.append(f"| {label} | — | — | — | — | — | — | {why} |")
     best = max((stats["load"].get(m, {}).get("gbps") or 0) for m in ("fastckpt", "fastckpt-gds"))
     out += [
         "",
@@ -448,11 +474,13 @@ def parent_main(args: argparse.Namespace) -> int:
             elif os.path.exists(paths["fastckpt"]):
                 spec = {**base_spec, "op": "ceiling", "method": "disk", "file": paths["fastckpt"]}
                 results.record("ceiling", "disk", rnd, run_child(spec, args))
-            lazy_file = os.path.join(workdir, "lazy.safetensors")
-            spec = {**base_spec, "op": "lazy", "method": "fastckpt-lazy", "file": lazy_file}
-            results.record("lazy", "fastckpt-lazy", rnd, run_child(spec, args))
-            if os.path.exists(lazy_file):
-                os.remove(lazy_file)
+            async_file = os.path.join(workdir, "async.safetensors")
+            for method in rotate(ASYNC, rnd):
+                lazy = method == "fastckpt-lazy"
+                spec = {**base_spec, "op": "async", "method": method, "file": async_file}
+                results.record("async", method, rnd, run_child({**spec, "lazy": lazy}, args))
+                if os.path.exists(async_file):
+                    os.remove(async_file)
             spec = {**base_spec, "op": "ceiling", "method": "h2d"}
             results.record("ceiling", "h2d", rnd, run_child(spec, args))
             for method in rotate(LOADS, rnd):
@@ -475,7 +503,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "save": results.stats("save", SAVES),
         "load": results.stats("load", LOADS),
         "ceiling": results.stats("ceiling", ("disk", "h2d")),
-        "lazy": _lazy_stats(results.pick("lazy", "fastckpt-lazy")),
+        "async": {m: _async_stats(results.pick("async", m)) for m in ASYNC},
     }
     raw = results.raw
     notes = []

@@ -12,6 +12,7 @@ What is kept never exceeds the most the fences have held at once (a peak the pro
 reached already); :func:`fastckpt.release_staging` frees it (:func:`trim`).
 
 Example:
+    >>> trim()  # forget what earlier fences of this process kept
     >>> a = take(1 << 20)
     >>> give_back(a)
     >>> take(1 << 20).data_ptr() == a.data_ptr()  # the same memory, touched already

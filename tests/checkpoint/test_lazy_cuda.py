@@ -74,6 +74,21 @@ def test_side_stream_waits_on_the_call_event_and_buffers_are_written_after_their
     assert device.current.waited == []  # no fence: the training stream never waited
 
 
+def test_content_hashes_are_taken_after_the_copies_landed(monkeypatch, tmp_path):
+    # The strong hashes an incremental save trusts are of the bytes written, not of what
+    # the ring held before its device-to-host copies completed.
+    from fastckpt.checkpoint.digests import hash_tensor
+
+    device = HostDevice(monkeypatch)
+    state = _tensors(12, 3 * MIB // 4)
+    expected = {k: v.clone() for k, v in state.items()}
+    path = tmp_path / "h.safetensors"
+    assert fastckpt.async_save(state, path, lazy=True, staging_bytes=8 * MIB).result() is None
+    assert device.sides and _equal(path, expected)
+    hashes = fastckpt.open(path).meta.hashes
+    assert hashes == {k: hash_tensor(v) for k, v in expected.items()}
+
+
 def test_fence_clones_on_the_device_and_makes_the_current_stream_wait(monkeypatch, tmp_path):
     device = HostDevice(monkeypatch)
     state = _tensors(16, MIB // 4)  # 1 MiB each, four to a 4 MiB buffer
@@ -269,7 +284,7 @@ def _bench_module():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
 def test_the_cuda_benchmark_imports_and_says_it_needs_a_gpu():
     bench = _bench_module()
-    assert "lazy" in bench.HANDLERS
+    assert "async" in bench.HANDLERS
     run = subprocess.run(
         [sys.executable, BENCH, "--size", "16M", "--repeats", "1"],
         capture_output=True,
@@ -284,6 +299,15 @@ def test_the_cuda_benchmark_imports_and_says_it_needs_a_gpu():
 def test_the_benchmarks_lazy_row_saves_the_call_time_state(tmp_path):
     bench = _bench_module()
     spec = {"device": "cuda:0", "size": 64 * MIB, "seed": 0, "file": str(tmp_path / "l.st")}
-    result = bench._child_lazy(spec)
+    result = bench._child_async({**spec, "lazy": True})
     assert result["digest"] == result["call_time_digest"]
     assert result["host_snapshot_bytes"] == 0 and result["pinned_bytes"] <= 256 * MIB
+
+
+@pytest.mark.cuda
+def test_the_benchmarks_eager_row_saves_the_call_time_state(tmp_path):
+    bench = _bench_module()
+    spec = {"device": "cuda:0", "size": 64 * MIB, "seed": 0, "file": str(tmp_path / "e.st")}
+    result = bench._child_async({**spec, "lazy": False})
+    assert result["digest"] == result["call_time_digest"]
+    assert result["device_clone_bytes"] == 0 and result["fence_seconds"] < result["seconds"]

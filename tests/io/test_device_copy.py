@@ -197,13 +197,13 @@ def test_aio_handle_cuda_roundtrip(handle, tmp_path, nbytes, offset):
 def test_aio_handle_cuda_every_method_and_dtype(handle, tmp_path):
     src = torch.randn(3 * 1024 + 1, device="cuda")  # float32, awkward byte size
     paths = [str(tmp_path / f"m{i}.bin") for i in range(4)]
-    assert handle.write(src, paths[0], validate=True) == 1
+    assert handle.write(src, paths[0], validate=True) == 0
     assert handle.pwrite(src, paths[1], False, False) == 1
     assert handle.pwrite(src, paths[2], async_op=True) == 0
     assert handle.async_pwrite(src, paths[3]) == 0
     assert handle.wait() == 2
     outs = [torch.empty_like(src) for _ in range(4)]
-    assert handle.read(outs[0], paths[0], validate=True) == 1
+    assert handle.read(outs[0], paths[0], validate=True) == 0
     assert handle.pread(outs[1], paths[1], False, False) == 1
     assert handle.pread(outs[2], paths[2], **{"async": True}) == 0
     assert handle.async_pread(outs[3], paths[3]) == 0
