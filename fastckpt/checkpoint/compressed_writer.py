@@ -90,6 +90,7 @@ class FrameWriter:
         self._cancel = cancel  # once set, the next chunk raises KeyboardInterrupt
         self.sums: dict[str, Any] = {}
         self._written: dict[int, tuple[format.TensorEntry, Any, layout.CompressedTensor]] = {}
+        self._rotations: dict[int, int] = {}  # id(tensor) -> its byte planes' rotation
 
     def fill(self) -> None:
         """Writes every tensor: the uncompressed ones where planned, then the frames."""
@@ -113,9 +114,11 @@ class FrameWriter:
                 chunks.close()  # an error: the chunks compressing ahead are let go
         plan.entries = entries
 
-    def _chunk_jobs(self) -> Iterator[tuple[torch.Tensor, int, int, str, int]]:
-        """``(tensor bytes, lo, hi, codec, itemsize)`` of every chunk of every frame, in
-        file order; a tied tensor's second name has none (its frame is copied)."""
+    def _chunk_jobs(self) -> Iterator[tuple[torch.Tensor, int, int, str, int, int]]:
+        """``(tensor bytes, lo, hi, codec, itemsize, rotation)`` of every chunk of every
+        frame, in file order; a tied tensor's second name has none (its frame is copied).
+        A byte-plane frame's rotation is chosen from the tensor's first bytes before its
+        first chunk is handed out, and kept for :meth:`_write_frame`."""
         seen: set[int] = set()
         for name, job in self.plan.frames.items():
             t = self.plan.tensors[name]
@@ -123,9 +126,14 @@ class FrameWriter:
                 continue
             seen.add(id(t))
             data = _flat_bytes(t)
+            rotation = 1
+            if frames.CODECS[job.codec] in layout.PLANE_CODECS:
+                probe = min(job.nbytes, frames.ROTATION_PROBE_BYTES)
+                rotation = frames.choose_rotation(_host(data[:probe]), job.itemsize)
+            self._rotations[id(t)] = rotation
             step = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
             for lo in range(0, job.nbytes, step):
-                yield data, lo, min(job.nbytes, lo + step), job.codec, job.itemsize
+                yield data, lo, min(job.nbytes, lo + step), job.codec, job.itemsize, rotation
 
     def _write_plain(self, e: format.TensorEntry) -> None:
         plan = self.plan
@@ -147,7 +155,7 @@ class FrameWriter:
         if id(t) in self._written:  # a tied tensor: the same frame again, copied
             return self._copy_frame(name, begin)
         code = frames.CODECS[job.codec]
-        planes = job.itemsize if code == layout.CODEC_BYTEPLANE else 1
+        planes = layout.planes_of(code, job.itemsize)
         chunk_bytes = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
         count = layout.chunk_count(job.nbytes, chunk_bytes)
         head_bytes = layout.HEAD_BYTES + 4 * count * planes
@@ -174,7 +182,8 @@ class FrameWriter:
             parts += _piece_parts(joined, pos, plan.piece_size)
             pos += joined.nbytes
             bar.update(raw.nbytes)
-        table = layout.frame_table(code, planes, chunk_bytes, job.nbytes, lengths)
+        rotation = self._rotations.get(id(t)) if code in layout.PLANE_CODECS else None
+        table = layout.frame_table(code, planes, chunk_bytes, job.nbytes, lengths, rotation)
         head = np.frombuffer(layout.encode_frame_head(table), np.uint8)
         if head.nbytes != head_bytes:
             raise AssertionError(f"tensor {name!r}: frame head size changed while writing")
@@ -215,11 +224,13 @@ class FrameWriter:
         """Nothing is in flight once a phase returns or raises."""
 
 
-def _compress_one(chunk: tuple[torch.Tensor, int, int, str, int]) -> tuple[Any, list[Any], int]:
+def _compress_one(
+    chunk: tuple[torch.Tensor, int, int, str, int, int],
+) -> tuple[Any, list[Any], int]:
     """A chunk's raw bytes (on the host), stored planes and CRC32C (on a pool thread)."""
-    data, lo, hi, codec, itemsize = chunk
+    data, lo, hi, codec, itemsize, rotation = chunk
     raw = _host(data[lo:hi])
-    stored, crc = frames.compress_chunk(raw, codec, itemsize)
+    stored, crc = frames.compress_chunk(raw, codec, itemsize, rotation)
     return raw, stored, crc
 
 

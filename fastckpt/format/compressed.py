@@ -11,13 +11,15 @@ header checksum like every fastckpt key)::
 
 The frame (all integers little-endian)::
 
-    magic "FCZ1" | codec u8 | planes u8 | reserved u16 | chunk_bytes u32 | reserved u32
+    magic "FCZ1" | codec u8 | planes u8 | rotation u16 | chunk_bytes u32 | reserved u32
     | raw_bytes u64 | chunks u32 | reserved u32                        (32 bytes)
     | chunks * planes stored lengths, u32 each
     | the stored planes, chunk after chunk, plane after plane
 
 The tensor's bytes are cut in chunks of ``chunk_bytes`` (the last may be shorter); each chunk
-is cut in ``planes`` planes of equal length (see :mod:`fastckpt.codec`). A plane whose stored
+is cut in ``planes`` planes of equal length (see :mod:`fastckpt.codec`), each element first
+rotated left by ``rotation`` bits (codec 3; codec 2, written before the rotation was chosen
+per tensor, always rotated by one and has 0 there, as codec 1 does). A plane whose stored
 length equals its raw length is stored raw; a shorter one is a zstd frame. This module only
 lays out and checks frames; it never decompresses, and every check raises ``HeaderError``
 before anything the frame claims is allocated.
@@ -57,9 +59,19 @@ KEY_COMPRESSED = META_PREFIX + "compressed"
 MAGIC = b"FCZ1"
 #: Every chunk is one zstd frame (or raw).
 CODEC_ZSTD = 1
-#: Every chunk is split into byte planes (see :mod:`fastckpt.codec`), each a zstd frame or raw.
+#: Every chunk is split into byte planes (see :mod:`fastckpt.codec`) of its elements rotated
+#: left by one bit, each plane a zstd frame or raw. Read, no longer written.
 CODEC_BYTEPLANE = 2
-CODEC_NAMES = {CODEC_ZSTD: "zstd", CODEC_BYTEPLANE: "byteplane"}
+#: Byte planes of the elements rotated left by the frame's ``rotation`` bits, chosen per
+#: tensor (:func:`fastckpt.codec.frames.choose_rotation`).
+CODEC_ROTATED_PLANES = 3
+CODEC_NAMES = {
+    CODEC_ZSTD: "zstd",
+    CODEC_BYTEPLANE: "byteplane (rotated 1 bit)",
+    CODEC_ROTATED_PLANES: "byteplane",
+}
+#: The codecs that split chunks into byte planes.
+PLANE_CODECS = (CODEC_BYTEPLANE, CODEC_ROTATED_PLANES)
 #: Largest chunk a frame may declare (64 MiB): a reader holds a few chunks per thread.
 MAX_CHUNK_BYTES = 64 << 20
 
@@ -79,16 +91,28 @@ class CompressedTensor:
     crc32c: int
 
 
+def planes_of(codec: int, itemsize: int) -> int:
+    """Planes per chunk: one per byte of an element for the plane codecs, else one.
+
+    Example:
+        >>> planes_of(CODEC_ROTATED_PLANES, 4), planes_of(CODEC_ZSTD, 4)
+        (4, 1)
+    """
+    return itemsize if codec in PLANE_CODECS else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class FrameTable:
     """A frame's head, checked: the codec, planes per chunk, bytes per chunk, the tensor's
-    uncompressed size and every plane's stored length (chunk-major)."""
+    uncompressed size, every plane's stored length (chunk-major) and the bits each element
+    was rotated by before its split into planes (0 when it is not split)."""
 
     codec: int
     planes: int
     chunk_bytes: int
     raw_bytes: int
     stored_lengths: tuple[int, ...]
+    rotation: int = 0
 
     @property
     def chunks(self) -> int:
@@ -115,16 +139,26 @@ class FrameTable:
 
 
 def frame_table(
-    codec: int, planes: int, chunk_bytes: int, raw_bytes: int, stored_lengths: Sequence[int]
+    codec: int,
+    planes: int,
+    chunk_bytes: int,
+    raw_bytes: int,
+    stored_lengths: Sequence[int],
+    rotation: int | None = None,
 ) -> FrameTable:
     """A :class:`FrameTable` for a writer (ValueError where it could not be read back).
+    ``rotation``: the bits of :data:`CODEC_ROTATED_PLANES` (required there); the other
+    codecs' own (1 for :data:`CODEC_BYTEPLANE`, 0 for zstd) when None.
 
     Example:
-        >>> frame_table(CODEC_BYTEPLANE, 2, 4, 6, [1, 2, 1, 1]).chunks
+        >>> frame_table(CODEC_ROTATED_PLANES, 2, 4, 6, [1, 2, 1, 1], rotation=3).chunks
         2
     """
-    table = FrameTable(codec, planes, chunk_bytes, raw_bytes, tuple(stored_lengths))
+    if rotation is None:
+        rotation = 1 if codec == CODEC_BYTEPLANE else 0
+    table = FrameTable(codec, planes, chunk_bytes, raw_bytes, tuple(stored_lengths), rotation)
     try:
+        _check_rotation(codec, rotation, planes, "frame")
         _check_table(table, raw_bytes, planes, "frame")
     except HeaderError as exc:
         raise ValueError(str(exc)) from None
@@ -137,7 +171,7 @@ def encode_frame_head(table: FrameTable) -> bytes:
         MAGIC,
         table.codec,
         table.planes,
-        0,
+        table.rotation if table.codec == CODEC_ROTATED_PLANES else 0,
         table.chunk_bytes,
         0,
         table.raw_bytes,
@@ -171,7 +205,7 @@ def parse_frame_head(
     data = memoryview(data).cast("B")
     if len(data) < HEAD_BYTES:
         raise HeaderError(f"{where}: compressed frame of {len(data)} bytes is cut short")
-    magic, codec, planes, _, chunk_bytes, _, declared, chunks, _ = _HEAD.unpack_from(data)
+    magic, codec, planes, field, chunk_bytes, _, declared, chunks, _ = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise HeaderError(
             f"{where}: compressed frame does not start with {MAGIC!r} "
@@ -179,12 +213,16 @@ def parse_frame_head(
         )
     if codec not in CODEC_NAMES:
         raise HeaderError(f"{where}: unknown compression codec {codec}")
-    expected_planes = itemsize if codec == CODEC_BYTEPLANE else 1
+    expected_planes = planes_of(codec, itemsize)
     if planes != expected_planes:
         raise HeaderError(
             f"{where}: {CODEC_NAMES[codec]} frame of {planes} planes for elements of "
             f"{itemsize} bytes (expected {expected_planes})"
         )
+    if codec != CODEC_ROTATED_PLANES and field:
+        raise HeaderError(f"{where}: {CODEC_NAMES[codec]} frame with {field} in its rotation field")
+    rotation = field if codec == CODEC_ROTATED_PLANES else (1 if codec == CODEC_BYTEPLANE else 0)
+    _check_rotation(codec, rotation, planes, where)
     if declared != raw_bytes:
         raise HeaderError(
             f"{where}: compressed frame holds {declared} bytes, the tensor has {raw_bytes}"
@@ -206,7 +244,7 @@ def parse_frame_head(
             f"({HEAD_BYTES + 4 * count} bytes)"
         )
     lengths = struct.unpack_from(f"<{count}I", data, HEAD_BYTES)
-    table = FrameTable(codec, planes, chunk_bytes, raw_bytes, lengths)
+    table = FrameTable(codec, planes, chunk_bytes, raw_bytes, lengths, rotation)
     _check_table(table, raw_bytes, planes, where)
     return table
 
@@ -245,6 +283,18 @@ def head_length(data: bytes | memoryview) -> int:
         return 0
     _, _, planes, _, _, _, _, chunks, _ = _HEAD.unpack_from(data)
     return HEAD_BYTES + 4 * chunks * planes
+
+
+def _check_rotation(codec: int, rotation: int, planes: int, where: str) -> None:
+    """A plane codec rotates by 1 to 8 * itemsize - 1 bits; the others by none."""
+    if codec in PLANE_CODECS:
+        if not 0 < rotation < 8 * planes:
+            raise HeaderError(
+                f"{where}: rotation of {rotation} bits for elements of {planes} bytes "
+                f"(1 to {8 * planes - 1})"
+            )
+    elif rotation:
+        raise HeaderError(f"{where}: a {CODEC_NAMES[codec]} frame rotates nothing, not {rotation}")
 
 
 def _check_table(table: FrameTable, raw_bytes: int, planes: int, where: str) -> None:

@@ -216,6 +216,70 @@ def test_a_well_formed_hand_written_frame_loads(tmp_path):
     assert torch.equal(fastckpt.load(tmp_path / "ok.safetensors")["w"], w)
 
 
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+@pytest.mark.parametrize("count", [1, 3, 4097])
+def test_byte_planes_round_trip_for_every_rotation(itemsize, count):
+    data = np.random.default_rng(count).integers(0, 256, count * itemsize, dtype=np.uint8)
+    for rotation in range(1, 8 * itemsize):
+        planes = byteplane.split(data, itemsize, rotation)
+        out = np.zeros_like(data)
+        byteplane.merge(planes, out, itemsize, rotation)
+        assert (out == data).all(), rotation
+    with pytest.raises(ValueError, match="rotation"):
+        byteplane.split(data, itemsize, 8 * itemsize)
+
+
+def test_frames_of_the_first_byte_plane_codec_still_load(tmp_path):
+    # codec 2, written before the rotation was chosen per tensor: one bit, 0 in its field
+    w = _compressible(torch.bfloat16, 4096)
+    stored, crc = frames.compress_chunk(w.view(torch.uint8).numpy(), "byteplane", 2, 1)
+    table = layout.frame_table(layout.CODEC_BYTEPLANE, 2, 8192, 8192, [len(s) for s in stored])
+    head = layout.encode_frame_head(table)
+    assert head[6:8] == bytes(2)
+    frame = head + b"".join(bytes(s) for s in stored)
+    _write(tmp_path / "old.safetensors", frame, shape=(4096,), crc=crc)
+    assert torch.equal(fastckpt.load(tmp_path / "old.safetensors")["w"], w)
+
+
+def test_each_tensor_takes_the_rotation_that_stores_fewest_bytes(tmp_path):
+    w = (torch.randn(256, 1024) * 0.02).to(torch.bfloat16)  # |x| < 2: the top exponent bit is 0
+    raw = w.view(torch.uint8).numpy().reshape(-1)
+    probe = raw[: frames.ROTATION_PROBE_BYTES]
+    sizes = {}
+    for rotation in frames.ROTATIONS:
+        planes = byteplane.split(probe, 2, rotation)
+        sizes[rotation] = sum(len(frames._compressor(3).compress(p)) for p in planes)
+    chosen = frames.choose_rotation(raw, 2)
+    assert sizes[chosen] == min(sizes.values()) and chosen > 1
+    fastckpt.save({"w": w}, tmp_path / "w.safetensors", compress=True)
+    with fastckpt.open(tmp_path / "w.safetensors") as r:
+        entry = r.header.entries["w"]
+        with open(tmp_path / "w.safetensors", "rb") as f:
+            f.seek(r.header.data_offset + entry.begin)
+            head = layout.parse_frame_head(f.read(4096), raw.nbytes, 2, where="w")
+    assert (head.codec, head.rotation) == (layout.CODEC_ROTATED_PLANES, chosen)
+    def stored(rotation):
+        return sum(len(p) for p in frames.compress_chunk(raw, "byteplane", 2, rotation)[0])
+
+    assert stored(chosen) < stored(1)
+    assert torch.equal(fastckpt.load(tmp_path / "w.safetensors")["w"], w)
+
+
+def test_a_rotation_out_of_range_is_refused(tmp_path):
+    frame, crc, _ = _good_frame()
+    assert frame[4] == layout.CODEC_ROTATED_PLANES
+    for rotation in (0, 16, 0xFFFF):
+        bad = bytearray(frame)
+        struct.pack_into("<H", bad, 6, rotation)
+        _write(tmp_path / f"r{rotation}.safetensors", bytes(bad), crc=crc)
+        _expect(tmp_path / f"r{rotation}.safetensors", HeaderError, "rotation")
+    zstd_frame, zcrc = frames.compress(np.zeros(2048, np.uint8), "zstd", 1)
+    bad = bytearray(zstd_frame.tobytes())
+    struct.pack_into("<H", bad, 6, 2)
+    _write(tmp_path / "z.safetensors", bytes(bad), crc=zcrc)
+    _expect(tmp_path / "z.safetensors", HeaderError, "rotation")
+
+
 def test_a_truncated_frame_is_refused(tmp_path):
     frame, crc, _ = _good_frame()
     _write(tmp_path / "t.safetensors", frame[:-10], crc=crc)
@@ -435,9 +499,9 @@ def test_a_compressed_save_writes_while_it_compresses(tmp_path, monkeypatch, two
     seen: list[int] = []  # bytes in the directory's files when each chunk starts compressing
     compress_chunk = frames.compress_chunk
 
-    def watched(piece, codec, itemsize):
+    def watched(piece, codec, itemsize, rotation=1):
         seen.append(sum(p.stat().st_size for p in tmp_path.iterdir()))
-        return compress_chunk(piece, codec, itemsize)
+        return compress_chunk(piece, codec, itemsize, rotation)
 
     monkeypatch.setattr(frames, "compress_chunk", watched)
     path = tmp_path / "w.safetensors"
