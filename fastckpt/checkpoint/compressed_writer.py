@@ -117,8 +117,9 @@ class FrameWriter:
     def _chunk_jobs(self) -> Iterator[tuple[torch.Tensor, int, int, str, int, int]]:
         """``(tensor bytes, lo, hi, codec, itemsize, rotation)`` of every chunk of every
         frame, in file order; a tied tensor's second name has none (its frame is copied).
-        A byte-plane frame's rotation is chosen from the tensor's first bytes before its
-        first chunk is handed out, and kept for :meth:`_write_frame`."""
+        A byte-plane frame's rotation is chosen from the tensor's first bytes (or its dtype,
+        when it is small) before its first chunk is handed out, and kept for
+        :meth:`_write_frame`."""
         seen: set[int] = set()
         for name, job in self.plan.frames.items():
             t = self.plan.tensors[name]
@@ -126,10 +127,11 @@ class FrameWriter:
                 continue
             seen.add(id(t))
             data = _flat_bytes(t)
-            rotation = 1
-            if frames.CODECS[job.codec] in layout.PLANE_CODECS:
-                probe = min(job.nbytes, frames.ROTATION_PROBE_BYTES)
-                rotation = frames.choose_rotation(_host(data[:probe]), job.itemsize)
+            rotation = frames.default_rotation(job.dtype)
+            plane_codec = frames.CODECS[job.codec] in layout.PLANE_CODECS
+            if plane_codec and job.nbytes >= frames.ROTATION_PROBE_MIN_BYTES:
+                probe = _host(data[: frames.ROTATION_PROBE_BYTES])
+                rotation = frames.choose_rotation(probe, job.itemsize)
             self._rotations[id(t)] = rotation
             step = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
             for lo in range(0, job.nbytes, step):

@@ -242,7 +242,7 @@ def test_frames_of_the_first_byte_plane_codec_still_load(tmp_path):
 
 
 def test_each_tensor_takes_the_rotation_that_stores_fewest_bytes(tmp_path):
-    w = (torch.randn(256, 1024) * 0.02).to(torch.bfloat16)  # |x| < 2: the top exponent bit is 0
+    w = (torch.randn(1024, 1024) * 0.02).to(torch.bfloat16)  # |x| < 2: the top exponent bit is 0
     raw = w.view(torch.uint8).numpy().reshape(-1)
     probe = raw[: frames.ROTATION_PROBE_BYTES]
     sizes = {}
@@ -252,17 +252,34 @@ def test_each_tensor_takes_the_rotation_that_stores_fewest_bytes(tmp_path):
     chosen = frames.choose_rotation(raw, 2)
     assert sizes[chosen] == min(sizes.values()) and chosen > 1
     fastckpt.save({"w": w}, tmp_path / "w.safetensors", compress=True)
-    with fastckpt.open(tmp_path / "w.safetensors") as r:
-        entry = r.header.entries["w"]
-        with open(tmp_path / "w.safetensors", "rb") as f:
-            f.seek(r.header.data_offset + entry.begin)
-            head = layout.parse_frame_head(f.read(4096), raw.nbytes, 2, where="w")
-    assert (head.codec, head.rotation) == (layout.CODEC_ROTATED_PLANES, chosen)
+    assert _frame_head(tmp_path / "w.safetensors", "w", 2) == (layout.CODEC_ROTATED_PLANES, chosen)
+
     def stored(rotation):
-        return sum(len(p) for p in frames.compress_chunk(raw, "byteplane", 2, rotation)[0])
+        piece = raw[: frames.DEFAULT_CHUNK_BYTES]
+        return sum(len(p) for p in frames.compress_chunk(piece, "byteplane", 2, rotation)[0])
 
     assert stored(chosen) < stored(1)
     assert torch.equal(fastckpt.load(tmp_path / "w.safetensors")["w"], w)
+
+
+def test_a_tensor_too_small_to_probe_takes_its_dtypes_rotation(tmp_path):
+    small = {"h": torch.randn(64, 64).half(), "b": torch.randn(64, 64).bfloat16()}
+    fastckpt.save(small, tmp_path / "s.safetensors", compress=True)
+    assert _frame_head(tmp_path / "s.safetensors", "h", 2)[1] == 1
+    assert _frame_head(tmp_path / "s.safetensors", "b", 2)[1] == 3
+    back = fastckpt.load(tmp_path / "s.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in small.items())
+
+
+def _frame_head(path, name: str, itemsize: int) -> tuple[int, int]:
+    """(codec, rotation) of the frame of the compressed tensor ``name``."""
+    with fastckpt.open(path) as r:
+        entry = r.header.entries[name]
+        raw_bytes = r.compressed[name].nbytes
+        with open(path, "rb") as f:
+            f.seek(r.header.data_offset + entry.begin)
+            head = layout.parse_frame_head(f.read(entry.nbytes), raw_bytes, itemsize, where=name)
+    return head.codec, head.rotation
 
 
 def test_a_rotation_out_of_range_is_refused(tmp_path):
