@@ -331,6 +331,98 @@ def fuzz(work: Path, count: int, seed: int) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- compressed frames
+
+
+def _compressed_base(path: Path) -> None:
+    """A compressed checkpoint with each codec's frames: bf16 and fp32 byte planes (probed
+    rotations, several chunks), a small fp16 one (its dtype's rotation) and int64 (zstd)."""
+    import torch
+
+    import fastckpt
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": (torch.randn(1536, 1024, generator=g) * 0.02).to(torch.bfloat16),
+        "f": torch.randn(256, 1024, generator=g) * 1e-3,
+        "h": torch.randn(64, 64, generator=g).half(),
+        "i": torch.arange(50_000),
+    }
+    fastckpt.save(state, path, compress=True)
+
+
+def hostile_frames(base: Path, out: Path, count: int, rng: random.Random) -> list[str]:
+    """Files whose compressed frames were changed: their heads (codec, planes, rotation,
+    sizes), chunk tables and stored bytes. Two cases in three drop the stored bytes' CRC32Cs
+    (and hashes) from the header, which is then re-checksummed, so the frame checks and the
+    decompressor meet the hostile bytes themselves; the raw bytes' CRC32Cs stay."""
+    from fastckpt.format import compressed as layout
+
+    data = base.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    document = json.loads(data[8 : 8 + n])
+    frames = {k: v["data_offsets"] for k, v in document.items() if k != "__metadata__"}
+    names = sorted(frames)
+    paths = []
+    for i in range(count):
+        name = names[i % len(names)]
+        lo, hi = (8 + n + x for x in frames[name])
+        buf = bytearray(data)
+        kind = rng.randrange(6)
+        if kind == 0:  # random bytes in the 32-byte head
+            for _ in range(rng.randint(1, 4)):
+                buf[lo + rng.randrange(layout.HEAD_BYTES)] = rng.randrange(256)
+        elif kind == 1:  # another rotation
+            value = rng.choice([0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 31, 32, 63, 64, 0xFFFF])
+            struct.pack_into("<H", buf, lo + 6, value)
+        elif kind == 2:  # another codec or plane count
+            buf[lo + rng.choice([4, 5])] = rng.choice([0, 1, 2, 3, 4, 8, 255])
+        elif kind == 3:  # a chunk table entry off by a little or a lot
+            entries = (hi - lo - layout.HEAD_BYTES) and struct.unpack_from("<I", buf, lo + 24)[0]
+            planes = buf[lo + 5]
+            at = lo + layout.HEAD_BYTES + 4 * rng.randrange(max(1, entries * planes))
+            (length,) = struct.unpack_from("<I", buf, at)
+            change = rng.choice([-1, 1, -length, 2**31, 7])
+            struct.pack_into("<I", buf, at, max(0, min(2**32 - 1, length + change)))
+        elif kind == 4:  # stored bytes changed
+            for _ in range(rng.randint(1, 8)):
+                buf[rng.randrange(lo + layout.HEAD_BYTES, hi)] ^= 1 << rng.randrange(8)
+        else:  # the raw size or the chunk size
+            field = rng.choice([(8, "<I"), (16, "<Q")])
+            (value,) = struct.unpack_from(field[1], buf, lo + field[0])
+            new = rng.choice([0, 1, value - 2, value + 2, value * 2, 2**31])
+            struct.pack_into(field[1], buf, lo + field[0], max(0, new) % 2**32)
+        blob = bytes(buf)
+        if i % 3:
+            mutated = json.loads(json.dumps(document))
+            for key in ("fastckpt.crc32c", "fastckpt.piece_crc32c", "fastckpt.xxh3_128"):
+                mutated["__metadata__"].pop(key, None)
+            blob = rewrite_header(blob, mutated, fix_crc=True)
+        path = out / f"frame{i:05d}.safetensors"
+        path.write_bytes(blob)
+        paths.append(str(path))
+    return paths
+
+
+def frames_fuzz(work: Path, count: int, seed: int) -> dict[str, Any]:
+    base = work / "compressed-base.safetensors"
+    _compressed_base(base)
+    cases = work / "frames"
+    cases.mkdir()
+    paths = hostile_frames(base, cases, count, random.Random(seed))
+    started = time.perf_counter()
+    results = run_cases(paths, "flips", str(base))
+    outcomes = collections.Counter(outcome for outcome, _ in results.values())
+    shutil.rmtree(cases)
+    return {
+        "cases tried": len(paths),
+        "changed values undetected": outcomes.get("CHANGED", 0),
+        "bad outcomes": sum(n for o, n in outcomes.items() if o not in CLEAN and o != "CHANGED"),
+        "by outcome": dict(outcomes.most_common()),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 # --------------------------------------------------------------------------- bit flips
 
 
@@ -1188,6 +1280,7 @@ def bounds(work: Path, megabytes: int) -> dict[str, Any]:
 
 PARTS = [
     "fuzz",
+    "frames",
     "flips",
     "kills",
     "enospc",
@@ -1205,6 +1298,9 @@ PARTS = [
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=5000, help="hostile files (default 5000)")
+    parser.add_argument(
+        "--frame-cases", type=int, default=600, help="hostile compressed frames (default 600)"
+    )
     parser.add_argument("--flips", type=int, default=200, help="bit flips (default 200)")
     parser.add_argument("--kills", type=int, default=20, help="kill -9 during saves (default 20)")
     parser.add_argument(
@@ -1232,6 +1328,9 @@ def main(argv: list[str] | None = None) -> int:
             if part == "fuzz":
                 report = fuzz(work, args.cases, args.seed)
                 bad += report["bad outcomes"]
+            elif part == "frames":
+                report = frames_fuzz(work, args.frame_cases, args.seed)
+                bad += report["bad outcomes"] + report["changed values undetected"]
             elif part == "flips":
                 report = flips(work, args.flips, args.seed)
                 bad += report["bad outcomes"] + report["changed values undetected"]

@@ -17,8 +17,10 @@ def test_torture_smoke(tmp_path):
             sys.executable,
             str(TORTURE),
             "--only=fuzz",
+            "--only=frames",
             "--only=flips",
             "--cases=48",
+            "--frame-cases=36",
             "--flips=24",
             f"--dir={tmp_path}",
         ],
@@ -27,7 +29,8 @@ def test_torture_smoke(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert '"cases tried": 48' in out.stdout and '"changed values undetected": 0' in out.stdout
+    assert '"cases tried": 48' in out.stdout and '"cases tried": 36' in out.stdout
+    assert out.stdout.count('"changed values undetected": 0') == 2
     assert "bad outcomes in total: 0" in out.stdout
 
 
