@@ -305,29 +305,39 @@ def hostile_files(base: Path, out: Path, count: int, rng: random.Random) -> list
     return paths
 
 
+def _hostile_run(
+    work: Path, name: str, base: Path, make: Any, count: int, seed: int, mode: str
+) -> tuple[dict[str, tuple[str, str]], float]:
+    """Writes ``count`` hostile variants of ``base`` with ``make(base, folder, count, rng)``,
+    loads each in a child (``mode`` as :func:`run_cases`), removes them; the outcome per
+    path and the seconds the loads took."""
+    cases = work / name
+    cases.mkdir()
+    paths = make(base, cases, count, random.Random(seed))
+    started = time.perf_counter()
+    results = run_cases(paths, mode, str(base) if mode == "flips" else "")
+    shutil.rmtree(cases)
+    return results, time.perf_counter() - started
+
+
 def fuzz(work: Path, count: int, seed: int) -> dict[str, Any]:
     import fastckpt
 
     base = work / "base.safetensors"
     fastckpt.save(nested_state(), base)
-    cases = work / "fuzz"
-    cases.mkdir()
-    paths = hostile_files(base, cases, count, random.Random(seed))
-    started = time.perf_counter()
-    results = run_cases(paths, "fuzz")
+    results, seconds = _hostile_run(work, "fuzz", base, hostile_files, count, seed, "fuzz")
     outcomes = collections.Counter(outcome for outcome, _ in results.values())
     verify_lies = sum(
         1 for outcome, verdict in results.values() if verdict == "OK" and outcome != "ok"
     )
     bad = sum(n for outcome, n in outcomes.items() if outcome not in CLEAN) + verify_lies
-    shutil.rmtree(cases)
     return {
-        "cases tried": len(paths),
+        "cases tried": len(results),
         "clean outcomes": sum(n for outcome, n in outcomes.items() if outcome in CLEAN),
         "bad outcomes": bad,
         "verify OK while load fails": verify_lies,
         "by outcome": dict(outcomes.most_common()),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(seconds, 1),
     }
 
 
@@ -407,19 +417,14 @@ def hostile_frames(base: Path, out: Path, count: int, rng: random.Random) -> lis
 def frames_fuzz(work: Path, count: int, seed: int) -> dict[str, Any]:
     base = work / "compressed-base.safetensors"
     _compressed_base(base)
-    cases = work / "frames"
-    cases.mkdir()
-    paths = hostile_frames(base, cases, count, random.Random(seed))
-    started = time.perf_counter()
-    results = run_cases(paths, "flips", str(base))
+    results, seconds = _hostile_run(work, "frames", base, hostile_frames, count, seed, "flips")
     outcomes = collections.Counter(outcome for outcome, _ in results.values())
-    shutil.rmtree(cases)
     return {
-        "cases tried": len(paths),
+        "cases tried": len(results),
         "changed values undetected": outcomes.get("CHANGED", 0),
         "bad outcomes": sum(n for o, n in outcomes.items() if o not in CLEAN and o != "CHANGED"),
         "by outcome": dict(outcomes.most_common()),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(seconds, 1),
     }
 
 
