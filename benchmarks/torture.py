@@ -1088,6 +1088,58 @@ _LOAD_PLANTED = textwrap.dedent(
 )
 
 
+_LAZY_CUDA = textwrap.dedent(
+    """
+    import json, os, sys, torch, fastckpt
+    from fastckpt.bench.synthetic import llm_like_state_dict
+    folder, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    for r in range(rounds):
+        size = sizes[(r + seed) % len(sizes)]
+        host = llm_like_state_dict(size, seed=r)
+        state = {k: v.to("cuda") for k, v in host.items()}
+        torch.cuda.synchronize()
+        path = os.path.join(folder, f"lazy-{seed}-{r}.safetensors")
+        future = fastckpt.async_save(state, path, lazy=True)
+        future.fence()
+        for t in state.values():  # the step, right after the fence
+            t.add_(1)
+        future.result()
+        back = fastckpt.load(path)
+        wrong = [k for k in host if not torch.equal(back[k], host[k])]
+        stepped = [k for k in wrong if torch.equal(back[k], (host[k].cuda() + 1).cpu())]
+        print(json.dumps([size, len(host), wrong[:5], len(wrong), len(stepped)]), flush=True)
+        os.remove(path)
+    """
+)
+
+
+def lazy_cuda(work: Path, rounds: int, processes: int = 4) -> dict[str, Any]:
+    """Lazy saves of CUDA state fenced and changed right after the call, in ``processes``
+    processes sharing the GPU at once: every file must hold the state at call time. Tensors
+    that differ are counted, and those holding the stepped values (+1) apart."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA GPU here"}
+    children = [_spawn(_LAZY_CUDA, work, rounds, seed) for seed in range(processes)]
+    report: dict[str, Any] = {"saves": 0, "files not the call-time state": 0}
+    report.update({"tensors differing": 0, "of them holding the step's values": 0, "errors": []})
+    for child in children:
+        out, err = child.communicate(timeout=1800)
+        for line in out.splitlines():
+            size, count, wrong, n_wrong, n_stepped = json.loads(line)
+            report["saves"] += 1
+            report["files not the call-time state"] += bool(n_wrong)
+            report["tensors differing"] += n_wrong
+            report["of them holding the step's values"] += n_stepped
+            if n_wrong:
+                report.setdefault("examples", []).append([size, count, wrong])
+        if child.returncode:
+            report["errors"].append(err.strip().splitlines()[-1:] or [f"exit {child.returncode}"])
+    return report
+
+
 def planted_pickles(work: Path) -> int:
     """How many of ``fastckpt.load``'s paths run a pickle planted in a checkpoint directory
     (a hostile DCP ``.metadata``, a ``pytorch_model.bin`` beside an index) without
@@ -1297,6 +1349,7 @@ PARTS = [
     "planted-pickles",
     "manager-kills",
     "bounds",
+    "lazy-cuda",
 ]
 
 
@@ -1307,6 +1360,12 @@ def main(argv: list[str] | None = None) -> int:
         "--frame-cases", type=int, default=600, help="hostile compressed frames (default 600)"
     )
     parser.add_argument("--flips", type=int, default=200, help="bit flips (default 200)")
+    parser.add_argument(
+        "--cuda-rounds",
+        type=int,
+        default=40,
+        help="lazy CUDA saves per process (default 40; skipped without a GPU)",
+    )
     parser.add_argument("--kills", type=int, default=20, help="kill -9 during saves (default 20)")
     parser.add_argument(
         "--bounds-mb", type=int, default=100, help="size of the huge headers (default 100)"
@@ -1362,6 +1421,11 @@ def main(argv: list[str] | None = None) -> int:
                 report = manager_kills(work, args.set_kills, args.seed)
                 bad += sum(
                     v for k, v in report.items() if not k.startswith("kills") and isinstance(v, int)
+                )
+            elif part == "lazy-cuda":
+                report = lazy_cuda(work, args.cuda_rounds)
+                bad += report.get("files not the call-time state", 0) + len(
+                    report.get("errors", [])
                 )
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
