@@ -155,7 +155,7 @@ def frame_table(
         2
     """
     if rotation is None:
-        rotation = 1 if codec == CODEC_BYTEPLANE else 0
+        rotation = _implied_rotation(codec)
     table = FrameTable(codec, planes, chunk_bytes, raw_bytes, tuple(stored_lengths), rotation)
     try:
         _check_rotation(codec, rotation, planes, "frame")
@@ -221,7 +221,7 @@ def parse_frame_head(
         )
     if codec != CODEC_ROTATED_PLANES and field:
         raise HeaderError(f"{where}: {CODEC_NAMES[codec]} frame with {field} in its rotation field")
-    rotation = field if codec == CODEC_ROTATED_PLANES else (1 if codec == CODEC_BYTEPLANE else 0)
+    rotation = field if codec == CODEC_ROTATED_PLANES else _implied_rotation(codec)
     _check_rotation(codec, rotation, planes, where)
     if declared != raw_bytes:
         raise HeaderError(
@@ -283,6 +283,12 @@ def head_length(data: bytes | memoryview) -> int:
         return 0
     _, _, planes, _, _, _, _, chunks, _ = _HEAD.unpack_from(data)
     return HEAD_BYTES + 4 * chunks * planes
+
+
+def _implied_rotation(codec: int) -> int:
+    """The rotation of a codec whose frames do not carry one: one bit for the first byte
+    planes, none for zstd."""
+    return 1 if codec == CODEC_BYTEPLANE else 0
 
 
 def _check_rotation(codec: int, rotation: int, planes: int, where: str) -> None:
