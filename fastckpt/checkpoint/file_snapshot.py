@@ -32,19 +32,19 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from fastckpt import _C
 from fastckpt.checkpoint.save import SavePlan, byte_chunks
 from fastckpt.io import parallel_io
+from fastckpt.io.aligned_memory import aligned_tensor
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 
 __all__ = ["LazyIntoFile", "checksum_and_header", "write_tensors"]
 
-_WINDOW = 64 << 20  # bytes of the file mapped at once while it is checksummed or written
+_WINDOW = 64 << 20  # bytes of the file mapped at once while a lazy save writes into it
 #: Bytes a lazy save copies per read of a tensor: a fence that meets the writer waits for
 #: at most this one copy (as for a piece of the staging ring).
 LAZY_PIECE = 16 << 20
@@ -95,28 +95,29 @@ def write_tensors(
     del keep
 
 
-def _mapped(file: File, begin: int, end: int) -> Iterator[tuple[int, int]]:
-    """``(address, nbytes)`` of the file's bytes ``[begin, end)`` in order, through read-only
-    mappings of at most ``_WINDOW`` bytes, each unmapped before the next."""
-    for position in range(begin, end, _WINDOW):
-        nbytes = min(_WINDOW, end - position)
-        mapping, address = parallel_io.map_range(file.fd, position, nbytes, writable=False)
-        try:
-            yield address, nbytes
-        finally:
-            mapping.close()
+#: Bytes :func:`checksum_and_header` reads into its buffer at a time.
+_READ_CHUNK = 8 << 20
 
 
 def checksum_and_header(plan: SavePlan, file: File) -> None:
     """Computes every tensor's CRC32Cs and XXH3-128 from the bytes :func:`write_tensors`
-    wrote (read from the file's pages), then writes the header."""
+    wrote (read back from the file's pages), then writes the header.
+
+    The bytes are read into one reused buffer, :data:`_READ_CHUNK` at a time, rather than
+    mapped: on tmpfs, mapping a file's pages (populated, then unmapped) costs more CPU than
+    copying them (measured on 2 GiB: 0.27 s against 0.10 s; read and checksum 0.24-0.29 s,
+    map and checksum 0.40 s), and this pass runs beside training."""
     sums = plan.checksummers()
     if plan.checksum:
+        buffer = aligned_tensor(min(_READ_CHUNK, max(plan.data_size, 1)))
+        address = buffer.data_ptr()
         for e in plan.entries:
             acc = sums[e.name]
             lo = plan.header_size + e.begin
-            for address, nbytes in _mapped(file, lo, lo + e.nbytes):
-                acc.update(address, nbytes)
+            for at in range(lo, lo + e.nbytes, buffer.numel()):
+                n = min(buffer.numel(), lo + e.nbytes - at)
+                _C.pread_crc(file.fd, address, n, at, [], False, file.path)
+                acc.update(address, n)
     plan.write_header(file, sums)
 
 
