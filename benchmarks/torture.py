@@ -388,9 +388,8 @@ def hostile_frames(base: Path, out: Path, count: int, rng: random.Random) -> lis
         elif kind == 2:  # another codec or plane count
             buf[lo + rng.choice([4, 5])] = rng.choice([0, 1, 2, 3, 4, 8, 255])
         elif kind == 3:  # a chunk table entry off by a little or a lot
-            entries = (hi - lo - layout.HEAD_BYTES) and struct.unpack_from("<I", buf, lo + 24)[0]
-            planes = buf[lo + 5]
-            at = lo + layout.HEAD_BYTES + 4 * rng.randrange(max(1, entries * planes))
+            (chunks,) = struct.unpack_from("<I", buf, lo + 24)
+            at = lo + layout.HEAD_BYTES + 4 * rng.randrange(max(1, chunks * buf[lo + 5]))
             (length,) = struct.unpack_from("<I", buf, at)
             change = rng.choice([-1, 1, -length, 2**31, 7])
             struct.pack_into("<I", buf, at, max(0, min(2**32 - 1, length + change)))
@@ -1123,8 +1122,13 @@ def lazy_cuda(work: Path, rounds: int, processes: int = 4) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA GPU here"}
     children = [_spawn(_LAZY_CUDA, work, rounds, seed) for seed in range(processes)]
-    report: dict[str, Any] = {"saves": 0, "files not the call-time state": 0}
-    report.update({"tensors differing": 0, "of them holding the step's values": 0, "errors": []})
+    report: dict[str, Any] = {
+        "saves": 0,
+        "files not the call-time state": 0,
+        "tensors differing": 0,
+        "of them holding the step's values": 0,
+        "errors": [],
+    }
     for child in children:
         out, err = child.communicate(timeout=1800)
         for line in out.splitlines():

@@ -127,11 +127,13 @@ class FrameWriter:
                 continue
             seen.add(id(t))
             data = _flat_bytes(t)
-            rotation = frames.default_rotation(job.dtype)
-            plane_codec = frames.CODECS[job.codec] in layout.PLANE_CODECS
-            if plane_codec and job.nbytes >= frames.ROTATION_PROBE_MIN_BYTES:
-                probe = _host(data[: frames.ROTATION_PROBE_BYTES])
-                rotation = frames.choose_rotation(probe, job.itemsize)
+            rotation = 1
+            if frames.CODECS[job.codec] in layout.PLANE_CODECS:
+
+                def head(n: int, data: torch.Tensor = data) -> np.ndarray:
+                    return _host(data[:n])
+
+                rotation = frames.tensor_rotation(head, job.nbytes, job.itemsize, job.dtype)
             self._rotations[id(t)] = rotation
             step = frames.chunk_size(frames.DEFAULT_CHUNK_BYTES, job.codec, job.itemsize)
             for lo in range(0, job.nbytes, step):

@@ -219,6 +219,23 @@ def choose_rotation(sample: np.ndarray, itemsize: int) -> int:
     return best
 
 
+def tensor_rotation(
+    head: Callable[[int], np.ndarray], nbytes: int, itemsize: int, dtype: str
+) -> int:
+    """The rotation of a tensor of ``nbytes`` and ``dtype``: probed (:func:`choose_rotation`)
+    on its first bytes, which ``head(n)`` gives as contiguous uint8, from
+    :data:`ROTATION_PROBE_MIN_BYTES` on; below, :func:`default_rotation`.
+
+    Example:
+        >>> import numpy as np
+        >>> tensor_rotation(lambda n: np.zeros(n, np.uint8), 4096, 2, "F16")
+        1
+    """
+    if nbytes < ROTATION_PROBE_MIN_BYTES:
+        return default_rotation(dtype)
+    return choose_rotation(head(min(nbytes, ROTATION_PROBE_BYTES)), itemsize)
+
+
 def compress_chunk(
     piece: np.ndarray, codec: str, itemsize: int, rotation: int = 1
 ) -> tuple[list[Any], int]:
