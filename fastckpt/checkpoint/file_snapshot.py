@@ -36,7 +36,7 @@ from typing import Any
 
 from fastckpt import _C
 from fastckpt.checkpoint.save import SavePlan, byte_chunks
-from fastckpt.io import parallel_io
+from fastckpt.io import kept_mappings, parallel_io
 from fastckpt.io.aligned_memory import aligned_tensor
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
@@ -82,7 +82,9 @@ def write_tensors(
                 bar.update(nbytes)
 
         if allocated:
-            parallel_io.write_mapped(file, spans, on_progress=advance)
+            with kept_mappings.borrow(file.fd) as kept:  # a spare's: nothing to map
+                mapped_at = None if kept is None else kept.address
+                parallel_io.write_mapped(file, spans, on_progress=advance, mapped_at=mapped_at)
         else:
             parallel_io.write_buffered(file, spans, checksum=False, on_progress=advance)
         for e in strided:  # rare (transposed views): made contiguous a slab at a time
@@ -101,7 +103,8 @@ _READ_CHUNK = 8 << 20
 
 def checksum_and_header(plan: SavePlan, file: File) -> None:
     """Computes every tensor's CRC32Cs and XXH3-128 from the bytes :func:`write_tensors`
-    wrote (read back from the file's pages), then writes the header.
+    wrote (read back from the file's pages, or read in place from the file's kept mapping,
+    :mod:`fastckpt.io.kept_mappings`), then writes the header.
 
     The bytes are read into one reused buffer, :data:`_READ_CHUNK` at a time, rather than
     mapped: on tmpfs, mapping a file's pages (populated, then unmapped) costs more CPU than
@@ -109,16 +112,28 @@ def checksum_and_header(plan: SavePlan, file: File) -> None:
     map and checksum 0.40 s), and this pass runs beside training."""
     sums = plan.checksummers()
     if plan.checksum:
-        buffer = aligned_tensor(min(_READ_CHUNK, max(plan.data_size, 1)))
-        address = buffer.data_ptr()
-        for e in plan.entries:
-            acc = sums[e.name]
-            lo = plan.header_size + e.begin
-            for at in range(lo, lo + e.nbytes, buffer.numel()):
-                n = min(buffer.numel(), lo + e.nbytes - at)
-                _C.pread_crc(file.fd, address, n, at, [], False, file.path)
-                acc.update(address, n)
+        with kept_mappings.borrow(file.fd) as kept:
+            if kept is not None:  # read in place, a chunk at a time for both passes
+                for e in plan.entries:
+                    lo = kept.address + plan.header_size + e.begin
+                    for at in range(lo, lo + e.nbytes, _READ_CHUNK):
+                        sums[e.name].update(at, min(_READ_CHUNK, lo + e.nbytes - at))
+            else:
+                _checksum_read(plan, file, sums)
     plan.write_header(file, sums)
+
+
+def _checksum_read(plan: SavePlan, file: File, sums: dict[str, Any]) -> None:
+    """Feeds ``sums`` every tensor's bytes, read from ``file`` into one reused buffer."""
+    buffer = aligned_tensor(min(_READ_CHUNK, max(plan.data_size, 1)))
+    address = buffer.data_ptr()
+    for e in plan.entries:
+        acc = sums[e.name]
+        lo = plan.header_size + e.begin
+        for at in range(lo, lo + e.nbytes, buffer.numel()):
+            n = min(buffer.numel(), lo + e.nbytes - at)
+            _C.pread_crc(file.fd, address, n, at, [], False, file.path)
+            acc.update(address, n)
 
 
 class LazyIntoFile:
@@ -155,10 +170,19 @@ class LazyIntoFile:
         self._sums = plan.checksummers()
         # the file bytes [first, end) mapped: (first, end, mapping, address of first)
         self._window: tuple[int, int, mmap.mmap, int] | None = None
+        self._kept_at: int | None = None  # the file's byte 0 in its kept mapping, if any
         self._threads = parallel_io.worker_count()
 
     def fill(self, *, allocated: bool) -> None:
         """Copies every tensor into the file, piece by piece, through the guard."""
+        with kept_mappings.borrow(self.file.fd) as kept:  # a spare's: no windows to map
+            self._kept_at = None if kept is None else kept.address
+            try:
+                self._fill(allocated)
+            finally:
+                self._kept_at = None
+
+    def _fill(self, allocated: bool) -> None:
         plan, guard = self.plan, self._guard
         for e in plan.entries:
             guard.begin(e.name)
@@ -185,7 +209,9 @@ class LazyIntoFile:
 
     def _address(self, offset: int, nbytes: int) -> int:
         """The address of file bytes ``[offset, offset + nbytes)`` in a mapping of the file
-        (the current window, or a new one from ``offset`` on)."""
+        (the file's kept mapping, the current window, or a new one from ``offset`` on)."""
+        if self._kept_at is not None:
+            return self._kept_at + offset
         window = self._window
         if window is None or not window[0] <= offset <= offset + nbytes <= window[1]:
             self._unmap()

@@ -37,7 +37,7 @@ import stat
 from typing import Any
 
 from fastckpt import _C
-from fastckpt.io import spare_files
+from fastckpt.io import kept_mappings, spare_files
 from fastckpt.io.files import File
 
 __all__ = [
@@ -261,6 +261,8 @@ class AtomicFile:
     def _release(self) -> None:
         """Removes the temporary file (if still there) and drops the lifetime lock."""
         try:
+            if self.reused:  # a spare's kept mapping would hold the deleted file's memory
+                kept_mappings.release_descriptor(self._lock_fd)
             os.unlink(self.tmp_path)
         except FileNotFoundError:
             pass

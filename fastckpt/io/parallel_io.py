@@ -300,12 +300,20 @@ def write_buffered(
     return _buffered(_C.pwrite_crc, file, spans, checksum, on_progress)
 
 
-def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | None = None) -> None:
+def write_mapped(
+    file: File,
+    spans: Sequence[Span],
+    *,
+    on_progress: Progress | None = None,
+    mapped_at: int | None = None,
+) -> None:
     """Copies every span into a shared, writable mapping of its own pages of ``file`` on the
     worker threads (no checksum); spans under :data:`_MAPPED_MIN` are written with
     ``pwrite``, where a mapping costs more than it saves. Each mapping is populated in one
     call (not page fault by page fault) and unmapped once copied, so at most a span per
-    worker is mapped (and counted in the process's RSS) at a time.
+    worker is mapped (and counted in the process's RSS) at a time. ``mapped_at``: the
+    address of the file's byte 0 in a mapping of the whole file that the caller holds
+    (:mod:`fastckpt.io.kept_mappings`); every span is copied there, and nothing is mapped.
 
     The caller must have allocated the spans' blocks (:meth:`AtomicFile.reserve` returning
     True): a store into a hole of a full memory file system is a SIGBUS, not an error.
@@ -316,16 +324,18 @@ def write_mapped(file: File, spans: Sequence[Span], *, on_progress: Progress | N
     _check_within(file, spans, "a write")
 
     def work(span: Span) -> list[int]:
-        if span.nbytes < _MAPPED_MIN:
+        if mapped_at is not None:
+            _C.memcpy(mapped_at + span.file_offset, span.address, span.nbytes)
+        elif span.nbytes < _MAPPED_MIN:
             _C.pwrite_crc(
                 file.fd, span.address, span.nbytes, span.file_offset, [], False, file.path
             )
-            return []
-        mapping, target = map_range(file.fd, span.file_offset, span.nbytes, writable=True)
-        try:
-            _C.memcpy(target, span.address, span.nbytes)
-        finally:
-            mapping.close()
+        else:
+            mapping, target = map_range(file.fd, span.file_offset, span.nbytes, writable=True)
+            try:
+                _C.memcpy(target, span.address, span.nbytes)
+            finally:
+                mapping.close()
         return []
 
     file.hold()  # the workers use the descriptor: it must not be closed under them

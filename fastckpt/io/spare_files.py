@@ -34,6 +34,7 @@ import os
 import secrets
 import stat
 
+from fastckpt.io import kept_mappings
 from fastckpt.io.files import lock_if_free
 
 __all__ = ["discard", "retire", "take"]
@@ -58,22 +59,46 @@ def _alone(fd: int) -> bool:
 def retire(path: str, spare: str) -> bool:
     """Removes the regular file ``path``, keeping its storage as ``spare`` when no spare is
     there yet and nobody else has the file open (True); else deletes it (False). A file
-    that is missing is no error (False)."""
+    that is missing is no error (False). On a memory file system the spare keeps (or gets,
+    in this call) a whole mapping for the saves that write over it
+    (:mod:`fastckpt.io.kept_mappings`)."""
+    # A kept mapping's own descriptor asks for the lease: a second one of ours would be an
+    # opener the kernel counts against it.
+    kept_fd = kept_mappings.kept_descriptor(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = kept_fd if kept_fd is not None else os.open(path, _RETIRE_FLAGS)
     except FileNotFoundError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.path.lexists(spare):
-            os.unlink(path)
-            return False
-        os.rename(path, spare)  # from here no one can open it by its old name
-        if _alone(fd):  # nobody opened it before the rename either
-            return True
-        os.unlink(spare)
-        return False
+        try:
+            made = _make_spare(fd, path, spare)
+        except BaseException:
+            kept_mappings.release_descriptor(fd)
+            raise
+        if not made:  # deleted: a mapping must not hold its memory
+            kept_mappings.release_descriptor(fd)
+        elif kept_fd is None:
+            kept_mappings.keep(spare, owner=os.path.dirname(spare))
+        return made
     finally:
-        os.close(fd)
+        if kept_fd is None:
+            os.close(fd)
+
+
+def _make_spare(fd: int, path: str, spare: str) -> bool:
+    """Renames ``path`` (open at ``fd``) to ``spare`` if it may be one (True), else
+    deletes it (False)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or os.path.lexists(spare):
+        os.unlink(path)
+        return False
+    os.rename(path, spare)  # from here no one can open it by its old name
+    if _alone(fd):  # nobody opened it before the rename either
+        return True
+    os.unlink(spare)
+    return False
+
+
+_RETIRE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
@@ -97,5 +122,6 @@ def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
 
 def discard(spare: str) -> None:
     """Deletes ``spare`` if it is there (its memory goes back to the system)."""
+    kept_mappings.release(spare)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(spare)

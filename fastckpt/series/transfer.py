@@ -51,6 +51,7 @@ from fastckpt import _C, storage
 from fastckpt.checkpoint.read import CheckpointReader
 from fastckpt.checkpoint.tensor_crcs import damaged
 from fastckpt.errors import ChecksumError
+from fastckpt.io import kept_mappings
 from fastckpt.io.checksums import crc32c_combine
 from fastckpt.io.commit import fsync_directory
 from fastckpt.io.files import File
@@ -268,22 +269,32 @@ def copy_file(
 def _windows(source: str, total: int) -> Iterator[memoryview]:
     """The file's bytes ``_CHUNK`` at a time, each a read-only mapping of the file (faulted
     in at once), unmapped before the next: the copy holds at most ``_CHUNK`` of it mapped,
-    and copies none of it."""
-    with open(source, "rb") as f:
-        for offset in range(0, total, _CHUNK):
-            window = mmap.mmap(
-                f.fileno(),
-                min(_CHUNK, total - offset),
-                flags=mmap.MAP_SHARED | MAP_POPULATE,
-                prot=mmap.PROT_READ,
-                offset=offset,
-            )
-            view = memoryview(window)
-            try:
-                yield view
-            finally:
-                view.release()
-                window.close()
+    and copies none of it. A file with a kept mapping (a fast tier's, on a memory file
+    system: :mod:`fastckpt.io.kept_mappings`) is read from it instead, mapping nothing."""
+    with open(source, "rb") as f, kept_mappings.borrow(f.fileno()) as kept:
+        whole = None if kept is None else kept.view()
+        try:
+            for offset in range(0, total, _CHUNK):
+                n = min(_CHUNK, total - offset)
+                if whole is not None:
+                    yield whole[offset : offset + n]
+                    continue
+                window = mmap.mmap(
+                    f.fileno(),
+                    n,
+                    flags=mmap.MAP_SHARED | MAP_POPULATE,
+                    prot=mmap.PROT_READ,
+                    offset=offset,
+                )
+                view = memoryview(window)
+                try:
+                    yield view
+                finally:
+                    view.release()
+                    window.close()
+        finally:
+            if whole is not None:
+                whole.release()
 
 
 def _copy_local(source: str, target: str, total: int, rate: float | None) -> int:
