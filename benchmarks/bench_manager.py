@@ -301,6 +301,10 @@ def _start_s3() -> tuple[Any, str, dict[str, Any]] | str:
         "secret": "testing",
         "endpoint_url": f"http://{host}:{port}",
         "client_kwargs": {"region_name": "us-east-1"},
+        # moto assembles a completed multipart object in Python (copying each part twice):
+        # for a 2 GiB object on a busy 2-core machine that outlasts botocore's 60 s read
+        # timeout, and the retried completion then finds the parts gone
+        "config_kwargs": {"read_timeout": 900},
     }
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket=bucket)

@@ -15,7 +15,7 @@ import os
 import resource
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from fastckpt.bench.units import KiB
 
@@ -106,7 +106,40 @@ class Measure:
         }
 
 
-class ThreadSampler:
+_S = TypeVar("_S", bound="_Sampler")
+
+
+class _Sampler:
+    """Calls :meth:`_sample` every ``interval`` seconds on a thread of its own while in its
+    ``with`` block (and once more on leaving it, where :attr:`_last_sample` says so)."""
+
+    _last_sample = True
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self: _S) -> _S:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._last_sample:
+            self._sample()
+
+
+class ThreadSampler(_Sampler):
     """Counts, every ``interval`` seconds, this process's threads that are running or waiting
     on the device (state R or D in ``/proc/self/task/*/stat``), its own thread left out.
 
@@ -121,12 +154,14 @@ class ThreadSampler:
         True
     """
 
+    _last_sample = False  # (it would count the thread leaving the block)
+
     def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
+        super().__init__(interval)
         self.samples = 0
         self.busy_total = 0
         self.busy_max = 0
-        self._stop = threading.Event()
+        self._own = 0
 
     def _count(self, own: int) -> int:
         busy = 0
@@ -141,30 +176,20 @@ class ThreadSampler:
             busy += state in ("R", "D")
         return busy
 
-    def _run(self) -> None:
-        own = threading.get_native_id()
-        while not self._stop.is_set():
-            busy = self._count(own)
-            self.samples += 1
-            self.busy_total += busy
-            self.busy_max = max(self.busy_max, busy)
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> ThreadSampler:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _sample(self) -> None:
+        if not self._own:
+            self._own = threading.get_native_id()  # the sampling thread itself
+        busy = self._count(self._own)
+        self.samples += 1
+        self.busy_total += busy
+        self.busy_max = max(self.busy_max, busy)
 
     @property
     def streams(self) -> float:
         return self.busy_total / self.samples if self.samples else 0.0
 
 
-class AnonymousPeak:
+class AnonymousPeak(_Sampler):
     """Samples :func:`anonymous_rss` every ``interval`` seconds in a thread: ``extra`` is its
     peak above its value on entry. The kernel keeps no peak of it; a sampled peak may miss a
     spike shorter than ``interval``.
@@ -178,22 +203,13 @@ class AnonymousPeak:
     """
 
     def __init__(self, interval: float = 0.01) -> None:
-        self.interval = interval
+        super().__init__(interval)
         self.extra = 0
-        self._stop = threading.Event()
+        self._before = 0
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.extra = max(self.extra, anonymous_rss() - self._before)
-            self._stop.wait(self.interval)
+    def _sample(self) -> None:
+        self.extra = max(self.extra, anonymous_rss() - self._before)
 
     def __enter__(self) -> AnonymousPeak:
         self._before = anonymous_rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.extra = max(self.extra, anonymous_rss() - self._before)
+        return super().__enter__()

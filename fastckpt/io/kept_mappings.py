@@ -12,10 +12,11 @@ keeps it while it is a step, then a spare again. The tier's files stay mapped (c
 the process's RSS, as shared memory: the pages were allocated to the file system anyway).
 
 A kept mapping holds an open file description of its own (read-write, as the mapping is).
-:func:`fastckpt.io.spare_files.retire` asks for its write lease on that description, so the
-mapping does not hide other openers from it. Forked children inherit neither the mapping
-(``MADV_DONTFORK``) nor, in Python's ``os.fork``, the descriptor (closed in the child): a
-data loader's worker must not keep a deleted step's memory alive.
+:func:`fastckpt.io.spare_files.retire` asks for its write lease on that description: the
+kernel then counts the mapping as the lease holder's own, and any other opener still has the
+lease refused. Forked children inherit neither the mapping (``MADV_DONTFORK``) nor, in
+Python's ``os.fork``, its descriptors (closed in the child): a data loader's worker must not
+keep a deleted step's memory alive.
 
 Only files on a memory file system are kept: mapping a disk file populated would read it.
 
@@ -50,8 +51,8 @@ from fastckpt.io.parallel_io import map_range
 __all__ = [
     "KeptMapping",
     "borrow",
+    "borrow_path",
     "keep",
-    "kept_descriptor",
     "release",
     "release_descriptor",
     "release_owned",
@@ -132,7 +133,27 @@ def borrow(fd: int) -> Iterator[KeptMapping | None]:
     """The kept mapping of the file open at ``fd``, held (not unmapped by a release) for the
     ``with`` block; None when the file has none, or has another size than its mapping (the
     file was cut or grown since: a store past its end would be a SIGBUS)."""
-    st = os.fstat(fd)
+    with _borrowed(os.fstat(fd)) as kept:
+        yield kept
+
+
+@contextlib.contextmanager
+def borrow_path(path: str) -> Iterator[KeptMapping | None]:
+    """:func:`borrow` by name (the file ``path`` names, not followed if a link): its
+    descriptor stays open for the block even if the mapping is released meanwhile."""
+    try:
+        st: os.stat_result | None = os.stat(path, follow_symlinks=False)
+    except OSError:
+        st = None
+    if st is None:
+        yield None
+        return
+    with _borrowed(st) as kept:
+        yield kept
+
+
+@contextlib.contextmanager
+def _borrowed(st: os.stat_result) -> Iterator[KeptMapping | None]:
     with _lock:
         kept = _kept.get(_key(st))
         if kept is not None and kept.size != st.st_size:
@@ -149,18 +170,6 @@ def borrow(fd: int) -> Iterator[KeptMapping | None]:
                 last = kept._released and not kept._users
             if last:
                 kept._close()
-
-
-def kept_descriptor(path: str) -> int | None:
-    """The descriptor holding the kept mapping of ``path``'s file, or None (no mapping).
-    The caller must not close it."""
-    try:
-        key = _key(os.stat(path, follow_symlinks=False))
-    except OSError:
-        return None
-    with _lock:
-        kept = _kept.get(key)
-        return None if kept is None else kept.fd
 
 
 def release(path: str) -> None:

@@ -64,25 +64,25 @@ def retire(path: str, spare: str) -> bool:
     (:mod:`fastckpt.io.kept_mappings`)."""
     # A kept mapping's own descriptor asks for the lease: a second one of ours would be an
     # opener the kernel counts against it.
-    kept_fd = kept_mappings.kept_descriptor(path)
-    try:
-        fd = kept_fd if kept_fd is not None else os.open(path, _RETIRE_FLAGS)
-    except FileNotFoundError:
-        return False
-    try:
+    with kept_mappings.borrow_path(path) as kept:
         try:
-            made = _make_spare(fd, path, spare)
-        except BaseException:
-            kept_mappings.release_descriptor(fd)
-            raise
-        if not made:  # deleted: a mapping must not hold its memory
-            kept_mappings.release_descriptor(fd)
-        elif kept_fd is None:
-            kept_mappings.keep(spare, owner=os.path.dirname(spare))
-        return made
-    finally:
-        if kept_fd is None:
-            os.close(fd)
+            fd = kept.fd if kept is not None else os.open(path, _RETIRE_FLAGS)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                made = _make_spare(fd, path, spare)
+            except BaseException:
+                kept_mappings.release_descriptor(fd)
+                raise
+            if not made:  # deleted: a mapping must not hold its memory
+                kept_mappings.release_descriptor(fd)
+            elif kept is None:
+                kept_mappings.keep(spare, owner=os.path.dirname(spare))
+            return made
+        finally:
+            if kept is None:
+                os.close(fd)
 
 
 def _make_spare(fd: int, path: str, spare: str) -> bool:

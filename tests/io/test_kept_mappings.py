@@ -39,7 +39,8 @@ def _saved(directory: str, name: str, state: dict) -> str:
 
 
 def _kept(path: str) -> bool:
-    return kept_mappings.kept_descriptor(path) is not None
+    with kept_mappings.borrow_path(path) as kept:
+        return kept is not None
 
 
 def _state(seed: int = 0) -> dict:
