@@ -78,3 +78,27 @@ def test_peers_call_the_checkpoint_layer_not_the_package_root(tmp_path):
     SAVERS["fastckpt"].setup({"w": torch.arange(4.0)}, path)()
     assert LOADERS["fastckpt"].setup(path, "cpu")()["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert LOADERS["fastckpt-mmap"].setup(path, "cpu")()["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_anonymous_peak_sees_memory_held_inside_the_block_and_not_a_mapped_file(tmp_path):
+    """In a process of its own (other tests' threads free memory meanwhile): 96 MiB held
+    in the block counts, 96 MiB of a file mapped and read does not."""
+    script = f"""
+import mmap, time
+from fastckpt.bench.measure import AnonymousPeak
+with open({str(tmp_path / "f")!r}, "wb") as f:
+    f.truncate(96 << 20)
+with open({str(tmp_path / "f")!r}, "rb") as f, AnonymousPeak(interval=0.001) as mapped:
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    assert sum(m[i] for i in range(0, 96 << 20, 4096)) == 0
+    m.close()
+with AnonymousPeak(interval=0.001) as held:
+    block = b"x" * (96 << 20)
+    time.sleep(0.05)
+print(held.extra >> 20, mapped.extra >> 20)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    held, mapped = int(out[0]), int(out[1])
+    assert held >= 90 and mapped < 16
