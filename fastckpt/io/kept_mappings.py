@@ -121,7 +121,7 @@ def keep(path: str, *, owner: str) -> KeptMapping | None:
         return None
     with contextlib.suppress(AttributeError, OSError):  # not in a forked child's memory
         mapping.madvise(mmap.MADV_DONTFORK)
-    kept = KeptMapping(fd, st.st_size, address, owner, mapping)
+    kept = KeptMapping(fd, st.st_size, address, os.path.abspath(owner), mapping)
     with _lock:
         if _kept.setdefault(_key(st), kept) is not kept:  # another thread kept it meanwhile
             kept._close()
@@ -189,7 +189,9 @@ def release_descriptor(fd: int) -> None:
 
 
 def release_owned(owner: str) -> None:
-    """Unmaps every mapping kept with ``owner`` (a manager closing its fast tier)."""
+    """Unmaps every mapping kept with ``owner`` (:func:`fastckpt.io.spare_files.discard`,
+    when a manager closes its fast tier)."""
+    owner = os.path.abspath(owner)
     with _lock:
         for key in [k for k, kept in _kept.items() if kept.owner == owner]:
             _drop(key)

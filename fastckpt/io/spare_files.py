@@ -78,7 +78,7 @@ def retire(path: str, spare: str) -> bool:
             if not made:  # deleted: a mapping must not hold its memory
                 kept_mappings.release_descriptor(fd)
             elif kept is None:
-                kept_mappings.keep(spare, owner=os.path.dirname(spare))
+                kept_mappings.keep(spare, owner=os.path.dirname(os.path.abspath(spare)))
             return made
         finally:
             if kept is None:
@@ -121,7 +121,9 @@ def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
 
 
 def discard(spare: str) -> None:
-    """Deletes ``spare`` if it is there (its memory goes back to the system)."""
-    kept_mappings.release(spare)
+    """Deletes ``spare`` if it is there (its memory goes back to the system), and unmaps
+    every file that spares of its directory kept mapped (:mod:`fastckpt.io.kept_mappings`):
+    call it when done saving over spares there."""
+    kept_mappings.release_owned(os.path.dirname(os.path.abspath(spare)))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(spare)

@@ -67,7 +67,7 @@ from typing import Any
 
 from fastckpt import api
 from fastckpt.errors import ChecksumError, FastCkptError
-from fastckpt.io import kept_mappings, spare_files
+from fastckpt.io import spare_files
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
@@ -663,10 +663,8 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
-            if self._spare is not None:  # its memory goes back to the system
-                spare_files.discard(self._spare)
-                # and the fast tier's files are no longer mapped (kept_mappings)
-                kept_mappings.release_owned(os.path.dirname(self._spare))
+            if self._spare is not None:  # its memory goes back to the system, and the
+                spare_files.discard(self._spare)  # tier's files are unmapped (kept_mappings)
             for lock in self._locks:
                 lock.release()
 

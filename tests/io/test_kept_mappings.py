@@ -72,6 +72,8 @@ def test_a_spare_in_memory_is_mapped_once_and_the_next_save_copies_into_that_map
     assert _kept(path)  # the same file, now the step: still mapped for the drain
     loaded = fastckpt.load(path, verify=True)  # the CRC32Cs the pass took from the mapping
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    spare_files.discard(spare)  # done with spares here: the directory's files are unmapped
+    assert not _kept(path) and os.path.exists(path)
 
 
 def test_a_kept_file_nobody_else_opened_becomes_the_spare_and_a_read_one_is_deleted_and_unmapped(
