@@ -12,7 +12,9 @@ ChecksumError, OSError, ValueError, KeyError, WeightsOnlyError. Bad: a crash (si
 hang, MemoryError, any other exception, ``fastckpt verify`` saying OK for a file that load
 rejects, or (for bit flips) a load that succeeds with different values. For multi-file
 sets: a load mixing two saves, a set that does not load, a lost update, a changed file
-beside the checkpoint, a planted pickle that runs, a writer that fails.
+beside the checkpoint, a planted pickle that runs, a writer that fails. For a checkpoint
+manager's fast tier (``manager-readers``): a step whose mapped bytes change under a reader
+while the tier reuses its deleted files as spares.
 
 Usage::
 
@@ -875,6 +877,96 @@ def concurrency(work: Path, seconds: float = 5.0) -> dict[str, Any]:
     return report
 
 
+# A fast tier's readers. A deleted fast step's file becomes the spare, and the next save
+# writes over it through the mapping the tier keeps of it (fastckpt.io.kept_mappings); the
+# write lease asked on that mapping's own descriptor must still see every other opener, or
+# a reader would watch a step's bytes turn into a later step's. Readers map the newest fast
+# step (load(mmap=True): pages shared with the file until written) and check, after a pause,
+# that every value is still that step's.
+
+_FAST_SAVER = textwrap.dedent(
+    """
+    import os, sys, torch, fastckpt
+    from fastckpt.series import steps as layout
+    root, fast, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    inodes = set()
+    with fastckpt.CheckpointManager(root, fast=fast, keep_last=1) as manager:
+        for step in range(1, steps + 1):
+            manager.save(step, {"w": torch.full((4 << 20,), float(step))}).result()
+            path = layout.join(layout.step_dir(fast, step), layout.STATE_FILE)
+            inodes.add(os.stat(path).st_ino)  # a reused spare keeps its inode
+            if step % 3 == 0:
+                manager.wait()  # drained: the fast tier's older steps go, spares appear
+    print(steps - len(inodes), flush=True)
+    """
+)
+
+_FAST_READER = textwrap.dedent(
+    """
+    import os, sys, time, fastckpt
+    from fastckpt.series import steps as layout
+    fast, stop = sys.argv[1], sys.argv[2]
+    good = changed = gone = 0
+    while not os.path.exists(stop):
+        steps = layout.committed_steps(fast)
+        if not steps:
+            continue
+        path = layout.join(layout.step_dir(fast, steps[-1]), layout.STATE_FILE)
+        try:
+            w = fastckpt.load(path, mmap=True)["w"]
+        except (OSError, ValueError, fastckpt.FastCkptError):
+            gone += 1  # deleted or not yet there: never a wrong value
+            continue
+        first = float(w[0])
+        time.sleep(0.02)  # the saver retires, reuses, writes meanwhile
+        if first == steps[-1] and bool((w == first).all()):
+            good += 1
+        else:
+            changed += 1
+        del w
+    print(good, changed, gone, flush=True)
+    """
+)
+
+
+def manager_readers(work: Path, steps: int = 60) -> dict[str, Any]:
+    """A manager saving into a fast tier on /dev/shm while two processes map and check its
+    newest step: a file must never be reused under a reader."""
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        return {"skipped": "needs /dev/shm"}
+    fast = Path(tempfile.mkdtemp(prefix="torture-readers-", dir="/dev/shm"))
+    stop = work / "readers-stop"
+    try:
+        readers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _FAST_READER, str(fast), str(stop)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        saver = subprocess.run(
+            [sys.executable, "-c", _FAST_SAVER, str(work / "readers-root"), str(fast), str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        stop.touch()
+        counts = [tuple(map(int, r.communicate(timeout=60)[0].split())) for r in readers]
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
+    report: dict[str, Any] = {
+        "saves": steps,
+        "files reused as spares": int(saver.stdout.split()[0]) if saver.returncode == 0 else 0,
+        "reads that held a whole step": sum(c[0] for c in counts),
+        "reads whose step changed under them": sum(c[1] for c in counts),
+        "reads of a step already gone": sum(c[2] for c in counts),
+    }
+    if saver.returncode:
+        report["saver error"] = saver.stderr[-1500:]
+    return report
+
+
 # --------------------------------------------------------------------------- multi-file sets
 #
 # A sharded directory (Hugging Face shards + index) and a DCP checkpoint (rank files +
@@ -1352,6 +1444,7 @@ PARTS = [
     "dcp-concurrency",
     "planted-pickles",
     "manager-kills",
+    "manager-readers",
     "bounds",
     "lazy-cuda",
 ]
@@ -1426,6 +1519,14 @@ def main(argv: list[str] | None = None) -> int:
                 bad += sum(
                     v for k, v in report.items() if not k.startswith("kills") and isinstance(v, int)
                 )
+            elif part == "manager-readers":
+                report = manager_readers(work)
+                bad += report.get("reads whose step changed under them", 0)
+                bad += "saver error" in report
+                # a run that reused no file, or read nothing whole, checked nothing
+                if "skipped" not in report:
+                    bad += not report["files reused as spares"]
+                    bad += not report["reads that held a whole step"]
             elif part == "lazy-cuda":
                 report = lazy_cuda(work, args.cuda_rounds)
                 bad += report.get("files not the call-time state", 0) + len(

@@ -34,6 +34,21 @@ def test_torture_smoke(tmp_path):
     assert "bad outcomes in total: 0" in out.stdout
 
 
+def test_torture_smoke_fast_tier_readers(tmp_path):
+    """A fast tier's files are reused as spares, never under a reader that maps them."""
+    out = subprocess.run(
+        [sys.executable, str(TORTURE), "--only=manager-readers", f"--dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if '"skipped"' not in out.stdout:
+        assert '"reads whose step changed under them": 0' in out.stdout
+        assert '"files reused as spares": 0' not in out.stdout
+    assert "bad outcomes in total: 0" in out.stdout
+
+
 def test_torture_full_disk(tmp_path):
     """Every saver (plain, eager and lazy async, a manager's step, a fast tier's step over its
     spare file) meets a full file system: each fails with ENOSPC, leaves nothing behind, and
