@@ -1,5 +1,7 @@
 #include "executor.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -40,6 +42,19 @@ constexpr unsigned kMaxFailedRounds = 24;
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
+
+// The file range that O_DIRECT and buffered requests of one op never share: a page at
+// least. A device may take O_DIRECT at 512 bytes, but a buffered head or tail dirties a
+// whole page of the page cache; an O_DIRECT write into the rest of that page at the same
+// time then fails to invalidate it ("Page cache invalidation failure on direct I/O"), and
+// the stale page is what reads see and writeback stores (the O_DIRECT bytes lost).
+uint64_t page_granule(uint64_t a) {
+  static const uint64_t page = [] {
+    const long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<uint64_t>(p) : kDirectIoAlignment;
+  }();
+  return a >= page && a % page == 0 ? a : round_up(std::max(a, page), a);
+}
 
 struct Slot {
   Request req;
@@ -131,7 +146,9 @@ uint64_t Executor::submit(const OpSpec& spec) {
   }
   const unsigned parts =
       spec.max_parts ? std::min(spec.max_parts, config_.parallelism) : config_.parallelism;
-  // Parts end on aligned file offsets so that each keeps its blocks O_DIRECT-able.
+  // Parts end on page-granule file offsets so that each keeps its blocks O_DIRECT-able and
+  // no two parts share a page (one buffered, the other direct).
+  const uint64_t g = page_granule(a);
   const uint64_t share = spec.len / parts + (spec.len % parts != 0);
   std::vector<Task> tasks;
   uint64_t begin = 0;
@@ -139,7 +156,7 @@ uint64_t Executor::submit(const OpSpec& spec) {
     // k * share < len + parts, and offset + len + a <= INT64_MAX: nothing below wraps.
     uint64_t end = k == parts
                        ? spec.len
-                       : std::min(spec.len, round_up(spec.offset + k * share, a) - spec.offset);
+                       : std::min(spec.len, round_up(spec.offset + k * share, g) - spec.offset);
     if (end <= begin) continue;
     tasks.push_back({op, begin, end});
     begin = end;
@@ -298,7 +315,8 @@ void Executor::run_task(Engine& engine, Task& task, bool& engine_lost) {
   Op& op = *task.op;
   const OpSpec& s = op.spec;
   const uint64_t a = s.alignment;
-  const uint64_t block = std::max(a, round_down(config_.block_size, a));
+  const uint64_t g = page_granule(a);  // heads, tails and direct blocks end on these
+  const uint64_t block = std::max(g, round_down(config_.block_size, g));
   // Chunks start on aligned file offsets, so memory misalignment is the same for all.
   const bool needs_bounce = reinterpret_cast<uintptr_t>(s.ptr - s.offset) % a != 0;
   bool direct_ok = s.fd_direct >= 0;
@@ -362,14 +380,14 @@ void Executor::run_task(Engine& engine, Task& task, bool& engine_lost) {
       sl->rel = pos;
       sl->done = 0;
       sl->retries = 0;
-      if (direct_ok && abs % a != 0) {  // unaligned head: page cache
-        sl->len = std::min(left, a - abs % a);
+      if (direct_ok && abs % g != 0) {  // unaligned head, to the page's end: page cache
+        sl->len = std::min(left, g - abs % g);
         sl->direct = false;
-      } else if (direct_ok && left < a) {  // unaligned tail: page cache
+      } else if (direct_ok && left < g) {  // unaligned tail, its page: page cache
         sl->len = left;
         sl->direct = false;
       } else if (direct_ok) {
-        sl->len = std::min(block, round_down(left, a));
+        sl->len = std::min(block, round_down(left, g));
         sl->direct = true;
       } else {
         sl->len = std::min(block, left);

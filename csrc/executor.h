@@ -4,8 +4,10 @@
 // - It splits an op into `parallelism` contiguous parts, one per worker thread, each worker
 //   with its own engine instance and up to `queue_depth` requests of `block_size` in flight.
 // - O_DIRECT is used for every block whose file offset and length are aligned; unaligned
-//   heads and tails go through the buffered descriptor, and memory that is not aligned is
-//   staged through aligned bounce buffers.
+//   heads and tails go through the buffered descriptor, each up to its page's boundary (a
+//   page never takes buffered and O_DIRECT requests at once: the kernel cannot invalidate
+//   a page a buffered write dirtied, and the O_DIRECT bytes would be lost), and memory that
+//   is not aligned is staged through aligned bounce buffers.
 // - A short transfer is continued; EINTR/EAGAIN are retried (a bounded number of times);
 //   EINVAL from an O_DIRECT request (a file system that accepted O_DIRECT at open but not
 //   for this I/O) is retried buffered; anything else becomes the op's error, raised by

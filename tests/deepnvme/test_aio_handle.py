@@ -640,3 +640,33 @@ def test_parameter_names_are_deepspeeds():
         assert positional == names, method
         if method not in ("new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "wait"):
             assert "fd" in inspect.signature(getattr(aio_handle, method)).parameters, method
+
+
+@pytest.mark.parametrize("offset", [1, 512, 4096 + 512])
+def test_an_unaligned_head_or_tail_page_is_never_also_written_direct(engine, tmp_path, offset):
+    """A device may take O_DIRECT at 512 bytes, but a page written partly through the page
+    cache and partly with O_DIRECT at once cannot be invalidated, and the O_DIRECT bytes are
+    lost. So an unaligned head or tail goes through the page cache to its page's boundary:
+    those pages stay cached, whole and right; the pages between are written direct."""
+    from fastckpt.io.page_cache import resident_fraction
+
+    page = os.sysconf("SC_PAGESIZE")
+    nbytes = 8 * page
+    path = str(tmp_path / "data.bin")
+    data = random_bytes(nbytes, seed=offset)
+    assert make_handle(engine).sync_pwrite(data, path, offset) == 1
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        first, last = offset // page, (offset + nbytes - 1) // page
+        head = resident_fraction(fd, first * page, page)
+        tail = resident_fraction(fd, last * page, page)
+        middle = resident_fraction(fd, (first + 1) * page, (last - first - 1) * page)
+        assert os.pread(fd, nbytes, offset) == data.numpy().tobytes()
+    finally:
+        os.close(fd)
+    if head is None or middle is None:
+        pytest.skip("the kernel cannot say which pages are cached")
+    if middle == 1.0:
+        pytest.skip("O_DIRECT is not taken here: every page went through the page cache")
+    assert head == 1.0 and tail == 1.0  # written whole through the page cache
+    assert middle == 0.0  # every page between went direct
