@@ -40,7 +40,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,16 +174,17 @@ def _borrowed(st: os.stat_result) -> Iterator[KeptMapping | None]:
 
 def release(path: str) -> None:
     """Unmaps the kept mapping of ``path``'s file, if it has one (once no one borrows it)."""
-    with contextlib.suppress(OSError):
-        key = _key(os.stat(path, follow_symlinks=False))
-        with _lock:
-            _drop(key)
+    _release(lambda: os.stat(path, follow_symlinks=False))
 
 
 def release_descriptor(fd: int) -> None:
     """Unmaps the kept mapping of the file open at ``fd``, if it has one."""
-    with contextlib.suppress(OSError):
-        key = _key(os.fstat(fd))
+    _release(lambda: os.fstat(fd))
+
+
+def _release(stat_of: Callable[[], os.stat_result]) -> None:
+    with contextlib.suppress(OSError):  # a file already gone has no mapping to find
+        key = _key(stat_of())
         with _lock:
             _drop(key)
 

@@ -272,29 +272,36 @@ def _windows(source: str, total: int) -> Iterator[memoryview]:
     and copies none of it. A file with a kept mapping (a fast tier's, on a memory file
     system: :mod:`fastckpt.io.kept_mappings`) is read from it instead, mapping nothing."""
     with open(source, "rb") as f, kept_mappings.borrow(f.fileno()) as kept:
-        whole = None if kept is None else kept.view()
+        if kept is not None:
+            yield from _kept_windows(kept, total)
+        else:
+            yield from _mapped_windows(f.fileno(), total)
+
+
+def _kept_windows(kept: kept_mappings.KeptMapping, total: int) -> Iterator[memoryview]:
+    whole = kept.view()
+    try:
+        for offset in range(0, total, _CHUNK):
+            yield whole[offset : offset + _CHUNK]
+    finally:
+        whole.release()
+
+
+def _mapped_windows(fd: int, total: int) -> Iterator[memoryview]:
+    for offset in range(0, total, _CHUNK):
+        window = mmap.mmap(
+            fd,
+            min(_CHUNK, total - offset),
+            flags=mmap.MAP_SHARED | MAP_POPULATE,
+            prot=mmap.PROT_READ,
+            offset=offset,
+        )
+        view = memoryview(window)
         try:
-            for offset in range(0, total, _CHUNK):
-                n = min(_CHUNK, total - offset)
-                if whole is not None:
-                    yield whole[offset : offset + n]
-                    continue
-                window = mmap.mmap(
-                    f.fileno(),
-                    n,
-                    flags=mmap.MAP_SHARED | MAP_POPULATE,
-                    prot=mmap.PROT_READ,
-                    offset=offset,
-                )
-                view = memoryview(window)
-                try:
-                    yield view
-                finally:
-                    view.release()
-                    window.close()
+            yield view
         finally:
-            if whole is not None:
-                whole.release()
+            view.release()
+            window.close()
 
 
 def _copy_local(source: str, target: str, total: int, rate: float | None) -> int:
