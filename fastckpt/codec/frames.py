@@ -72,7 +72,9 @@ def _zstd() -> Any:
         import zstandard
     except ImportError:
         raise ImportError(
-            "compressed checkpoints need the zstandard package: pip install 'fastckpt[compress]'"
+            "compressed checkpoints need the zstandard package, which is not installed here: "
+            "pip install 'fastckpt-io[compress]' (in a clone of fastckpt: pip install "
+            "'.[compress]'; the PyPI project named fastckpt is another one)"
         ) from None
     return zstandard
 
