@@ -52,7 +52,7 @@ from fastckpt.checkpoint import (
     file_snapshot,
     save_order,
 )
-from fastckpt.checkpoint.lazy_guard import LazyGuard
+from fastckpt.checkpoint.lazy_guard import LazyGuard, write_guarded
 from fastckpt.checkpoint.save import (
     StreamWriter,
     _through_page_cache,
@@ -468,9 +468,11 @@ def async_save(
         if not lazy:  # a lazy call returns at once: its thread reserves (~3 ms per GiB)
             allocated = out.reserve(plan.file_size)
         from_tensors = not snapshot and _through_page_cache(plan, out, direct_io)
-        guard = LazyGuard(plan.tensors, fence_bytes=fence_bytes) if lazy else None
-        if guard is not None:
-            guard.fence_optimizers(optimizers)
+        guard = (
+            LazyGuard(plan.tensors, fence_bytes=fence_bytes, optimizers=optimizers)
+            if lazy
+            else None
+        )
     except BaseException as exc:
         out.abort()
         return _fail_early(future, exc)
@@ -497,12 +499,11 @@ def async_save(
     if guard is not None:
 
         def work() -> None:
-            try:
+            def fill() -> None:
                 out.reserve(plan.file_size)
                 writer.fill()
-            finally:
-                guard.finish()  # fences return, steps stop fencing: no tensor is read any more
-            writer.finish()
+
+            write_guarded(guard, writer, fill)
 
     elif from_tensors:
 
@@ -597,11 +598,7 @@ def _start_lazy_into_file(
     future._guard = guard
 
     def work() -> None:
-        try:
-            writer.fill(allocated=out.reserve(plan.file_size))
-        finally:
-            guard.finish()  # fences return, steps stop fencing: no tensor is read any more
-        writer.finish()
+        write_guarded(guard, writer, lambda: writer.fill(allocated=out.reserve(plan.file_size)))
 
     return _start_in_order(future, path, work, writer, out)
 

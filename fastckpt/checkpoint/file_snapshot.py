@@ -171,7 +171,7 @@ class LazyIntoFile:
 
     def __init__(self, plan: SavePlan, file: File, guard: Any, *, cancel: Any = None):
         self.plan, self.file, self._guard, self._cancel = plan, file, guard, cancel
-        self._sums = plan.checksummers()
+        self.sums = plan.checksummers()
         # the file bytes [first, end) mapped: (first, end, mapping, address of first)
         self._window: tuple[int, int, mmap.mmap, int] | None = None
         self._kept_at: int | None = None  # the file's byte 0 in its kept mapping, if any
@@ -190,7 +190,7 @@ class LazyIntoFile:
         plan, guard = self.plan, self._guard
         for e in plan.entries:
             guard.begin(e.name)
-            acc = self._sums[e.name]
+            acc = self.sums[e.name]
             done = 0
             while done < e.nbytes:
                 if self._cancel is not None and self._cancel.is_set():
@@ -231,9 +231,12 @@ class LazyIntoFile:
             self._window[2].close()
             self._window = None
 
+    def drain(self) -> None:
+        """Nothing is in flight once :meth:`fill` returns: ``sums`` are complete."""
+
     def finish(self) -> None:
         """Writes the header from the checksums the pieces fed."""
-        self.plan.write_header(self.file, self._sums)
+        self.plan.write_header(self.file, self.sums)
 
     def abort(self) -> None:
         """Unmaps the file (nothing else is in flight once :meth:`fill` returns or raises)."""

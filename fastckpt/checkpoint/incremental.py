@@ -1,14 +1,16 @@
 """Incremental saves: ``save(obj, path, base=earlier)`` writes only the tensors whose bytes
 differ from ``earlier``'s tensor of the same name, and refers to the others.
 
-Deciding what changed, per tensor, cheapest first:
+Deciding what changed, per tensor, by content:
 
 1. ``frozen`` names it (a set of names or a predicate): the caller's promise that it has not
    changed since ``base`` -- referred to with ``base``'s recorded hash, nothing read.
-2. This process saved it to ``base`` and its storage, version counter, data pointer and
-   layout have not moved since (:mod:`.tensor_records`): referred to without hashing.
+2. This process saved it to ``base`` and its version counter has moved since, on the same
+   memory (:mod:`.tensor_records`): it changed, so it is written (and hashed as it is
+   written). A counter only ever says "changed": fused and foreach optimizer kernels,
+   BatchNorm's forward pass and writes through ``.data`` change a tensor without moving it.
 3. Otherwise it is hashed (XXH3-128, on every core) and compared with the hash ``base``
-   records for it.
+   records for it in its header: equal hashes are the only way to "unchanged".
 
 A tensor ``base`` does not hold (or holds with another dtype or shape, or without a hash) is
 written. References point to the file that holds the bytes: when ``base`` itself refers to an
@@ -278,9 +280,6 @@ def choose(
             same[name] = loc.xxh3_128
             continue
         mine = earlier.get(name)
-        if mine is not None and mine.matches(t):
-            (same if mine.xxh3_128 == loc.xxh3_128 else known)[name] = mine.xxh3_128
-            continue
         if mine is not None and mine.written_in_place(t):
             continue  # changed in place since saved: written, and hashed as it is written
         to_hash[name] = t

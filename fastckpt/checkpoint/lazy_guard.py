@@ -1,57 +1,63 @@
 """What keeps a lazy asynchronous save true to the values at call time.
 
-``async_save(state, path, fence=optimizer)`` returns without copying a byte; a background
-thread then streams each tensor through a fixed ring of staging buffers to the file while
-training goes on. Parameters and optimizer state do not change until the next
-``optimizer.step()``, so the copy overlaps the next forward and backward passes. Two things
-hold the file to the values at call time:
+``async_save(state, path, fence=optimizer)`` returns after copying only what no fence holds
+still; a background thread then streams the rest through a fixed ring of staging buffers to
+the file while training goes on. Three things hold the file to the values at call time:
 
+- **what is read lazily** (by construction): only the tensors the fence owns -- the
+  parameters and state of the fenced optimizers (:mod:`.fence_cover`) -- are read after
+  the call. Every other tensor of the state (BatchNorm's running statistics, which a forward
+  pass changes without moving their version counter; EMA copies; buffers; another
+  optimizer's tensors) is copied at the call: a CPU tensor into host memory, a CUDA tensor
+  into device memory on a side stream ordered after the work queued before the call, with
+  the current stream made to wait for that copy. A lazy save with no optimizer fenced
+  therefore copies the whole state at the call (it never streams unguarded tensors).
 - **the fence** (held off): an ``Optimizer.register_step_pre_hook`` on each fenced optimizer
-  runs :meth:`LazyGuard.fence` before its next step. The writer reads a tensor a piece at a
-  time (a piece: what fits in the current ring buffer), claiming each piece while it copies
-  it. The fence snapshots into ordinary host memory every byte the writer has not reached:
-  the tensors it has not started and, of the tensor it is copying, the part past the piece
-  it copies now. It then waits for that one piece's memory copy, never for the disk, and
-  the step goes on; the writer continues from the snapshot. So a fenced step is blocked
-  for a memory copy of what is left, and the host memory grows by the ring plus that.
-  ``fence_bytes`` caps the snapshots: what does not fit (a tensor, or the rest of the one
-  being copied, taken whole or not at all) is left to the writer, and the fence waits for
-  it to pass through the ring, at the storage's speed. Other mutators (EMA updates, manual
-  loops, schedulers that touch tensors) call ``future.fence()`` themselves first.
-- **the version check** (detected): each tensor's version counter (``tensor._version``),
-  recorded at call time, is compared before its first byte is copied and after its last,
-  or, when a fence snapshotted the rest of it, when the snapshot is taken (before the step,
-  while the bytes read so far and the snapshot both hold the values at call time). A
-  tensor changed in between fails the save: ``result()`` raises a
-  :class:`fastckpt.LazySaveError` naming it and how to fence it. A fence takes no snapshot
-  of a tensor that changed already; a silently mixed checkpoint is never committed.
+  runs :meth:`LazyGuard.fence` before it changes anything (after the step's closure, for
+  torch's own optimizers). The writer reads a tensor a piece at a time, claiming each piece
+  while it copies it. The fence snapshots into host memory every byte the writer has not
+  reached, waits for the one piece being copied (a memory copy, never a disk write), and
+  the step goes on; the writer continues from the snapshot. ``fence_bytes`` caps the
+  snapshots: what does not fit is left to the writer, and the fence waits for it to pass
+  through the ring, at the storage's speed. Other code that changes a fenced tensor in place
+  (a manual update of a parameter) calls ``future.fence()`` first.
+- **the checks** (detected): each tensor read live has its version counter
+  (``tensor._version``) compared with the call's before its first byte is copied and after
+  its last; again at the fence, for every tensor read so far (by then every in-place op the
+  trainer started has finished and moved its counter); and, when the save has written
+  everything before any fence came, its bytes are hashed again and compared with what was
+  written, which catches an op still running while the writer copied (the counter moves
+  only when an op ends). A change found fails the save: ``result()`` raises a
+  :class:`fastckpt.LazySaveError` naming the tensor; a mixed checkpoint is never committed.
+
+What the checks cannot see, and the docs say so: a write that bypasses the version counter
+(``tensor.data``, a ``.numpy()`` view, a custom kernel) to a *fenced* tensor, finished
+before the writer reached it; and, for CUDA tensors (not hashed again), the same writes at
+any time before the fence. Code that changes parameters or optimizer state that way
+between a lazy save and the next step calls ``future.fence()`` first, or saves without
+``lazy``/``fence`` (a snapshot of everything at the call).
 
 CUDA tensors. The call records an event on each device's current stream. The writer copies
-device-to-host on a side stream per device that waits on that event (so the work queued
-before the call is in the file, and the host never waits for it), a ring buffer at a time
-into the page-locked ring; each buffer's copies are followed by an event the writer
+device-to-host on a side stream per device that waits on that event, a ring buffer at a
+time into the page-locked ring; each buffer's copies are followed by an event the writer
 synchronizes on before handing that buffer to the disk. A tensor's version is checked again
-once its copies are seen complete. The fence never waits on the host for device-to-host
-copies: it clones what the writer has not queued (the tensors not started and the part of
-the one being copied past its queued copies) on the side stream, in device memory, within
-``fence_bytes``, and makes the current stream wait (``current_stream.wait_event``) on an
-event after those clones and every copy queued so far, so the step's kernels run after them
-while the host goes on at once. The writer then reads the clones. Memory: at most
-``fence_bytes`` of device memory (default: every byte not yet copied) on the tensors'
-devices, freed as the writer passes each clone; no host memory beyond the ring. Past the cap, the fence waits until the writer has *queued* the copies of
-the rest (at the storage's speed, as for CPU tensors).
-
-What the version counter cannot see: writes through ``tensor.data`` or ``.numpy()`` views,
-writes from other processes (shared memory), and CUDA kernels queued on other streams
-after the call. Fence those writers explicitly (``future.fence()``), or take the default
-snapshot (``async_save`` without ``fence``), which copies everything before returning.
+once its copies are seen complete (a CUDA op moves the counter when it is queued, so the
+check cannot miss an op queued before it). The fence never waits on the host for
+device-to-host copies: it clones what the writer has not queued on the side stream, within
+``fence_bytes``, and makes the current stream wait on an event after those clones and every
+copy queued so far. Past the cap, the fence waits until the writer has *queued* the copies
+of the rest.
 
 Example:
     >>> import torch
-    >>> w = torch.zeros(3)
-    >>> guard = LazyGuard({"w": w}, fence_bytes=None)
-    >>> w.add_(1)  # changed before the writer copied it, with no fence
-    tensor([1., 1., 1.])
+    >>> w, running_mean = torch.zeros(3, requires_grad=True), torch.zeros(3)
+    >>> optimizer = torch.optim.SGD([w], lr=0.1)
+    >>> guard = LazyGuard({"w": w, "running_mean": running_mean}, fence_bytes=None,
+    ...                   optimizers=[optimizer])
+    >>> guard.call_copy_bytes  # the statistics, copied at the call; w is read lazily
+    12
+    >>> with torch.no_grad():
+    ...     _ = w.add_(1)  # changed before the writer copied it, outside the fenced step
     >>> try:
     ...     guard.begin("w")
     ... except LazySaveError as exc:
@@ -65,15 +71,17 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from fastckpt.checkpoint import fence_memory
+from fastckpt.checkpoint.digests import hash_tensor
+from fastckpt.checkpoint.fence_cover import FenceCover
 from fastckpt.errors import LazySaveError
 
-__all__ = ["LazyGuard", "LazySaveError"]
+__all__ = ["LazyGuard", "LazySaveError", "fence_after_closure", "write_guarded"]
 
 _HOW_TO_FENCE = (
     "pass the optimizer that changes it as async_save(..., fence=optimizer), call "
@@ -97,8 +105,10 @@ class LazyGuard:
         tensors: dict[str, torch.Tensor],
         *,
         fence_bytes: int | None,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
         how_to_fence: str = _HOW_TO_FENCE,
     ):
+        optimizers = list(optimizers)
         self._tensors = tensors
         self._how_to_fence = how_to_fence  # the end of a LazySaveError's message
         self._versions = {name: t._version for name, t in tensors.items()}
@@ -125,6 +135,35 @@ class LazyGuard:
         self._flat: dict[str, torch.Tensor] = {}  # the bytes the writer reads, per tensor
         self._queued: set[str] = set()  # every copy queued, not yet seen complete
         self._fenced: set[str] = set()  # ordered before a fence: no check after the copy
+        # -- what no fence holds still is copied now (fence_cover.py)
+        self._fence_started = False  # a fence began: every op the trainer queued is done
+        self._settled = False  # a fence completed: nothing is read live any more
+        self._failure: LazySaveError | None = None  # found by a fence, raised by the writer
+        self._call_copied: set[str] = set()  # copied at the call, never read live
+        self.call_copy_bytes = 0  # memory those copies took, for the docs' figures
+        self._copy_uncovered(FenceCover(optimizers))
+        self.fence_optimizers(optimizers)
+
+    def _copy_uncovered(self, cover: FenceCover) -> None:
+        """Copies now every tensor ``cover`` does not hold still (all of them when no
+        optimizer is fenced): a CPU tensor into host memory, a CUDA tensor into device
+        memory on its side stream, after the work queued before the call, with the current
+        stream made to wait for the copy (a forward pass queued next must not overwrite
+        BatchNorm's statistics before they are copied). The writer reads the copies."""
+        with self._lock:
+            uncovered = [n for n, t in self._tensors.items() if not cover.covers(t)]
+            for name in uncovered:
+                tensor = self._tensors[name]
+                if name in self._device:
+                    stream = self._side(name)
+                    copy = _queue_clone(stream, _queue_flat(stream, tensor))
+                    self._snapshots[name] = (0, copy)
+                else:
+                    self._snapshots[name] = (0, self._host_tail(name, tensor, 0))
+                self._call_copied.add(name)
+                self.call_copy_bytes += tensor.numel() * tensor.element_size()
+            for device, stream in self._sides.items():
+                torch.cuda.current_stream(device).wait_event(_record(stream))
 
     # -- the writer's side ------------------------------------------------------------------
     def begin(self, name: str) -> None:
@@ -136,6 +175,7 @@ class LazyGuard:
                 event.synchronize()  # work queued before the call is in the tensors
             self._host_ready = []
         with self._lock:
+            self._raise_failure()
             if name not in self._snapshots:
                 self._check(name, "before its bytes were copied")
             self._copying, self._claimed, self._slab = name, 0, None
@@ -210,6 +250,7 @@ class LazyGuard:
         """The writer starts on the CUDA tensor ``name``: checked unchanged since the call,
         unless a fence snapshotted it (its clone is read then)."""
         with self._lock:
+            self._raise_failure()
             if name in self._snapshots:
                 self._fenced.add(name)  # the clone holds the values at call time
                 return
@@ -265,6 +306,7 @@ class LazyGuard:
                 self._lock.notify_all()
                 return
             try:
+                self._raise_failure()
                 # a snapshot was taken unchanged, before the step: no check needed
                 if self._copying == name and name not in self._snapshots:
                     self._check(name, "while its bytes were copied")
@@ -284,6 +326,45 @@ class LazyGuard:
             events = [_record(stream) for stream in self._sides.values()]
         for event in events:
             event.synchronize()
+
+    def verify_unfenced(self, digests: Mapping[str, Any]) -> None:
+        """Called once every byte is written, before the commit: when no fence has come
+        yet, checks that the tensors read live still hold what was written. A version
+        counter moves only when an in-place op *finishes*, so one still running while the
+        writer copied its tensor is invisible to it; the bytes are not: each CPU tensor
+        read live is hashed again (XXH3-128) and compared with the hash of the bytes
+        written (``digests``: name -> an object with ``strong``). A fence that begins
+        meanwhile takes over (it checks every counter once the trainer's ops are done).
+
+        Raises:
+            LazySaveError: a tensor read live changed before the fenced step.
+        """
+        with self._lock:
+            self._raise_failure()
+            if self._fence_started:
+                return
+            live = self._read_live()
+            for name in live:
+                self._check(name, "while or after its bytes were copied")
+            hashed = {
+                n: self._tensors[n]
+                for n in live
+                if n not in self._device and getattr(digests.get(n), "strong", None)
+            }
+        for name, tensor in hashed.items():
+            if hash_tensor(tensor) == digests[name].strong:
+                continue
+            with self._lock:
+                if self._fence_started:  # the step may be changing it now: the fence decides
+                    self._raise_failure()
+                    return
+                raise LazySaveError(
+                    f"tensor {name!r} changed after async_save(lazy) was called, before any "
+                    "fenced step, without moving its version counter in time (an in-place "
+                    "update still running while its bytes were copied, or a write through "
+                    "`.data`): the checkpoint would not hold the values at the call and was "
+                    f"not committed; {self._how_to_fence}"
+                )
 
     def finish(self) -> None:
         """The save ended (committed or failed): fences return at once; no step fences it.
@@ -315,7 +396,9 @@ class LazyGuard:
 
         Example:
             >>> w = torch.zeros(2)
-            >>> guard = LazyGuard({"model.w": w, "unused": torch.ones(1)}, fence_bytes=None)
+            >>> fenced = [torch.optim.SGD([w], lr=0.1)]
+            >>> guard = LazyGuard({"model.w": w, "unused": torch.ones(1)}, fence_bytes=None,
+            ...                   optimizers=fenced)
             >>> guard.rebind({"w@0": "model.w", "extra": torch.ones(1)})
             >>> guard.begin("w@0")
             >>> with guard.read("w@0", 0, 8) as part:
@@ -346,17 +429,40 @@ class LazyGuard:
             self._fenced = {
                 new for new, old in names.items() if isinstance(old, str) and old in self._fenced
             }
+            self._call_copied = {
+                new
+                for new, old in names.items()
+                if isinstance(old, str) and old in self._call_copied
+            }
             self._lock.notify_all()
 
-    def _check(self, name: str, when: str) -> None:
+    def _raise_failure(self) -> None:
+        """Raises what a fence found (a tensor read live that changed before the step)."""
+        if self._failure is not None:
+            raise self._failure
+
+    def _changed(self, name: str, when: str) -> LazySaveError | None:
+        """The error to raise when ``name``'s version counter moved since the call."""
         now = self._tensors[name]._version
-        if now != self._versions[name]:
-            raise LazySaveError(
-                f"tensor {name!r} changed after async_save(lazy) was called and {when}: "
-                f"its version counter moved from {self._versions[name]} to {now}, so the "
-                f"checkpoint would mix values of two steps and was not committed; "
-                f"{self._how_to_fence}"
-            )
+        if now == self._versions[name]:
+            return None
+        return LazySaveError(
+            f"tensor {name!r} changed after async_save(lazy) was called and {when}: "
+            f"its version counter moved from {self._versions[name]} to {now}, so the "
+            f"checkpoint would mix values of two steps and was not committed; "
+            f"{self._how_to_fence}"
+        )
+
+    def _read_live(self) -> list[str]:
+        """The tensors the writer has read (or queued copies of) from their own memory."""
+        started = self._done | self._queued | ({self._copying} if self._copying else set())
+        return [n for n in self._tensors if n in started and n not in self._call_copied]
+
+    def _check(self, name: str, when: str) -> None:
+        self._raise_failure()
+        error = self._changed(name, when)
+        if error is not None:
+            raise error
 
     def _side(self, name: str) -> Any:
         """The side stream of ``name``'s device, made at first use after its call event."""
@@ -378,7 +484,19 @@ class LazyGuard:
         tensor until copied, a CUDA tensor until its copies are queued); and the current
         CUDA streams wait on the side streams' work."""
         with self._lock:
-            if self._finished:
+            if self._finished or self._settled:
+                return  # (after the first fence nothing is read live any more)
+            # Every in-place op the trainer queued before this step has finished (CPU) or
+            # moved its counter (CUDA, at launch): a tensor read live that changed since
+            # the call may be torn in the file. The save fails; the step goes on.
+            self._fence_started = True
+            for name in self._read_live():
+                self._failure = self._failure or self._changed(
+                    name, "before the fenced step, while or after its bytes were copied"
+                )
+            if self._failure is not None:
+                self._settled = True
+                self._lock.notify_all()
                 return
             budget = self._fence_bytes
             for name, tensor in self._tensors.items():
@@ -410,6 +528,7 @@ class LazyGuard:
                 )
             ):
                 self._lock.wait()
+            self._settled = True
             if self._finished or not self._sides:
                 return
             for name in self._device - self._done:  # every copy of it is ordered below
@@ -435,6 +554,21 @@ class LazyGuard:
             self._fenced_on.append(optimizer)
 
 
+def write_guarded(guard: LazyGuard, writer: Any, fill: Callable[[], None]) -> None:
+    """Runs a lazy save's writer to its header: ``fill`` copies every tensor through
+    ``guard``; once every write has landed, the tensors read live are verified
+    (:meth:`LazyGuard.verify_unfenced`, against the writer's ``sums``), the guard finishes
+    (fences return at once from then on) and the writer writes the header. The guard
+    finishes whatever happens, so no step waits on a failed save."""
+    try:
+        fill()
+        writer.drain()
+        guard.verify_unfenced(writer.sums)
+    finally:
+        guard.finish()
+    writer.finish()
+
+
 # One step pre-hook per fenced optimizer, kept for the optimizer's life: it fences the lazy
 # saves pending on it. Saves come and go through this registry rather than by adding and
 # removing hooks, since a save ends on its own thread, and removing a hook there while a
@@ -446,11 +580,61 @@ _fenced: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[LazyGuard]] = (
 )
 
 
-def _fence_pending_saves(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+def _fence_pending_saves(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    """The step pre-hook: fences the lazy saves pending on ``optimizer``."""
     with _fenced_lock:
         pending = list(_fenced.get(optimizer, ()))
-    for guard in pending:
-        guard.fence()
+    if not pending:
+        return None
+
+    def fence() -> None:
+        for guard in pending:
+            guard.fence()
+
+    return fence_after_closure(optimizer, args, kwargs, fence)
+
+
+def fence_after_closure(
+    optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, fence: Callable[[], None]
+) -> Any:
+    """For a step pre-hook: runs ``fence`` before ``optimizer`` changes anything, as late
+    as that is known to be: after the step's closure (the forward and backward passes a
+    ``step(closure)`` runs first, which then overlap the save) for torch's own optimizers,
+    which evaluate the closure before they change anything, else now. Returns what a step
+    pre-hook returns: None, or the step's arguments with the closure wrapped.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> order = []
+        >>> args, kwargs = fence_after_closure(
+        ...     opt, (opt,), {"closure": lambda: order.append("closure")},
+        ...     lambda: order.append("fence"))
+        >>> _ = kwargs["closure"](); order
+        ['closure', 'fence']
+    """
+    positional = len(args) > 1  # args[0] is the optimizer itself
+    closure = args[1] if positional else kwargs.get("closure")
+    if closure is None or not _evaluates_closure_first(optimizer):
+        fence()
+        return None
+
+    def fenced_closure() -> Any:
+        loss = closure()
+        fence()
+        return loss
+
+    if positional:
+        return (args[0], fenced_closure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": fenced_closure}
+
+
+def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` calls the closure before changing anything: so
+    for torch's own optimizers (and subclasses that keep their ``step``). LBFGS calls it
+    again between its changes: the fence after its first call is the one that counts."""
+    module = getattr(type(optimizer).step, "__module__", "") or ""
+    return module.startswith("torch.optim.")
 
 
 def _after_fork_in_child() -> None:

@@ -522,8 +522,9 @@ class StreamWriter:
             buf.register_for_cuda()
             buf.tensor()[at : at + n].copy_(chunk)
 
-    def finish(self) -> None:
-        """Waits for every data write, then writes the header and trims the padding."""
+    def drain(self) -> None:
+        """Waits for every data write; each tensor's checksums and hash (``sums``) are then
+        complete."""
         try:
             self._write_deferred()
             while self._inflight:
@@ -533,6 +534,10 @@ class StreamWriter:
             raise
         if self._hasher is not None:
             self._hasher.close()
+
+    def finish(self) -> None:
+        """Waits for every data write, then writes the header and trims the padding."""
+        self.drain()
         self.plan.write_header(self.file, self.sums)
         if self.file.size() != self.plan.file_size:
             self.file.truncate(self.plan.file_size)

@@ -1,27 +1,27 @@
 """What this process remembers of the tensors it saved, so that the next incremental save
-to the same series can tell an unchanged tensor without hashing it.
+to the same series can tell a changed tensor without hashing it.
 
 After a save to ``P``, each tensor's storage (a weak reference), version counter, data
-pointer and layout are kept with the XXH3-128 written for it. A later save with
-``base=P`` refers to a tensor without hashing when all of these still match and ``P``'s
-header still records that hash for it. Guards: the weak reference fails once the storage is
-freed (a new tensor at the same address is not mistaken for the old one); in-place
-operations bump the version counter. Writes through ``tensor.data`` or raw pointers (a
-custom kernel, ``numpy()`` views) do not bump it: callers who write that way must not rely
-on this guard, and should call :func:`forget` after such writes (the next save then hashes
-every tensor) -- see docs/incremental.md. Memory: weak references and a few ints per tensor, for the last
-:data:`MAX_SERIES` destinations.
+pointer and layout are kept with the XXH3-128 written for it. A later save with ``base=P``
+writes a tensor without hashing it first when it is the same memory and its version counter
+has moved since: an in-place op changed it. The counter is never taken as proof that a
+tensor did *not* change -- fused and foreach optimizer kernels, BatchNorm's forward pass,
+writes through ``tensor.data`` or raw pointers change bytes without moving it -- so a tensor
+whose counter has not moved is hashed and compared by content
+(:mod:`~fastckpt.checkpoint.incremental`). Guards: the weak reference fails once the storage
+is freed (a new tensor at the same address is not mistaken for the old one). Memory: weak
+references and a few ints per tensor, for the last :data:`MAX_SERIES` destinations.
 
 Example:
     >>> import torch
     >>> t = torch.ones(3)
     >>> record = SaveRecord("/tmp/fastckpt-rec.safetensors", {"t": t})
     >>> record.hashed({"t": "0" * 32})
-    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].matches(t)
-    True
-    >>> _ = t.add_(1)
-    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].matches(t)
+    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].written_in_place(t)
     False
+    >>> _ = t.add_(1)
+    >>> previous("/tmp/fastckpt-rec.safetensors")["t"].written_in_place(t)
+    True
 """
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ class TensorState:
     data_ptr: int
     layout: tuple[Any, ...]
     xxh3_128: str
-
-    def matches(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the same memory, not modified in place since (see the module)."""
-        return self._version_on_same_memory(t) == self.version
 
     def written_in_place(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the same memory (storage, address, layout) written in place

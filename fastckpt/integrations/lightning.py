@@ -62,7 +62,6 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import errno
 import importlib
 import inspect
@@ -75,7 +74,6 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastckpt.checkpoint import config_objects, tree
 from fastckpt.checkpoint.asynchronous import SaveFuture, async_save
@@ -520,138 +518,33 @@ class _Removal:
         return all(f.exception() is None for f in self.waiting_on)
 
 
-#: Tensors below this size are copied at a lazy save's call: normalisation statistics and
-#: counters, which a forward pass changes before any optimizer step, cost next to nothing.
-_COPIED_AT_CALL_BYTES = 1 << 20
-
-
-def _copy_changed_by_forward(flat: tree.Flat, module: Any) -> tree.Flat:
-    """``flat`` with copies of the tensors a forward pass may change in place: the small
-    ones, and those that share memory with a buffer of ``module`` (a LightningModule, or
-    None when the Trainer is not known). The lazy save then reads only parameters and
-    optimizer state, which change at the fenced optimizer step.
-
-    Example:
-        >>> import torch
-        >>> from fastckpt.checkpoint import tree
-        >>> w, n = torch.zeros(1 << 20), torch.zeros(2)
-        >>> out = _copy_changed_by_forward(tree.flatten({"w": w, "n": n}), None)
-        >>> out.tensors["w"] is w, out.tensors["n"] is n
-        (True, False)
-    """
-    buffers = set()
-    if isinstance(module, torch.nn.Module):
-        buffers = {b.data_ptr() for b in module.buffers() if b.numel()}
-    tensors = {}
-    for name, tensor in flat.tensors.items():
-        small = tensor.numel() * tensor.element_size() < _COPIED_AT_CALL_BYTES
-        if small or (tensor.numel() and tensor.data_ptr() in buffers):
-            tensor = tensor.detach().clone()
-        tensors[name] = tensor
-    return dataclasses.replace(flat, tensors=tensors)
-
-
-def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step(closure)`` calls the closure before changing anything: so
-    for torch's own optimizers (and subclasses that keep their ``step``)."""
-    module = getattr(type(optimizer).step, "__module__", "") or ""
-    return module.startswith("torch.optim.")
-
-
-# The lazy saves that the next step of an optimizer fences: by optimizer, or for every
-# optimizer. One step pre-hook for the whole process reads them, registered once and never
-# removed: a save ends on its own thread, and removing a hook there while a step iterates
-# the hooks would break that step ("OrderedDict mutated during iteration").
-_fences_lock = threading.Lock()
-_fences_by_optimizer: weakref.WeakKeyDictionary[Any, list[SaveFuture]] = weakref.WeakKeyDictionary()
-_fences_everywhere: list[SaveFuture] = []
-_fences_hook: Any = None
-
-
-def _fence_optimizer_steps(future: SaveFuture, optimizers: Any) -> None:
-    """Fences ``future`` at the next step of each of ``optimizers`` (every optimizer of
-    the process when None): after the step's closure when the optimizer evaluates it first
-    (Lightning runs forward and backward inside the closure, which then overlap the save),
-    else before the step. The save is forgotten when it is done."""
-    global _fences_hook
-    with _fences_lock:
-        if _fences_hook is None:
-            _fences_hook = register_optimizer_step_pre_hook(_fence_before_step)
-        if optimizers is None:
-            lists = [_fences_everywhere]
-        else:
-            lists = [_fences_by_optimizer.setdefault(opt, []) for opt in optimizers]
-        for pending in lists:
-            pending.append(future)
-
-    def forget(_: Any) -> None:
-        with _fences_lock:
-            for pending in lists:
-                if future in pending:
-                    pending.remove(future)
-
-    future.add_done_callback(forget)
-
-
-def _fence_before_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
-    """The step pre-hook: fences the saves pending on ``optimizer`` (see above)."""
-    with _fences_lock:
-        futures = [*_fences_by_optimizer.get(optimizer, ()), *_fences_everywhere]
-    if not futures:
-        return None
-
-    def fence() -> None:
-        for future in futures:
-            future.fence()
-
-    positional = len(args) > 1  # args[0] is the optimizer itself
-    closure = args[1] if positional else kwargs.get("closure")
-    if closure is None or not _evaluates_closure_first(optimizer):
-        fence()
-        return None
-
-    def fenced_closure() -> Any:
-        loss = closure()
-        fence()
-        return loss
-
-    if positional:
-        return (args[0], fenced_closure, *args[2:]), kwargs
-    return args, {**kwargs, "closure": fenced_closure}
-
-
-def _forget_fences_in_child() -> None:
-    global _fences_lock
-    _fences_lock = threading.Lock()  # a save thread of the parent may have held it
-    _fences_by_optimizer.clear()
-    _fences_everywhere.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_fences_in_child)
+def _has_cuda_tensors(flat: tree.Flat) -> bool:
+    return any(t.device.type == "cuda" for t in flat.tensors.values())
 
 
 class AsyncFastCkptIO(FastCkptIO):
     """A ``CheckpointIO`` whose saves barely block the training loop.
 
-    By default (``lazy=True``) ``save_checkpoint`` returns without copying the tensors
-    (:func:`fastckpt.async_save` with ``lazy=True``): a background thread streams them
-    through a fixed staging ring to the file while the next batch's forward and backward
-    run, and the optimizers of the Trainer that saves are fenced. Their next ``step()``
-    first lets the save copy, or snapshot into host memory (up to ``fence_bytes``), the
-    tensors it has not reached, so the file holds the state at the save call. The fence
-    comes after the step's closure (forward, backward, ``on_before_optimizer_step``) for
-    torch's own optimizers, which evaluate the closure before they change anything, and
-    before the step for others. Small tensors (under 1 MiB: normalisation statistics,
-    counters) and the module's buffers, which a forward pass changes, are copied at the
-    call. A tensor changed in place by anything else (an EMA callback, a manual loop)
-    before the save copied it fails that save with :class:`~fastckpt.errors.LazySaveError`
-    (raised by the next save or at the end of ``fit``); nothing mixed is committed. Such
-    code calls :meth:`fence` first, or the plugin is made with ``lazy=False``.
+    During a run of a Trainer whose state is on the CPU, ``save_checkpoint`` is lazy by
+    default (:func:`fastckpt.async_save` with ``fence=trainer.optimizers``): it copies at
+    the call only what the Trainer's optimizers do not change (buffers such as BatchNorm's
+    statistics, EMA copies, any other tensor), and a background thread streams the
+    parameters and optimizer state through a fixed staging ring to the file while the next
+    batch's forward and backward run. The optimizers' next ``step()`` first lets the save
+    copy, or snapshot into host memory (up to ``fence_bytes``), what it has not reached, so
+    the file holds the state at the save call. The fence comes after the step's closure
+    (forward, backward, ``on_before_optimizer_step``) for torch's own optimizers, which
+    evaluate the closure before they change anything, and before the step for others. A
+    parameter or optimizer tensor changed in place by anything else (a manual update)
+    before the step fails that save with :class:`~fastckpt.errors.LazySaveError` (raised by
+    the next save or at the end of ``fit``); nothing mixed is committed. Such code calls
+    :meth:`fence` first, or the plugin is made with ``lazy=False``.
 
-    With ``lazy=False`` ``save_checkpoint`` returns once the tensors are copied into
-    staging memory (a snapshot the size of the checkpoint); the write goes on in the
-    background and the model may change at once. URLs are always saved this way.
+    Otherwise -- ``lazy=False``, a state with CUDA tensors (unless ``lazy=True`` is asked
+    for), a URL, or a plugin used outside a running Trainer (no optimizer is known to fence)
+    -- ``save_checkpoint`` returns once the tensors are copied into staging memory (a
+    point-in-time snapshot the size of the checkpoint), as Lightning's ``AsyncCheckpointIO``
+    does; the write goes on in the background and the model may change at once.
 
     Either way, writing, fsync and the atomic rename happen in the background. Guarantees:
 
@@ -668,8 +561,9 @@ class AsyncFastCkptIO(FastCkptIO):
     Args:
         allow_pickle: as :class:`FastCkptIO`.
         max_pending: at most this many saves in flight; a further save waits for the oldest.
-        lazy: stream the tensors while training goes on, fenced at the optimizers' steps
-            (the default), rather than snapshot them all before returning.
+        lazy: stream the parameters and optimizer state while training goes on, fenced at
+            the optimizers' steps, rather than snapshot them all before returning. Default
+            (None): lazy for a state on the CPU, a snapshot for one with CUDA tensors.
         fence_bytes: cap on the host memory one fence may snapshot (default: no cap); past
             it the step waits for the ring, at the storage's speed.
         save_options: other keyword options of :func:`fastckpt.async_save`.
@@ -687,7 +581,7 @@ class AsyncFastCkptIO(FastCkptIO):
         *,
         allow_pickle: bool = False,
         max_pending: int = 2,
-        lazy: bool = True,
+        lazy: bool | None = None,
         fence_bytes: int | None = None,
         **save_options: Any,
     ):
@@ -738,13 +632,13 @@ class AsyncFastCkptIO(FastCkptIO):
         _make_parent(path)
         trainer = _calling_trainer()
         outside = _outside_a_run(trainer)
-        lazy = self.lazy and not outside and not is_url(path)
+        optimizers = list(getattr(trainer, "optimizers", None) or ()) if not outside else []
+        wanted = not _has_cuda_tensors(flat) if self.lazy is None else self.lazy
+        lazy = wanted and bool(optimizers) and not is_url(path)
         before = set(threading.enumerate())
         if lazy:
-            flat = _copy_changed_by_forward(flat, getattr(trainer, "lightning_module", None))
-            options = {"lazy": True, "fence_bytes": self.fence_bytes, **self.save_options}
+            options = {"fence": optimizers, "fence_bytes": self.fence_bytes, **self.save_options}
             future = async_save(flat, path, max_pending=self.max_pending, **options)
-            _fence_optimizer_steps(future, getattr(trainer, "optimizers", None))
         else:
             save = remote.async_save if is_url(path) else async_save
             future = save(flat, path, max_pending=self.max_pending, **self.save_options)

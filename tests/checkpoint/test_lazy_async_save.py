@@ -17,6 +17,7 @@ import torch
 
 import fastckpt
 from fastckpt.checkpoint import asynchronous, lazy_guard
+from tests._fences import owner
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -60,7 +61,7 @@ def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):
     while (buffer := ring.try_acquire()) is not None:
         held.append(buffer)
     try:
-        future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
+        future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=16 << 20)
         for tensor in state.values():  # before the writer copied any of them
             tensor.add_(1)
     finally:
@@ -79,7 +80,7 @@ def test_future_fence_covers_other_in_place_updates(tmp_path):
     expected = {k: v.clone() for k, v in state.items()}
     ema = {k: v.clone() for k, v in state.items()}
     future = fastckpt.async_save(
-        state, tmp_path / "ema.safetensors", lazy=True, staging_bytes=16 << 20
+        state, tmp_path / "ema.safetensors", fence=owner(state), staging_bytes=16 << 20
     )
     future.fence()  # before an EMA-style update no optimizer fence sees
     for name, tensor in state.items():
@@ -95,7 +96,7 @@ def test_fence_bytes_bounds_the_snapshot_and_the_rest_is_waited_for(tmp_path):
     future = fastckpt.async_save(
         state,
         tmp_path / "capped.safetensors",
-        lazy=True,
+        fence=owner(state),
         staging_bytes=16 << 20,
         fence_bytes=8 << 20,
     )
@@ -242,7 +243,9 @@ def test_the_next_checkpoints_fence_copies_into_the_memory_the_last_one_used(tmp
             held.append(buffer)
         try:
             path = tmp_path / f"{step}.safetensors"
-            future = fastckpt.async_save(state, path, lazy=True, staging_bytes=16 << 20)
+            future = fastckpt.async_save(
+                state, path, fence=owner(state), staging_bytes=16 << 20
+            )
             idle_before = fence_memory.idle_bytes()
             future.fence()
             if step == 1:  # every snapshot came from what the first save's writer gave back

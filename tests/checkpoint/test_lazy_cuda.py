@@ -23,6 +23,7 @@ import torch
 from _queued_cuda import HostDevice
 
 import fastckpt
+from tests._fences import owner
 
 MIB = 1 << 20
 
@@ -59,7 +60,7 @@ def test_side_stream_waits_on_the_call_event_and_buffers_are_written_after_their
     state = _tensors(12, 3 * MIB // 4)  # 3 MiB each through a ring of two 4 MiB buffers
     expected = {k: v.clone() for k, v in state.items()}
     path = tmp_path / "ckpt.safetensors"
-    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=8 * MIB)
+    future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB)
     assert future.result() is None
     # Copies only ran at event synchronizations: the file holds the right bytes only
     # because every buffer was written after its copies' event.
@@ -83,7 +84,7 @@ def test_content_hashes_are_taken_after_the_copies_landed(monkeypatch, tmp_path)
     state = _tensors(12, 3 * MIB // 4)
     expected = {k: v.clone() for k, v in state.items()}
     path = tmp_path / "h.safetensors"
-    assert fastckpt.async_save(state, path, lazy=True, staging_bytes=8 * MIB).result() is None
+    assert fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB).result() is None
     assert device.sides and _equal(path, expected)
     hashes = fastckpt.open(path).meta.hashes
     assert hashes == {k: hash_tensor(v) for k, v in expected.items()}
@@ -95,7 +96,7 @@ def test_fence_clones_on_the_device_and_makes_the_current_stream_wait(monkeypatc
     expected = {k: v.clone() for k, v in state.items()}
     device.gate.clear()  # the writer stops at its first buffer's event
     future = fastckpt.async_save(
-        state, tmp_path / "f.safetensors", lazy=True, staging_bytes=8 * MIB
+        state, tmp_path / "f.safetensors", fence=owner(state), staging_bytes=8 * MIB
     )
     _wait_until(lambda: _writer_waits(device))
     started = time.monotonic()
@@ -121,7 +122,7 @@ def test_fence_bytes_caps_the_device_clones_and_the_rest_is_waited_for(monkeypat
     expected = {k: v.clone() for k, v in state.items()}
     device.gate.clear()
     future = fastckpt.async_save(
-        state, tmp_path / "cap.safetensors", lazy=True, staging_bytes=8 * MIB, fence_bytes=2 * MIB
+        state, tmp_path / "cap.safetensors", fence=owner(state), staging_bytes=8 * MIB, fence_bytes=2 * MIB
     )
     _wait_until(lambda: _writer_waits(device))
     threading.Timer(0.5, device.gate.set).start()  # the writer goes on a little later
@@ -144,7 +145,7 @@ def test_fence_clones_only_the_part_of_the_tensor_being_copied_past_the_writer(
     expected = {k: v.clone() for k, v in state.items()}
     device.gate.clear()  # the writer stops at its first buffer's event, 1 MiB into t01
     future = fastckpt.async_save(
-        state, tmp_path / "tail.safetensors", lazy=True, staging_bytes=8 * MIB
+        state, tmp_path / "tail.safetensors", fence=owner(state), staging_bytes=8 * MIB
     )
     _wait_until(lambda: _writer_waits(device))
     future.fence()  # returns with the gate closed: nothing waited for on the host
@@ -162,7 +163,7 @@ def test_a_change_before_the_queued_copies_completed_fails_naming_the_tensor(mon
     state = _tensors(8, MIB // 4)
     device.gate.clear()
     path = tmp_path / "torn.safetensors"
-    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=8 * MIB)
+    future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB)
     _wait_until(lambda: _writer_waits(device))
     state["t00"].add_(1)  # queued but not yet copied, and no fence: the copy would see it
     device.gate.set()
@@ -246,7 +247,7 @@ def test_cuda_unfenced_change_gives_the_call_time_state_or_names_the_tensor(tmp_
     state["strided"] = torch.randn(512, 1024, device="cuda").t()  # not contiguous
     expected = {k: v.cpu() for k, v in state.items()}
     path = tmp_path / "unfenced.safetensors"
-    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=8 * MIB)
+    future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB)
     for tensor in state.values():
         tensor.add_(1)
     error = future.exception()
@@ -262,7 +263,7 @@ def test_cuda_work_queued_before_the_call_is_in_the_file(tmp_path):
     w = torch.zeros(64 * MIB // 4, device="cuda")
     for _ in range(20):
         w.add_(1)  # queued, likely still running at the call
-    future = fastckpt.async_save({"w": w}, tmp_path / "q.safetensors", lazy=True)
+    future = fastckpt.async_save({"w": w}, tmp_path / "q.safetensors", fence=owner([w]))
     future.fence()
     w.zero_()
     future.result()

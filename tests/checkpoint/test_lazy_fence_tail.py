@@ -18,6 +18,7 @@ import torch
 import fastckpt
 from fastckpt.checkpoint import asynchronous, lazy_guard
 from fastckpt.io.executor import Executor
+from tests._fences import owner
 
 MIB = 1 << 20
 RING = 8 * MIB  # two staging buffers: the writer is held 8 MiB into the state
@@ -98,7 +99,7 @@ def test_the_tail_and_the_tensors_after_it_are_snapshotted_within_fence_bytes(di
     state = {"a": torch.randn(24 * MIB, generator=g), "b": torch.randn(4 * MIB, generator=g)}
     expected = {k: v.clone() for k, v in state.items()}
     path = tmp_path / "two.safetensors"
-    future = fastckpt.async_save(state, path, lazy=True, staging_bytes=RING)
+    future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=RING)
     assert disk.held.wait(60)
     fencing = _in_thread(future.fence)
     fencing.join(60)
@@ -136,7 +137,7 @@ def test_past_fence_bytes_the_fence_waits_for_the_writer(disk, tmp_path):
 def test_a_change_inside_the_tensor_without_the_fence_fails_naming_it(disk, tmp_path):
     param, _ = _big_parameter()
     path = tmp_path / "torn.safetensors"
-    future = fastckpt.async_save({"big": param}, path, lazy=True, staging_bytes=RING)
+    future = fastckpt.async_save({"big": param}, path, fence=owner([param]), staging_bytes=RING)
     assert disk.held.wait(60)
     with torch.no_grad():
         param.add_(1)  # the writer has copied 8 MiB of it and will read the rest
@@ -149,7 +150,7 @@ def test_a_change_inside_the_tensor_without_the_fence_fails_naming_it(disk, tmp_
 def test_a_fence_after_an_unfenced_change_takes_no_snapshot_and_the_save_fails(disk, tmp_path):
     param, _ = _big_parameter()
     path = tmp_path / "late.safetensors"
-    future = fastckpt.async_save({"big": param}, path, lazy=True, staging_bytes=RING)
+    future = fastckpt.async_save({"big": param}, path, fence=owner([param]), staging_bytes=RING)
     assert disk.held.wait(60)
     with torch.no_grad():
         param.mul_(2)  # before the fence: its snapshot would hold the new values
@@ -175,7 +176,7 @@ def test_conjugate_negative_and_scalar_views_are_read_and_snapshotted_as_saved(t
     expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
     for fence in (False, True):
         path = tmp_path / f"views-{fence}.safetensors"
-        future = fastckpt.async_save(state, path, lazy=True, staging_bytes=RING)
+        future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=RING)
         if fence:
             future.fence()  # snapshots whatever the writer has not reached, wherever it is
         assert future.result() is None
@@ -198,7 +199,9 @@ def test_a_fence_between_any_two_pieces_gives_the_row_major_bytes(make, piece):
     expected = tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8).clone()
     total = expected.numel()
     for fence_at in (0, piece, total // 2 // piece * piece, total):
-        guard = lazy_guard.LazyGuard({"t": tensor}, fence_bytes=None)
+        guard = lazy_guard.LazyGuard(
+            {"t": tensor}, fence_bytes=None, optimizers=[owner([tensor])]
+        )
         guard.begin("t")
         out, done = [], 0
         while done < total:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fastckpt.checkpoint import asynchronous, lazy_guard
 from fastckpt.dcp import FastCkptLazyStager, FastCkptWriter, load_full
+from tests._fences import owner
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -75,7 +76,7 @@ def test_a_fenced_optimizer_steps_at_once_and_the_checkpoint_holds_the_call_time
 
 def test_an_unfenced_change_fails_the_save_naming_the_tensor(tmp_path):
     state = _big()
-    stager = FastCkptLazyStager(staging_bytes=8 * MIB)
+    stager = FastCkptLazyStager(fence=owner(state), staging_bytes=8 * MIB)
     path = tmp_path / "torn"
     ring = asynchronous.lazy_ring(8 * MIB)  # held: the writer cannot copy a byte yet
     held = []

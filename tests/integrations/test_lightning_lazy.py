@@ -4,7 +4,6 @@ its save call while training goes on, and a change the fence does not cover fail
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.checkpoint import asynchronous  # noqa: E402
+from fastckpt.checkpoint import asynchronous, lazy_guard  # noqa: E402
 from fastckpt.errors import LazySaveError  # noqa: E402
-from fastckpt.integrations import lightning as fastckpt_lightning  # noqa: E402
 from fastckpt.lightning import AsyncFastCkptIO  # noqa: E402
 
 pytestmark = [
@@ -212,7 +210,7 @@ def test_a_change_outside_the_optimizer_fails_the_save(tmp_path):
 
 
 def test_without_the_fence_the_optimizer_step_fails_the_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(fastckpt_lightning, "_fence_optimizer_steps", lambda *_: None)
+    monkeypatch.setattr(lazy_guard, "_fence_pending_saves", lambda *_: None)
     io = AsyncFastCkptIO(staging_bytes=RING)
     trainer, _, _ = _run(tmp_path, io, 3, _LetGoAfterTheStep())
     with pytest.raises(LazySaveError, match="changed after async_save"):
@@ -234,18 +232,16 @@ class _OwnStep(torch.optim.SGD):
     ],
     ids=["torch-optimizer", "own-step"],
 )
-@pytest.mark.parametrize("trainer_optimizers", [True, False], ids=["listed", "every"])
-def test_the_fence_follows_the_closure_of_torch_optimizers(
-    tmp_path, make, order, trainer_optimizers
-):
+def test_the_fence_follows_the_closure_of_torch_optimizers(tmp_path, make, order):
     model = torch.nn.Linear(8, 8)
     optimizer = make(model.parameters())
-    future = fastckpt.async_save(model.state_dict(), str(tmp_path / "f.safetensors"), lazy=True)
+    future = fastckpt.async_save(
+        model.state_dict(), str(tmp_path / "f.safetensors"), fence=optimizer
+    )
     events: list[str] = []
-    fence = future.fence
-    future.fence = lambda: (events.append("fence"), fence())[1]
-    listed = [optimizer] if trainer_optimizers else None
-    fastckpt_lightning._fence_optimizer_steps(future, listed)
+    guard = future._guard
+    fence = guard.fence
+    guard.fence = lambda: (events.append("fence"), fence())[1]
 
     def closure():
         events.append("closure")
@@ -254,20 +250,14 @@ def test_the_fence_follows_the_closure_of_torch_optimizers(
         return loss
 
     if future.done():
-        pytest.skip("the save finished before the step: its hooks are gone")
+        pytest.skip("the save finished before the step: its fence is gone")
     optimizer.step(closure)
     future.result()
     # A subclass whose step calls super().step() runs the step hooks twice (torch patches
     # both classes' step): a second fence of the same save, at once, changes no order.
     distinct = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
     assert distinct[:2] == order
-    pending = fastckpt_lightning._fences_by_optimizer
-    deadline = time.monotonic() + 10  # forgotten by the future's done callback, just after
-    while (pending.get(optimizer) or fastckpt_lightning._fences_everywhere) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.01)
-    assert not pending.get(optimizer) and not fastckpt_lightning._fences_everywhere
+    assert not lazy_guard._fenced.get(optimizer)  # the fence went with the save
     events.clear()
     optimizer.step(closure)  # no save pending: no fence
     assert events == ["closure"]

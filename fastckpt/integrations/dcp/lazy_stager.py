@@ -14,9 +14,13 @@ then streams each tensor through fastckpt's fixed page-locked ring
   clones in device memory, the current stream made to wait on them), within
   ``fence_bytes``; past it, it waits for the writer. Other in-place updates call
   :meth:`FastCkptLazyStager.fence` first.
-- every tensor's version counter is checked around its copy: a tensor changed unfenced
-  before its bytes were copied fails the save (the DCP future raises, naming it, through
-  DCP's ``CheckpointException`` when ranks coordinate), and nothing is published.
+- only the fenced optimizers' parameters and state are read after ``stage`` returns;
+  every other tensor of the state (BatchNorm statistics, EMA copies, buffers) is copied by
+  ``stage`` itself, since nothing holds it still. Without ``fence=`` that is everything.
+- every tensor read later is checked around its copy, at the fence, and against its bytes
+  once written: a tensor changed unfenced fails the save (the DCP future raises, naming
+  it, through DCP's ``CheckpointException`` when ranks coordinate), and nothing is
+  published.
 
 The saved files therefore hold the state at the call, or the save fails naming the tensor.
 
@@ -200,8 +204,12 @@ class FastCkptLazyStager:
         keep: list[torch.Tensor] = []
         staged, live, labels = stand_in_structure(state_dict, keep)
         guarded = {labels[key]: tensor for key, tensor in live.items()}
-        guard = LazyGuard(guarded, fence_bytes=self.fence_bytes, how_to_fence=_HOW_TO_FENCE)
-        guard.fence_optimizers(self.optimizers)
+        guard = LazyGuard(
+            guarded,
+            fence_bytes=self.fence_bytes,
+            optimizers=self.optimizers,
+            how_to_fence=_HOW_TO_FENCE,
+        )
         self._guards.add(guard)
         stand_ins = {id(t): t for t in keep}
         if not stand_ins:  # nothing to stream: no writer will claim it

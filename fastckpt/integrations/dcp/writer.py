@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from fastckpt.checkpoint import save as local_save
 from fastckpt.checkpoint.asynchronous import lazy_ring
+from fastckpt.checkpoint.lazy_guard import write_guarded
 from fastckpt.format import DEFAULT_PIECE_SIZE
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
@@ -427,11 +428,7 @@ class FastCkptWriter(StorageWriter):
             writer = local_save.StreamWriter(
                 save_plan, out.file, executor, ring, progress=False, guard=guard
             )
-            try:
-                writer.fill()
-            finally:
-                guard.finish()  # no tensor is read any more: fences return, hooks go
-            writer.finish()
+            write_guarded(guard, writer, writer.fill)
             out.commit()
         except BaseException:
             if writer is not None:
