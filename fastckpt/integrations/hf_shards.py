@@ -15,7 +15,8 @@ do, so each reads what the other writes. A state dict that fits in one shard is 
 Sharding: tensors are taken in the state dict's order and a new shard starts when the next
 one would overflow the limit; a tensor larger than the limit gets a shard of its own;
 tensors sharing storage (tied weights) go to one shard, where the file stores them under each
-name (so safetensors readers see every key) and fastckpt reads them once, tied again.
+name (so safetensors readers see every key; each copy counts toward the shard's size) and
+fastckpt reads them once, tied again.
 
 Each shard is a fastckpt file (aligned for direct I/O, with checksums), written in parallel
 under a temporary name; once every shard is durable the set is published in one atomic step
@@ -161,38 +162,50 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
+def _tied_groups(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[list[str], int]]:
+    """The state dict's names grouped by the storage they share, in order of first
+    appearance, each group with the bytes its shard will hold: a shard stores a tied tensor
+    once per name (safetensors readers see every key), so every name counts.
+
+    Example:
+        >>> w = torch.zeros(100)  # 400 bytes
+        >>> _tied_groups({"a": w, "b": torch.zeros(10), "tied": w})
+        [(['a', 'tied'], 800), (['b'], 40)]
+    """
+    groups: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
+    for name, t in state_dict.items():
+        names, size = groups.setdefault(_storage_key(t), ([], [0]))
+        names.append(name)
+        size[0] += t.numel() * t.element_size()
+    return [(names, size[0]) for names, size in groups.values()]
+
+
 def plan_shards(
     state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str
 ) -> list[list[str]]:
     """Names per shard, in the state dict's order (see the module docstring for the rules).
+    Tensors sharing storage go to one shard, and each of their names counts toward its size
+    (the shard stores a copy per name).
 
     Example:
         >>> import torch
         >>> w = torch.zeros(100)  # 400 bytes
         >>> plan_shards({"a": w, "b": torch.zeros(100), "tied": w, "big": torch.zeros(300)}, 800)
-        [['big'], ['a', 'b', 'tied']]
+        [['a', 'tied'], ['big'], ['b']]
     """
     limit = parse_shard_size(max_shard_size)
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = 0
-    group_of: dict[tuple[Any, ...], list[str]] = {}
-    for name, t in state_dict.items():
-        key = _storage_key(t)
-        if key in group_of:  # shares storage with a tensor already placed: same shard
-            group_of[key].append(name)
-            continue
-        size = t.numel() * t.element_size()
+    for names, size in _tied_groups(state_dict):
         if size > limit:
-            shards.append([name])
-            group_of[key] = shards[-1]
+            shards.append(names)
             continue
         if current and current_size + size > limit:
             shards.append(current)
             current, current_size = [], 0
-        current.append(name)
+        current += names
         current_size += size
-        group_of[key] = current
     if current:
         shards.append(current)
     return shards

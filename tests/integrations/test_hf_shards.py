@@ -65,8 +65,26 @@ def test_plan_shards_rules():
         "tied": w,  # shares a's storage: a's shard
         "view": w[:10],  # a view of a's storage: a's shard
     }
-    # as huggingface_hub: an oversized tensor is closed off at once, before the running shard
-    assert hf_shards.plan_shards(state, 800) == [["huge"], ["a", "b", "tied", "view"], ["c"]]
+    # as huggingface_hub: an oversized tensor is closed off at once, before the running shard;
+    # a, tied and view are stored as three copies, 840 bytes, over the limit together
+    assert hf_shards.plan_shards(state, 800) == [["a", "tied", "view"], ["huge"], ["b", "c"]]
+    del state["view"]
+    assert hf_shards.plan_shards(state, 800) == [["a", "tied"], ["huge"], ["b", "c"]]
+
+
+def test_tied_copies_count_toward_the_shard_size(tmp_path):
+    """Each shard's tensor bytes stay within max_shard_size, its tied copies included."""
+    state = {f"layers.{i}.weight": torch.randn(250_000) for i in range(4)}  # 1 MB each
+    state["lm_head.weight"] = state["layers.0.weight"]  # tied: stored a second time
+    fastckpt.save(state, tmp_path, max_shard_size="3MB")
+    index = json.loads((tmp_path / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    for name in shards:
+        header = _header(tmp_path / name)
+        assert header.data_size <= 3 * 10**6, (name, header.data_size, sorted(header.entries))
+    assert index["metadata"]["total_size"] == 5 * 10**6
+    back = fastckpt.load(tmp_path)
+    assert back["lm_head.weight"] is back["layers.0.weight"]
 
 
 # --------------------------------------------------------------------------- local directories
@@ -77,7 +95,8 @@ def test_round_trip_local(tmp_path):
     state["tied"] = state["layers.1.weight"]
     fastckpt.save(state, tmp_path, max_shard_size="10KB", metadata={"run": "7"})
     names = sorted(os.listdir(tmp_path))
-    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [INDEX]
+    # layers.1 and its tied copy fill a shard of 8000 bytes: 4 shards, none over 10 KB
+    assert names == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)] + [INDEX]
     index = json.loads((tmp_path / INDEX).read_text())
     # the tied name is stored as a copy (readers without aliases see every key): 7 tensors
     assert index["metadata"] == {"run": "7", "total_size": 7 * 4000}
