@@ -24,6 +24,11 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import re
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -128,9 +133,97 @@ if TYPE_CHECKING:
     from fastckpt.series.manager import CheckpointManager
 
 
+_DISTRIBUTION = "fastckpt-io"
+
+
+def _extension_names(stub: str) -> set[str]:
+    """The top-level names a ``_C.pyi`` stub declares (functions, classes, constants).
+
+    Example:
+        >>> sorted(_extension_names("X: int\\ndef f() -> None: ...\\nclass E:\\n    y: int\\n"))
+        ['E', 'X', 'f']
+    """
+    return set(re.findall(r"^(?:def |class )?([A-Za-z_]\w*)\s*[:(]", stub, re.MULTILINE))
+
+
+def _installed_extension() -> str | None:
+    """The path of the native module that the installed ``fastckpt-io`` distribution holds,
+    or None when no distribution of that name lists one."""
+    from importlib import machinery, metadata
+
+    try:
+        files = metadata.distribution(_DISTRIBUTION).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in files:
+        parts = entry.parts
+        if len(parts) == 2 and parts[0] == "fastckpt" and parts[1].startswith("_C."):
+            if any(parts[1].endswith(suffix) for suffix in machinery.EXTENSION_SUFFIXES):
+                return str(entry.locate())
+    return None
+
+
+def _shadowed_native(missing: ModuleNotFoundError) -> ModuleType:
+    """``fastckpt._C`` when this package was imported from a source tree without a built
+    native module while a ``pip install .`` put one in site-packages: Python run from a
+    clone's root finds the clone's ``fastckpt/`` first (the current directory leads
+    ``sys.path``) and the installed package, which holds ``_C``, is never searched. The
+    installed module is loaded when it provides every name this tree's ``_C.pyi`` declares;
+    otherwise an ImportError says what happened and what to do.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = _installed_extension()
+    advice = (
+        f"fastckpt was imported from {here}, a source tree where the native module "
+        "fastckpt._C is not built (the current directory or PYTHONPATH puts it before any "
+        "installed fastckpt)"
+    )
+    if installed is None or not os.path.isfile(installed):
+        raise ImportError(
+            f"{advice}, and no installed {_DISTRIBUTION} provides one: in the clone, run "
+            "pip install -e . (builds it in place), or pip install . and run Python outside "
+            "the clone",
+            name="fastckpt._C",
+        ) from missing
+    if os.path.dirname(os.path.abspath(installed)) == here:
+        raise missing  # this is the installed package: its own _C is what is missing
+    spec = importlib.util.spec_from_file_location("fastckpt._C", installed)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        with open(os.path.join(here, "_C.pyi"), encoding="utf-8") as stub:
+            lacking = sorted(_extension_names(stub.read()) - set(dir(module)))
+    except FileNotFoundError:
+        lacking = []
+    if lacking:
+        raise ImportError(
+            f"{advice}; the installed {_DISTRIBUTION}'s native module {installed} was built "
+            f"from other sources (it lacks {', '.join(lacking[:5])}): run Python outside "
+            f"{os.path.dirname(here)} to use the installed fastckpt, or pip install -e . "
+            "in the clone to use its sources",
+            name="fastckpt._C",
+            path=installed,
+        ) from missing
+    sys.modules["fastckpt._C"] = module
+    return module
+
+
+def _native() -> ModuleType:
+    """``fastckpt._C``, the private native module (see :func:`_shadowed_native`)."""
+    try:
+        return importlib.import_module("fastckpt._C")
+    except ModuleNotFoundError as exc:
+        if exc.name != "fastckpt._C":
+            raise
+        return _shadowed_native(exc)
+
+
 def __getattr__(name: str) -> Any:
     """Loads a public name's layer on first use (PEP 562) and caches it on the package."""
-    if name in _PUBLIC:
+    if name == "_C":
+        value: Any = _native()
+    elif name in _PUBLIC:
         module, attribute = _PUBLIC[name]
         try:
             value = getattr(importlib.import_module(module), attribute)
