@@ -193,6 +193,7 @@ def save(
         return local_save.save(obj, _local(f), **options)
     directory = os.path.dirname(single)
     os.makedirs(directory, exist_ok=True)
+    hf_shards.refuse_foreign_files(directory)  # never replace another tool's checkpoint
     local_save.save(obj, single, **options)
     # as a one-shard save does: shards and an index left by an earlier save would be read
     # instead of the new file
@@ -236,6 +237,7 @@ def async_save(obj: Any, f: Any, *, storage_options: Any = None, **options: Any)
     if single is not None:
         if not storage.is_url(single):
             os.makedirs(os.path.dirname(single), exist_ok=True)
+            hf_shards.refuse_foreign_files(os.path.dirname(single))
         f = single
     if storage.is_url(f):
         return remote.async_save(obj, f, storage_options=storage_options, **_for_url(options))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import json
 import os
 import re
@@ -57,7 +58,7 @@ from typing import Any
 
 import torch
 
-from fastckpt import storage
+from fastckpt import format, storage
 from fastckpt.checkpoint import save as checkpoint_save
 from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
@@ -70,6 +71,8 @@ from fastckpt.io.commit import AtomicFile
 __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
+    "foreign_files",
+    "refuse_foreign_files",
     "retire_sharded_set",
     "ShardedReader",
     "is_sharded",
@@ -276,6 +279,100 @@ def retire_sharded_set(directory: str) -> list[str]:
     return removed
 
 
+def _written_by_fastckpt(path: str) -> bool:
+    """Whether ``path`` is a checkpoint fastckpt wrote: a safetensors file whose header
+    carries fastckpt's version key (every fastckpt save writes it; other tools do not)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        header = format.read_header_from(lambda at, n: os.pread(fd, n, at), size, where=path)
+    except (OSError, EOFError, HeaderError):
+        return False
+    finally:
+        os.close(fd)
+    return format.KEY_VERSION in header.metadata
+
+
+def _index_shards(path: str) -> set[str] | None:
+    """The shard names an index file references, or None when it cannot be read as one."""
+    try:
+        with open(path, "rb") as f:
+            weight_map = json.loads(f.read()).get("weight_map")
+        return {v for v in weight_map.values() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def foreign_files(directory: str) -> list[str]:
+    """The files of a checkpoint in ``directory`` that a save of a new one there would replace
+    or remove, but that fastckpt did not write (``save_pretrained``'s shards and index, say).
+
+    A shard or ``model.safetensors`` is fastckpt's when its header carries fastckpt's keys; an
+    index when it names shards that exist and all of them are fastckpt's. Temporaries and files of other
+    names are never touched by a save, so never listed.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> save_sharded({"a": torch.zeros(1000), "b": torch.ones(1000)}, d, max_shard_size="4KB")
+        >>> foreign_files(d)
+        []
+        >>> with open(os.path.join(d, "model-00007-of-00009.safetensors"), "wb") as f:
+        ...     _ = f.write(b"not fastckpt's")
+        >>> foreign_files(d)
+        ['model-00007-of-00009.safetensors']
+    """
+    try:
+        with os.scandir(directory) as listing:
+            names = sorted(
+                e.name for e in listing if _belongs(e.name) and e.is_file(follow_symlinks=False)
+            )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    ours = {
+        n for n in names if n != INDEX_NAME and _written_by_fastckpt(os.path.join(directory, n))
+    }
+    foreign = [n for n in names if n != INDEX_NAME and n not in ours]
+    if INDEX_NAME in names:
+        shards = _index_shards(os.path.join(directory, INDEX_NAME))
+        existing = set() if shards is None else shards & set(names)
+        if not existing or not existing <= ours:  # unreadable, or naming no shard of ours
+            foreign.insert(0, INDEX_NAME)
+    return foreign
+
+
+def refuse_foreign_files(directory: str) -> None:
+    """Raises ``FileExistsError`` naming the files that a save into ``directory`` would
+    replace or remove and that fastckpt did not write (see :func:`foreign_files`): fastckpt
+    never deletes another tool's files.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> with open(os.path.join(d, INDEX_NAME), "w") as f:
+        ...     _ = f.write('{"weight_map": {}}')
+        >>> refuse_foreign_files(d)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        FileExistsError: [Errno 17] ... holds a checkpoint that fastckpt did not write ...
+    """
+    foreign = foreign_files(directory)
+    if not foreign:
+        return
+    listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    raise FileExistsError(
+        errno.EEXIST,
+        f"{directory} holds a checkpoint that fastckpt did not write ({listed}), which a save "
+        "into the directory would replace: save to a file in it (such as "
+        f"{os.path.join(directory, 'adapter.safetensors')}) or to another directory, or "
+        "remove those files first",
+        os.path.join(directory, foreign[0]),
+    )
+
+
 def _belongs(name: str) -> bool:
     """Whether a file of a sharded directory is one that a sharded save writes."""
     return name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_PATTERN.fullmatch(name) is not None
@@ -455,6 +552,7 @@ def save_sharded(
     local = _local(directory)
     if local is not None:
         os.makedirs(local, exist_ok=True)
+        refuse_foreign_files(local)
         directory = local
     groups = plan_shards(state_dict, max_shard_size) or [[]]
     options = dict(save_options, metadata=metadata, storage_options=storage_options)

@@ -3,6 +3,7 @@ huggingface_hub both ways (tiny models built locally: no network)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -378,3 +379,54 @@ def test_a_set_missing_a_shard_still_fails_naming_it(tmp_path):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         fastckpt.load(tmp_path)
+
+
+# --------------------------------------------------------------------------- another tool's files
+
+
+def _listing(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("shard_size", ["20KB", None])
+@pytest.mark.parametrize("how", ["save", "sharded", "async_save"])
+def test_a_save_never_replaces_save_pretrained_files(tmp_path, transformers, shard_size, how):
+    """save, a sharded save and async_save into a directory holding save_pretrained's
+    checkpoint (shards and index, or one model.safetensors) refuse, naming the files, and
+    leave every byte of it; a file path in the directory is written beside them."""
+    model = _tiny_bert(transformers)
+    if shard_size is None:
+        model.save_pretrained(tmp_path)
+        assert (tmp_path / "model.safetensors").is_file()
+    else:
+        model.save_pretrained(tmp_path, max_shard_size=shard_size)
+        assert (tmp_path / INDEX).is_file()
+    before = _listing(tmp_path)
+    lora = {"lora.A": torch.randn(8, 32)}
+    with pytest.raises(FileExistsError) as refused:
+        if how == "save":
+            fastckpt.save(lora, str(tmp_path))
+        elif how == "sharded":
+            fastckpt.save(lora, tmp_path, max_shard_size="1MB")
+        else:
+            fastckpt.async_save(lora, f"{tmp_path}/").result()
+    message = str(refused.value)
+    assert "fastckpt did not write" in message
+    first = INDEX if shard_size else "model.safetensors"
+    assert first in message and refused.value.filename == str(tmp_path / first)
+    assert refused.value.errno == errno.EEXIST
+    assert _listing(tmp_path) == before  # nothing replaced, removed or left behind
+
+    fastckpt.save(lora, tmp_path / "adapter.safetensors")  # beside them: fine
+    assert transformers.AutoModel.from_pretrained(tmp_path) is not None
+    assert {**before, "adapter.safetensors": b""}.keys() == _listing(tmp_path).keys()
+
+
+def test_a_save_replaces_its_own_checkpoint_in_a_directory(tmp_path):
+    """fastckpt's own sets (a sharded one, then one file, then sharded again) are replaced."""
+    fastckpt.save(_state(), tmp_path, max_shard_size="10KB")
+    fastckpt.save({"only": torch.ones(3)}, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    fastckpt.save(_state(), tmp_path, max_shard_size="10KB")
+    assert INDEX in os.listdir(tmp_path) and "model.safetensors" not in os.listdir(tmp_path)
+    assert hf_shards.foreign_files(str(tmp_path)) == []
