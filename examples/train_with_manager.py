@@ -173,7 +173,9 @@ def run_child(root: str, fast: str, resume: bool, kill_at: int | None) -> tuple[
 
 
 def _child_env() -> dict[str, str]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The children import the fastckpt this process imported (installed, or a source tree
+    on PYTHONPATH), not whatever directory holds this script."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": here if not path else f"{here}{os.pathsep}{path}"}
 
