@@ -4,7 +4,8 @@ Two faces:
 
 - :func:`save`, :func:`load` and :func:`open`: a drop-in for ``torch.save``/``torch.load``
   writing safetensors-compatible files laid out for direct I/O. :func:`open` returns a
-  :class:`Reader`, the same type for a local file, an fsspec URL and a sharded directory.
+  :class:`Reader`, the same type for a local file, an fsspec URL and a sharded directory
+  (``CheckpointReader`` is another name of it).
 - :mod:`fastckpt.aio`: the DeepNVMe API (``aio_handle``, ``aio_read``, ``aio_write``,
   ``deepspeed_memcpy``, ``gds_handle``) over a native engine (io_uring, Linux AIO, a
   thread pool, or cuFile for GPUDirect Storage).
@@ -49,8 +50,9 @@ _PUBLIC = {
     "wait_all": ("fastckpt.checkpoint.asynchronous", "wait_all"),
     "release_staging": ("fastckpt.checkpoint.asynchronous", "release_staging"),
     "prepare_staging": ("fastckpt.checkpoint.asynchronous", "prepare_staging"),
-    "Reader": ("fastckpt.checkpoint.reader", "Reader"),
-    "CheckpointReader": ("fastckpt.checkpoint.read", "CheckpointReader"),
+    # fastckpt.api makes calling Reader open a checkpoint; CheckpointReader is its older name
+    "Reader": ("fastckpt.api", "Reader"),
+    "CheckpointReader": ("fastckpt.api", "Reader"),
     "TensorInfo": ("fastckpt.checkpoint.header_view", "TensorInfo"),
     "engines": ("fastckpt.io.engines", "engines"),
     "EngineInfo": ("fastckpt.io.engines", "EngineInfo"),
@@ -114,8 +116,8 @@ if TYPE_CHECKING:
     )
     from fastckpt.checkpoint.header_view import TensorInfo
     from fastckpt.checkpoint.load import load_bytes
-    from fastckpt.checkpoint.read import CheckpointReader
     from fastckpt.checkpoint.reader import Reader
+    from fastckpt.checkpoint.reader import Reader as CheckpointReader
     from fastckpt.checkpoint.stream_save import save_bytes
     from fastckpt.errors import (
         ChecksumError,

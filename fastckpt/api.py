@@ -22,6 +22,7 @@ import functools
 import inspect
 import os
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, Callable
 
 from fastckpt import storage
@@ -29,7 +30,7 @@ from fastckpt.checkpoint import asynchronous, read, stream_save
 from fastckpt.checkpoint import load as local_load
 from fastckpt.checkpoint import save as local_save
 from fastckpt.checkpoint.load_into import IncompatibleKeys, read_into
-from fastckpt.checkpoint.reader import Reader
+from fastckpt.checkpoint.reader import Reader, check_framework, open_with
 from fastckpt.integrations import hf_shards, remote
 from fastckpt.storage.file_object import is_file_object
 
@@ -130,10 +131,12 @@ def _local(f: Any) -> Any:
 
 
 def _routed(
-    local: Callable[..., Any], extra: dict[str, str]
+    local: Callable[..., Any], extra: dict[str, str], positional: tuple[str, ...] = ()
 ) -> Callable[[Callable[..., Any]], Any]:
     """Gives the public function ``local``'s signature and docstring, plus ``extra``
-    keyword-only parameters (name -> documentation; ``"shards"`` adds documentation only)."""
+    keyword-only parameters (name -> documentation; ``"shards"`` adds documentation only).
+    The parameters named in ``positional`` may also be passed by position, after ``local``'s
+    positional ones (as safetensors' ``save_file(tensors, filename, metadata)`` takes them)."""
 
     def decorate(route: Callable[..., Any]) -> Callable[..., Any]:
         returns = inspect.signature(route).return_annotation  # open() gives a Reader
@@ -150,6 +153,15 @@ def _routed(
         params = list(signature.parameters.values())
         tail = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
         head = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        by_position = [p for p in head if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        promoted = [
+            p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for name in positional
+            for p in head
+            if p.name == name
+        ]
+        rest = [p for p in head if p not in by_position and p.name not in positional]
+        head = by_position + promoted + rest
         vars(route)["__signature__"] = signature.replace(
             parameters=head + added + tail,
             return_annotation=returns
@@ -168,10 +180,34 @@ def _routed(
     return decorate
 
 
-@_routed(local_save.save, {"storage_options": _STORAGE_OPTIONS, "max_shard_size": _MAX_SHARD_SIZE})
+def _check_metadata_argument(metadata: Any) -> None:
+    """A module as the third argument is torch.save's ``pickle_module``, which has no use
+    here (nothing is pickled): say so rather than fail on it as metadata."""
+    if isinstance(metadata, ModuleType):
+        raise TypeError(
+            f"metadata (the third argument, as in safetensors' save_file) must be a str -> str "
+            f"mapping, got the module {metadata.__name__}: fastckpt pickles nothing, so "
+            "torch.save's pickle_module has no counterpart"
+        )
+
+
+@_routed(
+    local_save.save,
+    {"storage_options": _STORAGE_OPTIONS, "max_shard_size": _MAX_SHARD_SIZE},
+    positional=("metadata",),
+)
 def save(
-    obj: Any, f: Any, *, storage_options: Any = None, max_shard_size: Any = None, **options: Any
+    obj: Any,
+    f: Any,
+    metadata: Any = None,
+    *,
+    storage_options: Any = None,
+    max_shard_size: Any = None,
+    **options: Any,
 ) -> None:
+    if metadata is not None:
+        _check_metadata_argument(metadata)
+        options["metadata"] = metadata
     if is_file_object(f):
         if max_shard_size is not None or storage_options is not None:
             raise TypeError("f is a file object: max_shard_size and storage_options need a path")
@@ -217,7 +253,10 @@ def load(f: Any, map_location: Any = None, **options: Any) -> Any:
 
 
 @_routed(read.open_checkpoint, {"shards": _SHARDS})
-def open(f: Any, **options: Any) -> Reader:  # noqa: A001
+def open(f: Any, framework: str = "pt", device: Any = None, **options: Any) -> Reader:  # noqa: A001
+    check_framework(framework)
+    if device is not None:  # safe_open's device=0 is the first GPU
+        options["device"] = f"cuda:{device}" if isinstance(device, int) else device
     single = weights_file(f, storage_options=options.get("storage_options"))
     if single is not None:
         return open(single, **options)
@@ -281,3 +320,6 @@ def load_into(
     """
     with open(f, **options) as reader:
         return read_into(model_or_state_dict, reader, strict=strict, verify=verify)
+
+
+open_with(open)  # calling fastckpt.Reader(f, ...) opens f, as safetensors.safe_open(f, ...) does

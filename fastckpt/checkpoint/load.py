@@ -120,7 +120,7 @@ def load(
     ``pin_memory=True``); the returned tensors lie in it, each with a storage of its own at
     offset 0 as ``torch.load``'s have (no copy). Bytes already in memory (a
     hot page cache, tmpfs) are read through the page cache at memory speed, others with
-    O_DIRECT at the device's speed (see :attr:`fastckpt.CheckpointReader.read_mode`).
+    O_DIRECT at the device's speed (see :attr:`fastckpt.Reader.read_mode`).
 
     Args:
         map_location: as ``torch.load``'s: a device string or ``torch.device``, a dict

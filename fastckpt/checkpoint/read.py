@@ -41,7 +41,7 @@ from fastckpt.checkpoint import compressed_tensors
 from fastckpt.checkpoint.chained_reader import open_chain
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
-from fastckpt.checkpoint.reader import Reader
+from fastckpt.checkpoint.reader import Reader, check_framework
 from fastckpt.checkpoint.tensor_crcs import TensorCrcs, check_crcs, damaged
 from fastckpt.checkpoint.tensor_runs import (
     Run,
@@ -742,8 +742,9 @@ def _tensor_crcs(
 
 def open_checkpoint(
     f: Any,
-    *,
+    framework: str = "pt",
     device: str | torch.device = "cpu",
+    *,
     gds: bool | None = None,
     direct_io: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -755,6 +756,8 @@ def open_checkpoint(
         f: the file's path, a ``file://`` URL, an fsspec URL (``s3://``, ``memory://``, ...),
             or a readable binary file object (``open(path, "rb")``, ``io.BytesIO``), read with
             ``seek``/``readinto`` and left open.
+        framework: as ``safetensors.safe_open``'s: ``"pt"`` (torch tensors, the only kind
+            fastckpt returns; ``ValueError`` for another).
         device: where :meth:`~CheckpointReader.get_tensor` puts tensors: ``"cpu"`` or
             ``"cuda[:N]"`` (read through page-locked staging buffers into GPU memory).
         gds: for a CUDA device, read with GPUDirect Storage (``True``: GDS or
@@ -773,6 +776,7 @@ def open_checkpoint(
         ...     r.info("x").dtype, r.get_tensor("x").tolist()
         (torch.int64, [0, 1, 2, 3])
     """
+    check_framework(framework)
     reader = CheckpointReader(
         f, device=device, gds=gds, direct_io=direct_io, storage_options=storage_options, **io
     )

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,12 +25,65 @@ from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.range_read import TensorSlice
 from fastckpt.errors import NoChecksumsError
 
-__all__ = ["Reader"]
+__all__ = ["Reader", "check_framework", "open_with"]
+
+#: The ``framework=`` values of ``safetensors.safe_open`` that mean torch tensors.
+TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 
 
-class Reader(abc.ABC):
+def check_framework(framework: Any) -> None:
+    """Accepts ``safetensors.safe_open``'s ``framework`` argument when it asks for torch
+    tensors, the only kind fastckpt returns; raises ``ValueError`` naming it otherwise.
+
+    Example:
+        >>> check_framework("pt")
+        >>> check_framework("np")
+        Traceback (most recent call last):
+        ...
+        ValueError: framework='np': fastckpt returns torch tensors (framework='pt'); safetensors.safe_open reads numpy, TensorFlow and Flax arrays
+    """
+    if framework not in TORCH_FRAMEWORKS:
+        raise ValueError(
+            f"framework={framework!r}: fastckpt returns torch tensors (framework='pt'); "
+            "safetensors.safe_open reads numpy, TensorFlow and Flax arrays"
+        )
+
+
+class _ReaderType(abc.ABCMeta):
+    """Calling :class:`Reader` itself opens a checkpoint, as calling ``safetensors.safe_open``
+    does; its subclasses are constructed as usual. The opener is :func:`fastckpt.open`, set by
+    the layer that defines it (:func:`open_with`)."""
+
+    opener: Callable[..., Reader] | None = None
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is not Reader:
+            return super().__call__(*args, **kwargs)
+        if _ReaderType.opener is None:
+            raise TypeError("fastckpt.Reader(f) needs fastckpt.api: call fastckpt.open(f)")
+        return _ReaderType.opener(*args, **kwargs)
+
+
+def open_with(opener: Callable[..., Reader]) -> None:
+    """Makes ``Reader(f, ...)`` call ``opener(f, ...)``."""
+    _ReaderType.opener = opener
+
+
+class Reader(abc.ABC, metaclass=_ReaderType):
     """A checkpoint opened for lazy reading; like ``safetensors.safe_open``, and a context
-    manager that closes it. ``path`` is where it lives (a path, URL or directory)."""
+    manager that closes it. ``path`` is where it lives (a path, URL or directory).
+
+    ``fastckpt.open(f)`` returns one, whatever the storage; ``fastckpt.Reader(f, framework="pt",
+    device="cpu")`` is the same call, spelled as ``safe_open(f, framework="pt", device="cpu")``.
+    (``fastckpt.CheckpointReader`` is another name of this type.)
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"w": torch.ones(2)}, "/tmp/fastckpt-reader.safetensors")
+        >>> with fastckpt.Reader("/tmp/fastckpt-reader.safetensors", "pt", device="cpu") as r:
+        ...     isinstance(r, fastckpt.Reader), r.get_tensor("w").tolist()
+        (True, [1.0, 1.0])
+    """
 
     path: str
 

@@ -160,10 +160,10 @@ def _seekable(f: Any) -> bool:
         return False
 
 
-def save_bytes(obj: Any, **options: Any) -> bytes:
-    """``obj`` saved as a checkpoint, as bytes (like ``safetensors.torch.save``); the
-    options are :func:`fastckpt.save`'s format options (``metadata``, ``checksum``,
-    ``alignment``, ``allow_pickle``, ``piece_size``, ``compress``).
+def save_bytes(obj: Any, metadata: Mapping[str, str] | None = None, **options: Any) -> bytes:
+    """``obj`` saved as a checkpoint, as bytes (like ``safetensors.torch.save``, which takes
+    ``metadata`` second too); the options are :func:`fastckpt.save`'s format options
+    (``checksum``, ``alignment``, ``allow_pickle``, ``piece_size``, ``compress``).
 
     Example:
         >>> import torch
@@ -172,5 +172,5 @@ def save_bytes(obj: Any, **options: Any) -> bytes:
         (4104, b'{')
     """
     buffer = io.BytesIO()
-    save_to_stream(obj, buffer, **options)
+    save_to_stream(obj, buffer, metadata=metadata, **options)
     return buffer.getvalue()
