@@ -16,9 +16,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fastckpt.bench.units import format_bytes
@@ -35,6 +36,7 @@ __all__ = [
     "format_bytes",
     "make_directory",
     "positive_int_arg",
+    "removed_if_left_empty",
     "require_cuda",
     "require_gds",
     "size_arg",
@@ -236,6 +238,35 @@ def make_directory(option: str, path: str) -> bool:
     except OSError as exc:
         raise CliError(f"{option} {path}: cannot create it: {exc.strerror}", USAGE) from None
     return True
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(paths: Iterable[str]) -> Iterator[None]:
+    """Removes, on the way out, each of ``paths`` that did not exist on the way in and is an
+    empty directory then: a scratch folder a command created (``make_directory``) goes
+    away with the command's own files, and a folder that was there, or that now holds
+    anything, stays.
+
+    Example:
+        >>> import tempfile
+        >>> parent = tempfile.mkdtemp()
+        >>> new, kept = os.path.join(parent, "new"), os.path.join(parent, "kept")
+        >>> with removed_if_left_empty([new, kept, parent]):
+        ...     make_directory("--folder", new), make_directory("--folder", kept)
+        ...     open(os.path.join(kept, "result.json"), "w").close()
+        (True, True)
+        >>> sorted(os.listdir(parent))
+        ['kept']
+    """
+    missing = [path for path in paths if not os.path.lexists(path)]
+    try:
+        yield
+    finally:
+        for path in missing:
+            # rmdir removes only an empty directory, never a file or a link to one
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)
 
 
 def checkpoint_files(target: str, pattern: str = "*.safetensors") -> list[Path | str]:

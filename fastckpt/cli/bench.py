@@ -1,21 +1,22 @@
 """``fastckpt bench``: measure one I/O configuration, or checkpoints against torch and safetensors.
 
-Raw mode takes the options of DeepSpeed's ``ds_io`` (same names): it writes (or with
-``--read`` reads) ``--io_size`` bytes in ``--folder`` through an ``aio_handle``, ``--loops``
-times, and prints the throughput per loop and the median in GB/s (10**9 bytes per second)
-and, beside it, in GiB/s (2**30 bytes per second): the unit of the figures ``ds_io`` prints
-as "GB/sec", so the two compare directly. Options left out come from the tuned
-configuration of that file system (``fastckpt tune``), else the defaults.
-
 ``--checkpoint SIZE`` saves and loads a synthetic LLM-like state dict of SIZE with
 fastckpt, ``torch.save``/``torch.load`` and safetensors in one run, on the same file
 system: saves timed until the data is durable (fsync), loads from a cold cache and until
 every tensor has been touched. It prints a table of GB/s (10**9 bytes per second), CPU
 seconds and how many times faster fastckpt is.
 
+Without ``--checkpoint``, raw mode takes the options of DeepSpeed's ``ds_io`` (same names):
+it writes (or with ``--read`` reads) ``--io_size`` bytes in ``--folder`` through an
+``aio_handle``, ``--loops`` times, and prints the throughput per loop and the median in GB/s (10**9 bytes per second)
+and, beside it, in GiB/s (2**30 bytes per second): the unit of the figures ``ds_io`` prints
+as "GB/sec", so the two compare directly. Options left out come from the tuned
+configuration of that file system (``fastckpt tune``), else the defaults.
+
 Cold reads drop the machine's page cache before each read when running as root;
 ``--no-drop-caches`` leaves it alone (the output then says the figures may not be cold).
-``--folder`` creates its last component only, never missing parents. Every multi-word option
+``--folder`` creates its last component only, never missing parents, and a folder it created
+is removed again when the run leaves it empty. Every multi-word option
 has both spellings (``--io_size``, ``--io-size``).
 
 Example (shell)::
@@ -49,6 +50,7 @@ from fastckpt.cli._common import (
     check_engines,
     make_directory,
     positive_int_arg,
+    removed_if_left_empty,
     require_cuda,
     require_gds,
     size_arg,
@@ -65,90 +67,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bench",
         help="measure one I/O configuration, or checkpoint save/load against torch and safetensors",
         description=(
-            "Raw mode (the options of DeepSpeed's ds_io): write, or with --read read, --io_size "
-            "bytes in --folder with one aio_handle configuration and print GB/s (10^9 bytes/s) per "
-            "loop and the median, with GiB/s (2^30 bytes/s, the unit of ds_io's 'GB/sec') beside "
-            "them. Settings left out come from `fastckpt tune`'s result for that file system. "
-            "--checkpoint SIZE instead saves and loads a synthetic LLM-like state dict with "
-            "fastckpt, torch and safetensors and prints a comparison table; --regime memory "
-            "makes it a memory-speed comparison (files in tmpfs or the page cache) with more peers."
+            "--checkpoint SIZE saves and loads a synthetic LLM-like state dict with fastckpt, "
+            "torch and safetensors in --folder and prints a comparison table; --regime memory "
+            "makes it a memory-speed comparison (files in tmpfs or the page cache) with more "
+            "peers. Without --checkpoint, raw mode (the options of DeepSpeed's ds_io): write, or "
+            "with --read read, --io_size bytes in --folder with one aio_handle configuration and "
+            "print GB/s (10^9 bytes/s) per loop and the median, with GiB/s (2^30 bytes/s, the "
+            "unit of ds_io's 'GB/sec') beside them. I/O settings left out come from `fastckpt "
+            "tune`'s result for that file system."
         ),
-    )
-    parser.add_argument(
-        "--folder",
-        metavar="DIR",
-        help="directory to do I/O in (default: the current directory; /dev/shm with "
-        "--regime memory)",
-    )
-    parser.add_argument(
-        *spellings("--io_size"),
-        dest="io_size",
-        type=size_arg,
-        default=size_arg("400M"),
-        help="bytes per loop in raw mode, e.g. 400M, 1G (default 400M)",
-    )
-    parser.add_argument(
-        *spellings("--block_size"),
-        dest="block_size",
-        type=size_arg,
-        help="bytes per I/O request, e.g. 1M",
-    )
-    parser.add_argument(
-        *spellings("--queue_depth"),
-        dest="queue_depth",
-        type=positive_int_arg,
-        help="requests in flight per thread",
-    )
-    parser.add_argument(
-        *spellings("--intra_op_parallelism", "--io_parallel"),
-        dest="intra_op_parallelism",
-        type=positive_int_arg,
-        help="threads each operation is split across",
-    )
-    parser.add_argument(
-        *spellings("--single_submit"),
-        dest="single_submit",
-        nargs="?",
-        const=True,
-        type=bool_arg,
-        metavar="BOOL",
-        help="submit requests one at a time (alone: true)",
-    )
-    parser.add_argument(
-        *spellings("--overlap_events"),
-        dest="overlap_events",
-        nargs="?",
-        const=True,
-        type=bool_arg,
-        metavar="BOOL",
-        help="submit new requests as others complete (alone: true)",
-    )
-    parser.add_argument("--engine", choices=("auto",) + ENGINE_CHOICES, help="I/O engine")
-    parser.add_argument("--read", action="store_true", help="measure reads (default: writes)")
-    parser.add_argument(
-        "--loops",
-        type=positive_int_arg,
-        default=3,
-        help="repetitions; the median is reported (default 3)",
-    )
-    parser.add_argument(
-        "--gpu", action="store_true", help="move data to/from GPU memory (needs CUDA)"
-    )
-    parser.add_argument(
-        "--gds",
-        action="store_true",
-        help="use NVIDIA GPUDirect Storage (needs CUDA and cuFile; raw mode only)",
-    )
-    parser.add_argument(
-        "--validate", action="store_true", help="check the bytes after every loop (untimed)"
-    )
-    parser.add_argument(
-        *spellings("--no-drop-caches"),
-        dest="drop_caches",
-        action="store_false",
-        help="never drop the machine's page cache (by default it is dropped before every cold "
-        "read when running as root); cold reads then rely on O_DIRECT and posix_fadvise of "
-        "the files read",
     )
     parser.add_argument(
         "--checkpoint",
@@ -164,6 +91,87 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="with --checkpoint: disk (cold reads, the default) or memory (loads from tmpfs or "
         "the page cache, --folder defaulting to /dev/shm, plus the Run:ai streamer, "
         "fastsafetensors and the parallel-preadv ceiling where installed)",
+    )
+    parser.add_argument(
+        "--folder",
+        metavar="DIR",
+        help="directory to do I/O in (default: the current directory; /dev/shm with "
+        "--regime memory); created when missing (its last component), and removed again "
+        "when the run leaves it empty",
+    )
+    parser.add_argument(
+        "--loops",
+        type=positive_int_arg,
+        default=3,
+        help="repetitions; the median is reported (default 3)",
+    )
+    parser.add_argument(
+        "--validate", action="store_true", help="check the bytes after every loop (untimed)"
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="move data to/from GPU memory (needs CUDA)"
+    )
+    parser.add_argument(
+        *spellings("--no-drop-caches"),
+        dest="drop_caches",
+        action="store_false",
+        help="never drop the machine's page cache (by default it is dropped before every cold "
+        "read when running as root); cold reads then rely on O_DIRECT and posix_fadvise of "
+        "the files read",
+    )
+    raw = parser.add_argument_group(
+        "I/O settings, the options of DeepSpeed's ds_io (--io_size, --read, --gds: raw mode "
+        "only; the others also set fastckpt's I/O under --checkpoint)"
+    )
+    raw.add_argument(
+        *spellings("--io_size"),
+        dest="io_size",
+        type=size_arg,
+        default=size_arg("400M"),
+        help="bytes per loop in raw mode, e.g. 400M, 1G (default 400M)",
+    )
+    raw.add_argument(
+        *spellings("--block_size"),
+        dest="block_size",
+        type=size_arg,
+        help="bytes per I/O request, e.g. 1M",
+    )
+    raw.add_argument(
+        *spellings("--queue_depth"),
+        dest="queue_depth",
+        type=positive_int_arg,
+        help="requests in flight per thread",
+    )
+    raw.add_argument(
+        *spellings("--intra_op_parallelism", "--io_parallel"),
+        dest="intra_op_parallelism",
+        type=positive_int_arg,
+        help="threads each operation is split across",
+    )
+    raw.add_argument(
+        *spellings("--single_submit"),
+        dest="single_submit",
+        nargs="?",
+        const=True,
+        type=bool_arg,
+        metavar="BOOL",
+        help="submit requests one at a time (alone: true)",
+    )
+    raw.add_argument(
+        *spellings("--overlap_events"),
+        dest="overlap_events",
+        nargs="?",
+        const=True,
+        type=bool_arg,
+        metavar="BOOL",
+        help="submit new requests as others complete (alone: true)",
+    )
+    raw.add_argument("--engine", choices=("auto",) + ENGINE_CHOICES, help="I/O engine")
+    raw.add_argument("--read", action="store_true", help="measure reads (default: writes)")
+    raw.add_argument(
+        "--gds",
+        action="store_true",
+        help="use NVIDIA GPUDirect Storage (needs CUDA and cuFile; raw mode only)",
     )
     parser.set_defaults(run=run)
     return parser
@@ -199,10 +207,16 @@ def _check_folder(folder: str, needed: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt bench`` with parsed arguments; returns the exit status."""
+    """Runs ``fastckpt bench`` with parsed arguments; returns the exit status. A ``--folder``
+    it created is removed again when the run leaves it empty (as it leaves every folder)."""
     if args.folder is None:
         memory = args.regime == "memory" and os.path.isdir("/dev/shm")
         args.folder = "/dev/shm" if memory else "."
+    with removed_if_left_empty([args.folder]):
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> int:
     if args.regime == "memory" and args.checkpoint is None:
         raise CliError("--regime applies to --checkpoint", USAGE)
     if args.gds:

@@ -43,6 +43,7 @@ import argparse
 import os
 import pickle
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -244,13 +245,52 @@ def _own_storages(obj: Any) -> Any:
     return own(obj)
 
 
-def _torch_save_atomic(obj: Any, dst: str) -> None:
-    import tempfile
+def _modules_as_state_dicts(obj: Any, where: str = "") -> tuple[Any, list[str]]:
+    """``obj`` with each ``torch.nn.Module`` in it (whole models that ``torch.save`` pickled)
+    replaced by its state dict, and where each was (``"the top level"``, ``['model']``):
+    stored as a pickle, a module would keep no tensor in the fastckpt layout.
 
+    Example:
+        >>> import torch
+        >>> new, where = _modules_as_state_dicts({"model": torch.nn.Linear(2, 1), "epoch": 3})
+        >>> sorted(new["model"]), new["epoch"], where
+        (['bias', 'weight'], 3, ["['model'] (Linear)"])
+    """
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict(), [f"{where or 'the top level'} ({type(obj).__name__})"]
+    found: list[str] = []
+    if isinstance(obj, dict):
+        for key in list(obj):
+            obj[key], inner = _modules_as_state_dicts(obj[key], f"{where}[{key!r}]")
+            found += inner
+    elif isinstance(obj, (list, tuple)):
+        items = []
+        for i, value in enumerate(obj):
+            value, inner = _modules_as_state_dicts(value, f"{where}[{i}]")
+            items.append(value)
+            found += inner
+        obj = items if isinstance(obj, list) else type(obj)(items)
+    return obj, found
+
+
+def _new_temporary(dst: str) -> tuple[int, str]:
+    """A new ``<dst>.<12 hex>.tmp`` beside ``dst`` (the name fastckpt's clean-up knows),
+    created with mode 0o666 less the umask, as every file fastckpt writes."""
+    while True:
+        tmp = f"{dst}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _torch_save_atomic(obj: Any, dst: str) -> None:
     import torch
 
     directory = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dst) + ".", suffix=".tmp", dir=directory)
+    fd, tmp = _new_temporary(os.path.join(directory, os.path.basename(dst)))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -340,6 +380,15 @@ def _convert(args: argparse.Namespace) -> int:
         raise CliError(f"--materialize: {src} is not a fastckpt/safetensors file", USAGE)
     if kind == "torch":
         obj = _load_torch(src, args.allow_pickle)
+        if Path(dst).suffix.lower() not in TORCH_SUFFIXES:
+            obj, modules = _modules_as_state_dicts(obj)
+            if modules:
+                warn(
+                    f"{src} holds whole modules, pickled with their code; their state dicts "
+                    f"are written (at {', '.join(modules)}): restore with "
+                    "model.load_state_dict(...)"
+                )
+                kind = "torch, modules as state dicts"
     else:
         metadata = _user_metadata(src)
         from_bases = _referenced_count(src)

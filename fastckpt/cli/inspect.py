@@ -1,7 +1,8 @@
 """``fastckpt inspect FILE|DIR``: what a safetensors/fastckpt file holds and how it is laid out.
 
 For each file: a table of tensors (name, dtype, shape, bytes, absolute file offset and
-the alignment of that offset, up to 4096), the totals, the user's metadata, and whether
+the alignment of that offset, up to 4096), the totals, a nested checkpoint's other values
+(``epoch: 3``, ``args: {...}``), the user's metadata, and whether
 CRC32C checksums are present (without them ``fastckpt verify`` cannot check the file), and
 for an incremental checkpoint the chain of files it is made of (what each holds and refers
 to; a missing one makes the exit status 1).
@@ -54,6 +55,7 @@ __all__ = [
     "printable",
     "read_header",
     "run",
+    "tree_values",
 ]
 
 _MAX_ALIGNMENT = DEFAULT_ALIGNMENT
@@ -180,6 +182,8 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``name, dtype, shape, bytes, offset, alignment``), ``tensor_count``, ``total_bytes``,
     ``aligned_4096`` (tensors starting on a 4096-byte boundary), ``metadata`` (the user's),
     ``checksums`` (bool), ``checksummed`` (how many tensors), ``aliases``, ``nested``,
+    ``values`` (a nested checkpoint's values other than tensors: path -> Python literal, see
+    :func:`tree_values`),
     ``fastckpt_version`` (None for files other writers made), ``read_mode`` (how a load
     would read the data now and why: ``{"mode", "why"}``), ``chain`` (None unless the file is
     an incremental checkpoint: see :func:`describe_chain`), ``compressed`` (how many tensors
@@ -226,6 +230,7 @@ def describe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "checksummed": sum(1 for t in tensors if t["name"] in crcs),
         "aliases": meta.aliases,
         "nested": meta.tree is not None,
+        "values": _values(meta.tree),
         "fastckpt_version": meta.version,
         "read_mode": _read_mode(path, header.data_offset, header.data_size),
         "chain": describe_chain(path) if meta.references is not None else None,
@@ -340,6 +345,100 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def _literal(node: Any) -> str:
+    """A structure-tree node (docs/format.md, "The structure tree") as Python would print it;
+    a tensor as ``<tensor NAME>``, a pickled object as ``<pickled TYPE>``.
+
+    Example:
+        >>> _literal({"t": "dict", "k": ["lr", 5], "v": [0.1, {"t": "tuple", "v": [True, "a"]}]})
+        "{'lr': 0.1, 5: (True, 'a')}"
+    """
+    if isinstance(node, list):
+        return "[" + ", ".join(_literal(v) for v in node) + "]"
+    if not isinstance(node, dict):
+        return repr(node)
+    tag, value = node.get("t"), node.get("v")
+    if tag in ("dict", "odict"):
+        pairs = zip(node.get("k", []), value or [])
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in pairs) + "}"
+    if tag == "tuple":
+        items = [_literal(v) for v in value or []]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    simple = {
+        "none": lambda: "None",
+        "tensor": lambda: f"<tensor {node.get('n')}>",
+        "float": lambda: f"float({value!r})",
+        "int": lambda: str(int(value, 16)) if isinstance(value, str) else repr(value),
+        "dtype": lambda: f"torch.{value}",
+        "size": lambda: f"torch.Size({value!r})",
+        "device": lambda: f"device({value!r})",
+        "bytes": lambda: f"<{len(value or '') * 3 // 4} bytes>",
+        "pickle": lambda: f"<pickled {node.get('type', 'object')}>",
+    }
+    return simple[tag]() if tag in simple else f"<{tag}>"
+
+
+def _holds_tensors(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_holds_tensors(v) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if node.get("t") == "tensor":
+        return True
+    return (
+        any(_holds_tensors(v) for v in node.get("v") or [])
+        if node.get("t")
+        in (
+            "dict",
+            "odict",
+            "tuple",
+        )
+        else False
+    )
+
+
+def tree_values(tree: Any, path: str = "") -> list[tuple[str, str]]:
+    """The values of a nested checkpoint other than its tensors (which the tensor table
+    lists): ``(path, value)`` pairs, a path joining keys with ``/`` as tensor names do, and
+    each part that holds no tensor shown whole.
+
+    Example:
+        >>> tree = {"t": "dict", "k": ["model", "epoch", "args"], "v": [
+        ...     {"t": "dict", "k": ["w"], "v": [{"t": "tensor", "n": "model/w"}]},
+        ...     3, {"t": "dict", "k": ["lr"], "v": [0.1]}]}
+        >>> tree_values(tree)
+        [('epoch', '3'), ('args', "{'lr': 0.1}")]
+    """
+    if not _holds_tensors(tree):
+        return [(path or "(the object)", _literal(tree))]
+    if isinstance(tree, list):
+        children = [(str(i), v) for i, v in enumerate(tree)]
+    elif tree.get("t") in ("dict", "odict"):
+        children = [
+            (str(k) if not isinstance(k, dict) else _literal(k), v)
+            for k, v in zip(tree.get("k", []), tree.get("v") or [])
+        ]
+    elif tree.get("t") == "tuple":
+        children = [(str(i), v) for i, v in enumerate(tree.get("v") or [])]
+    else:
+        return []  # a tensor: in the table
+    found: list[tuple[str, str]] = []
+    for key, child in children:
+        found += tree_values(child, f"{path}/{key}" if path else key)
+    return found
+
+
+def _values(tree: Any) -> dict[str, str]:
+    """:func:`tree_values` as a dict; a tree it cannot walk (a hostile or damaged header that
+    the format layer let through) is reported, not raised: inspect describes what it can."""
+    if tree is None:
+        return {}
+    try:
+        return dict(tree_values(tree))
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+        return {"(the object)": f"<a structure inspect cannot show: {type(exc).__name__}>"}
+
+
 def _print_file(info: dict[str, Any]) -> None:
     version = info["fastckpt_version"]
     made_by = f"fastckpt format {printable(version)}" if version else "not written by fastckpt"
@@ -403,6 +502,12 @@ def _print_file(info: dict[str, Any]) -> None:
         print(f"  shared tensors: {shared}")
     if info["nested"]:
         print("  structure: a nested object (fastckpt.load rebuilds it)")
+        values = info.get("values") or {}
+        if values:
+            print("  values (other than tensors):")
+        for where, value in values.items():
+            shown = value if len(value) <= 200 else value[:197] + "..."
+            print(f"    {printable(where)}: {printable(shown)}")
     if info.get("chain"):
         _print_chain(info["chain"])
     if info["metadata"]:

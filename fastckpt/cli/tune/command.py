@@ -48,6 +48,7 @@ from fastckpt.cli._common import (
     engine_list_arg,
     make_directory,
     positive_int_arg,
+    removed_if_left_empty,
     require_cuda,
     require_gds,
     size_arg,
@@ -99,7 +100,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         metavar="NVME_DIR",
         help="directory (one or more) in which to perform the I/O tests; a writable "
-        "directory on the device to tune (its last component is created when missing)",
+        "directory on the device to tune (its last component is created when missing, and "
+        "removed again when the sweep leaves it empty)",
     )
     parser.add_argument(
         "--budget",
@@ -205,7 +207,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt tune`` with parsed arguments; returns the exit status."""
+    """Runs ``fastckpt tune`` with parsed arguments; returns the exit status. An
+    ``--nvme_dir`` it created is removed again when the sweep leaves it empty."""
+    with removed_if_left_empty(args.nvme_dir):
+        return _tune(args)
+
+
+def _tune(args: argparse.Namespace) -> int:
     if args.reset:
         return _reset(args.nvme_dir)
     if args.no_read and args.no_write:
