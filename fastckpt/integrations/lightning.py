@@ -45,9 +45,11 @@ Loading reads fastckpt files and, for a smooth switch, also files written by
 Files are plain fastckpt files: ``fastckpt.load(path)`` reads them outside Lightning (the
 same objects, types included), ``fastckpt verify`` checks them, every safetensors reader
 opens them. Paths are local files or fsspec URLs (``s3://``, ``memory://``; ``https://`` to
-read). Lightning's own loaders (``MyModule.load_from_checkpoint``, a Trainer without these
-plugins) read with ``torch.load`` and cannot read them: use :func:`load_from_checkpoint`,
-:class:`FastCkptLoadingMixin` or the plugins.
+read). ``MyModule.load_from_checkpoint(path)`` reads them once this module is imported (it
+recognizes a fastckpt file by its first bytes and leaves every other file to Lightning's own
+loader); a Trainer without these plugins, or a process that never imported this module, reads
+with ``torch.load`` and cannot: use :func:`load_from_checkpoint`, :class:`FastCkptLoadingMixin`
+or the plugins.
 Strategies that write sharded checkpoints themselves (FSDP, DeepSpeed) bypass
 ``CheckpointIO``; these classes serve single-file strategies (single device, DDP, rank 0
 writes). The classes derive from ``lightning``'s; the plugins are also registered with the
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import importlib
 import inspect
 import os
@@ -500,6 +503,65 @@ class FastCkptLoadingMixin:
             weights_only=weights_only,
             **kwargs,
         )
+
+
+def _is_fastckpt_file(path: Any) -> bool:
+    """Whether ``path`` (a local file or a URL) starts as a safetensors file does: what
+    ``torch.load``, and so Lightning's own loader, cannot read. Anything unreadable (a file
+    object, a missing path) is left to Lightning, which says what is wrong with it."""
+    try:
+        text = os.fspath(path)
+        if is_url(text):
+            head = _head_of_url(text)
+        else:
+            with open(text, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+    except (OSError, TypeError, ValueError):
+        return False
+    return torch_save_format(head) is None and head[8:9] == b"{"
+
+
+def _read_fastckpt_files_in_load_from_checkpoint() -> None:
+    """Makes ``MyModule.load_from_checkpoint(path)`` read the files fastckpt writes, for every
+    ``LightningModule``: a file that starts as a safetensors file goes to
+    :func:`load_from_checkpoint`, any other to Lightning's own loader, unchanged.
+
+    Lightning has no hook for its loaders, and without one a user who switched to
+    :class:`FastCkptCheckpoint` meets torch's "Weights only load failed" advice, which would
+    not help. So importing this module wraps that one class method, once. Where Lightning's
+    method is not the restricted class method this expects, nothing is wrapped and
+    :func:`load_from_checkpoint` / :class:`FastCkptLoadingMixin` remain the way.
+    """
+    descriptor = pl.LightningModule.__dict__.get("load_from_checkpoint")
+    original = getattr(descriptor, "method", None)
+    if original is None or getattr(original, "reads_fastckpt_files", False):
+        return
+    signature = inspect.signature(original)
+    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(original)
+    def load_from_checkpoint_reading_fastckpt_files(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(cls, *args, **kwargs).arguments
+        path = given.get("checkpoint_path")
+        if not _is_fastckpt_file(path):
+            return original(cls, *args, **kwargs)
+        # the mixin's checks and call, for this file
+        return FastCkptLoadingMixin.load_from_checkpoint.__func__(  # type: ignore[attr-defined]
+            cls,
+            path,
+            map_location=given.get("map_location"),
+            hparams_file=given.get("hparams_file"),
+            strict=given.get("strict"),
+            weights_only=given.get("weights_only"),
+            **((given.get(extra) or {}) if extra else {}),
+        )
+
+    load_from_checkpoint_reading_fastckpt_files.reads_fastckpt_files = True  # type: ignore[attr-defined]
+    wrapped = type(descriptor)(load_from_checkpoint_reading_fastckpt_files)  # type: ignore[misc]
+    pl.LightningModule.load_from_checkpoint = wrapped  # type: ignore[method-assign]
+
+
+_read_fastckpt_files_in_load_from_checkpoint()
 
 
 class _Removal:
