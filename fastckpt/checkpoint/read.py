@@ -330,6 +330,8 @@ class CheckpointReader(HeaderView, Reader):
         Prefetched tensors are taken from their prefetch (verified now when ``verify`` asks
         and the prefetch did not; read again when ``pin_memory`` asks and it was not pinned).
         """
+        if verify:
+            self.check_stored_copies(names)
         if compressed_tensors.asks_compressed(self, names):  # read, then decompressed
             return compressed_tensors.read_decoded(
                 self, names, pin_memory=pin_memory, verify=verify, progress=progress
@@ -388,6 +390,8 @@ class CheckpointReader(HeaderView, Reader):
             ...     f.map()["w"].tolist()
             [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         """
+        if verify:
+            self.check_stored_copies(names)
         if compressed_tensors.asks_compressed(self, names):  # those decompressed into memory
             return compressed_tensors.map_decoded(self, names, verify=verify)
         with self._reading():
@@ -549,6 +553,11 @@ class CheckpointReader(HeaderView, Reader):
     ) -> list[str]:
         """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
 
+        Every byte a reader may read is checked: the stored copy of a tied tensor too (the
+        bytes a safetensors reader returns under the alias, which fastckpt never reads), and
+        each compressed tensor is decompressed and checked against the CRC32C of its
+        uncompressed bytes, since a frame may match its stored CRC32C and still not decode.
+
         Raises:
             NoChecksumsError: the file has no checksums (it cannot be verified).
 
@@ -560,24 +569,90 @@ class CheckpointReader(HeaderView, Reader):
         """
         with self._reading():
             self.require_checksums()
-            wanted = list(self._entries_of(names).values())
-            found: list[str] = []
-            batch: list[format.TensorEntry] = []
-            size = 0
-            with progress_bar(sum(e.nbytes for e in wanted), "verifying", enabled=progress) as bar:
-                for e in [*wanted, None]:
-                    if e is not None:
-                        batch.append(e)
-                        size += e.nbytes
-                    if batch and (e is None or size >= _VERIFY_BATCH):
-                        pending = self._start(
-                            batch, pin_memory=False, checksum=True, background=False
-                        )
-                        pending.collect(progress=False)
-                        found += damaged(batch, pending.actual_crcs(), self.meta.crcs or {})
-                        bar.update(size)
-                        batch, size = [], 0
-        return found
+            wanted = {**self._entries_of(names), **self._stored_copies(names)}
+            found = self._damaged(list(wanted.values()), progress=progress)
+            for name in wanted:
+                if name in self.compressed and name not in found and not self._decodes(name):
+                    found.append(name)
+        order = {name: i for i, name in enumerate(self.header.entries)}
+        return sorted(found, key=lambda name: order.get(name, len(order)))
+
+    def check_stored_copies(self, names: Sequence[str] | None = None) -> None:
+        """Checks the stored copies of the tied tensors among ``names`` (all when None)
+        against the CRC32C of the tensor they copy. fastckpt reads a tied tensor once, under
+        its first name, and never the copy stored under the alias; but a safetensors reader
+        returns the copy, so a load that verifies checks it too. Costs one more read of
+        each tied tensor's bytes (none when nothing is tied).
+
+        Raises:
+            ChecksumError: naming the damaged copy (the alias) and the file.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> w = torch.ones(3)
+            >>> fastckpt.save({"emb": w, "head": w}, "/tmp/fastckpt-tied-check.safetensors")
+            >>> fastckpt.open("/tmp/fastckpt-tied-check.safetensors").check_stored_copies()
+        """
+        copies = self._stored_copies(names)
+        if not copies or not self.meta.crcs:
+            return
+        with self._reading():
+            entries = list(copies.values())
+            actual = self._actual_crcs(entries)
+            check_crcs(entries, actual, self._copy_crcs(copies), self.path)
+
+    def _stored_copies(self, names: Sequence[str] | None) -> dict[str, format.TensorEntry]:
+        """The stored copies of tied tensors among ``names`` (all when None), by alias; a
+        compressed one as its stored bytes."""
+        if isinstance(names, str):
+            raise TypeError("names must be a sequence of str, not a str")
+        entries, aliases = self.header.entries, self.meta.aliases
+        wanted = aliases if names is None else [n for n in names if n in aliases]
+        copies = {a: entries[a] for a in wanted if a in entries}
+        return compressed_tensors.as_stored(copies, self.compressed) if copies else copies
+
+    def _copy_crcs(self, copies: Mapping[str, format.TensorEntry]) -> dict[str, int]:
+        """The CRC32C each copy must have: the one recorded for the tensor it copies (the
+        header's own check made the copy's recorded CRC32C equal to it)."""
+        crcs, aliases = self.meta.crcs or {}, self.meta.aliases
+        return {
+            alias: crcs[aliases[alias]] if aliases[alias] in crcs else crcs[alias]
+            for alias in copies
+            if aliases[alias] in crcs or alias in crcs
+        }
+
+    def _actual_crcs(
+        self, entries: list[format.TensorEntry], *, progress: bool | None = False
+    ) -> dict[str, int]:
+        """The CRC32C of each of ``entries``' bytes, read in batches of about
+        ``_VERIFY_BATCH`` bytes so that memory stays bounded whatever the file's size."""
+        actual: dict[str, int] = {}
+        with progress_bar(sum(e.nbytes for e in entries), "verifying", enabled=progress) as bar:
+            for batch in _batches(entries, _VERIFY_BATCH):
+                pending = self._start(batch, pin_memory=False, checksum=True, background=False)
+                pending.collect(progress=False)
+                actual.update(pending.actual_crcs())
+                bar.update(sum(e.nbytes for e in batch))
+        return actual
+
+    def _damaged(self, entries: list[format.TensorEntry], *, progress: bool | None) -> list[str]:
+        """The names of ``entries`` whose bytes do not match their recorded CRC32C (a stored
+        copy of a tied tensor: the CRC32C of the tensor it copies)."""
+        expected = {**(self.meta.crcs or {}), **self._copy_crcs(self._stored_copies(None))}
+        return damaged(entries, self._actual_crcs(entries, progress=progress), expected)
+
+    def _decodes(self, name: str) -> bool:
+        """Whether the compressed tensor ``name`` decompresses to bytes of the CRC32C its
+        header records (read and decoded a few MiB at a time, then dropped)."""
+        from fastckpt.errors import ChecksumError, HeaderError
+
+        entry = compressed_tensors.stored_entry(self.header.entries[name])
+        try:
+            compressed_tensors.decode_streaming(self, entry, verify=True)
+        except (ChecksumError, HeaderError) as exc:
+            _log.info("%s: tensor %r does not decompress: %s", self.path, name, exc)
+            return False
+        return True
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -592,6 +667,21 @@ class CheckpointReader(HeaderView, Reader):
 
     def __enter__(self) -> CheckpointReader:
         return self
+
+
+def _batches(entries: list[format.TensorEntry], limit: int) -> Iterator[list[format.TensorEntry]]:
+    """``entries`` in order, cut into batches of at least ``limit`` bytes (the last one
+    smaller); a tensor larger than ``limit`` is a batch of its own."""
+    batch: list[format.TensorEntry] = []
+    size = 0
+    for e in entries:
+        batch.append(e)
+        size += e.nbytes
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _views(arena: torch.Tensor, runs: list[Run]) -> dict[str, torch.Tensor]:

@@ -98,3 +98,78 @@ def test_a_stored_copy_of_another_shape_is_refused(tmp_path):
         assert "F32[4, 4]" in str(exc) and "F32[16]" in str(exc)
     else:
         raise AssertionError("a copy of another shape was accepted")
+
+
+def _flip_data_bit(path, offset: int, bit: int) -> None:
+    """Flips one bit of a file in place (as a disk or a network might)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def _tied_file(path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """A checkpoint with a tied pair; returns the data section's file offset and each stored
+    tensor's data-section byte range."""
+    torch.manual_seed(3)
+    model = TiedModel()
+    fastckpt.save(model.state_dict(), path)
+    with fastckpt.open(path) as reader:
+        spans = {n: (e.begin, e.end) for n, e in reader.header.entries.items()}
+        return reader.header.data_offset, spans
+
+
+def test_a_damaged_stored_copy_is_found_by_load_verify_and_the_cli(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    path = tmp_path / "tied.safetensors"
+    data_offset, spans = _tied_file(path)
+    begin, _ = spans["head.weight"]
+    _flip_data_bit(path, data_offset + begin + 17, 3)
+    # a reader that knows no aliases gets the damaged copy ...
+    assert not torch.equal(
+        safetensors.torch.load_file(str(path))["head.weight"],
+        safetensors.torch.load_file(str(path))["embed.weight"],
+    )
+    # ... so fastckpt checks it although it gives the alias the first name's tensor
+    with fastckpt.open(path) as reader:
+        assert reader.verify() == ["head.weight"]
+    for mmap in (False, True):
+        try:
+            fastckpt.load(path, mmap=mmap, verify=True)
+        except fastckpt.ChecksumError as exc:
+            assert "'head.weight'" in str(exc) and str(path) in str(exc)
+        else:
+            raise AssertionError(f"load(mmap={mmap}) accepted a damaged stored copy")
+    try:
+        fastckpt.load(path, keys=["head.weight"])
+    except fastckpt.ChecksumError as exc:
+        assert "'head.weight'" in str(exc)
+    else:
+        raise AssertionError("load(keys=[alias]) accepted a damaged stored copy")
+    assert list(fastckpt.load(path, keys=["embed.weight"])) == ["embed.weight"]  # intact
+    assert main(["verify", str(path)]) == 1
+    assert "head.weight" in capsys.readouterr().out
+
+
+def test_every_data_bit_flip_in_a_tied_checkpoint_is_found(tmp_path):
+    """Random single-bit flips anywhere in the data section: load and verify see each one."""
+    path = tmp_path / "tied.safetensors"
+    pristine = tmp_path / "pristine.safetensors"
+    data_offset, spans = _tied_file(pristine)
+    size = max(end for _, end in spans.values())
+    generator = torch.Generator().manual_seed(7)
+    flips = 60
+    seen_by_verify = seen_by_load = 0
+    for _ in range(flips):
+        path.write_bytes(pristine.read_bytes())
+        at = int(torch.randint(size, (1,), generator=generator))
+        _flip_data_bit(path, data_offset + at, int(torch.randint(8, (1,), generator=generator)))
+        with fastckpt.open(path) as reader:
+            seen_by_verify += bool(reader.verify())
+        try:
+            fastckpt.load(path)
+        except fastckpt.ChecksumError:
+            seen_by_load += 1
+    assert (seen_by_verify, seen_by_load) == (flips, flips)
