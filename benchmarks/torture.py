@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torture_mutations
+
 CLEAN = {
     "ok",
     "HeaderError",
@@ -1191,7 +1193,9 @@ _LAZY_CUDA = textwrap.dedent(
         state = {k: v.to("cuda") for k, v in host.items()}
         torch.cuda.synchronize()
         path = os.path.join(folder, f"lazy-{seed}-{r}.safetensors")
-        future = fastckpt.async_save(state, path, lazy=True)
+        # an optimizer over the state (never stepped) owns it: the save reads it lazily
+        owner = torch.optim.SGD(list(state.values()), lr=0.0)
+        future = fastckpt.async_save(state, path, fence=owner)
         future.fence()
         for t in state.values():  # the step, right after the fence
             t.add_(1)
@@ -1447,6 +1451,7 @@ PARTS = [
     "manager-readers",
     "bounds",
     "lazy-cuda",
+    "mutation-kills",
 ]
 
 
@@ -1532,6 +1537,9 @@ def main(argv: list[str] | None = None) -> int:
                 bad += report.get("files not the call-time state", 0) + len(
                     report.get("errors", [])
                 )
+            elif part == "mutation-kills":
+                report = torture_mutations.mutation_kills(work, args.set_kills, args.seed)
+                bad += torture_mutations.bad_outcomes(report)
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]
