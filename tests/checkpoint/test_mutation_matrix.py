@@ -243,7 +243,7 @@ def test_an_unfenced_op_overlapping_the_copy_never_commits_a_torn_tensor(tmp_pat
         path = tmp_path / f"{i}.safetensors"
         started = threading.Event()
 
-        def change() -> None:
+        def change(started: threading.Event = started) -> None:
             started.set()
             w.sin_()  # tens of ms on one core, overlapping the writer's copy
 
