@@ -12,8 +12,12 @@ to write over, removed when its manager closes) left by a killed run goes too: o
 It takes each tier's manager lock first: while a manager runs on a tier, its partial
 directories are saves in progress, and ``clean`` refuses (status 1) rather than race them.
 
-Exit status: 0; 1 when a tier is in use by a running manager or a removal fails; 2 when
-ROOT or ``--fast`` is not a directory.
+A step whose commit marker exists but cannot be used (unreadable, not JSON, fields of the
+wrong types) is committed as far as a manager can tell: ``clean`` leaves it in place and
+names it, with what is wrong (status 1), for a person to look at.
+
+Exit status: 0; 1 when a tier is in use by a running manager, a removal fails or a marker
+cannot be used; 2 when ROOT or ``--fast`` is not a directory.
 
 Example (shell)::
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes, spellings
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     failed, freed = 0, 0
     with locked_tiers(*tiers):
         found = leftovers(root, fast)
+        bad = _bad_markers(tiers, by_name)
         for copy, why in found:
             if not args.dry_run:
                 try:
@@ -125,4 +131,17 @@ def run(args: argparse.Namespace) -> int:
     also = " and a spare file" if spare is not None else ""
     summary = f"{verb} {count} {noun}{also}, {format_bytes(freed)}"
     print(summary if found or spare is not None else "nothing to clean")
-    return FAILURE if failed else 0
+    for problem in bad:
+        print(f"fastckpt clean: error: {problem}; left in place", file=sys.stderr)
+    return FAILURE if failed or bad else 0
+
+
+def _bad_markers(tiers: list[Tier], by_name: dict[str, Tier]) -> list[str]:
+    """What is wrong with each committed step whose marker cannot be used, tier by tier."""
+    names = {id(tier): name for name, tier in by_name.items()}
+    return [
+        copy.problem
+        for tier in tiers
+        for copy in tier_copies(tier, names[id(tier)])
+        if copy.problem is not None
+    ]

@@ -33,6 +33,7 @@ __all__ = [
     "FileKind",
     "checkpoint_targets",
     "checkpoints_in",
+    "is_dcp_checkpoint",
     "skipped_summary",
     "sniff",
 ]
@@ -44,6 +45,11 @@ CONVERT_HINT = "`fastckpt convert FILE OUT.safetensors` writes a fastckpt copy"
 _TORCH_FORMATS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a legacy tar archive"}
 #: Temporary files of an atomic save (``<name>.<random>.tmp``): in progress or interrupted.
 _TEMPORARY_SUFFIX = ".tmp"
+#: The file that makes a directory a torch.distributed.checkpoint (DCP) checkpoint: the name
+#: :data:`fastckpt.integrations.dcp.METADATA_FILE` holds (a test keeps the two equal). Spelled
+#: here because importing that package imports torch.distributed.checkpoint (seconds), which
+#: a plain file or directory does not need.
+DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,34 @@ def sniff(path: str | os.PathLike[str]) -> FileKind:
     if size == 0:
         return FileKind("other", "empty")
     return FileKind("other", f"it starts with {head[:8]!r}")
+
+
+def is_dcp_checkpoint(target: str | os.PathLike[str]) -> bool:
+    """Whether ``target`` is a DCP checkpoint (a directory or URL holding ``.metadata``),
+    found without importing torch.distributed: the commands import the DCP integration only
+    for a target this says yes to. A URL that cannot be reached is not one (reading it then
+    says why).
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> is_dcp_checkpoint(folder), is_dcp_checkpoint("/no/such/dir")
+        (False, False)
+        >>> open(os.path.join(folder, ".metadata"), "wb").close()
+        >>> is_dcp_checkpoint(folder)
+        True
+    """
+    from fastckpt.storage.locations import is_url
+
+    name = os.fspath(target)
+    if not is_url(name):
+        return os.path.isdir(name) and os.path.isfile(os.path.join(name, DCP_METADATA))
+    from fastckpt import storage
+
+    try:
+        return storage.exists(storage.join(name, DCP_METADATA))
+    except (ImportError, ValueError, OSError):
+        return False
 
 
 @dataclass

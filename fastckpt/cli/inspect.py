@@ -616,11 +616,7 @@ def _torch_file_message(path: Any) -> str | None:
 def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]]) -> list[str]:
     """Describes the torch.distributed.checkpoint directories among ``args.paths``; returns
     the other paths."""
-    from fastckpt.storage.locations import is_url
-
-    if not any(is_url(target) or os.path.isdir(target) for target in args.paths):
-        return list(args.paths)  # files are never DCP checkpoints: no need of torch for them
-    from fastckpt.integrations.dcp import describe_dcp, format_dcp, is_dcp_checkpoint
+    from fastckpt.cli.file_kinds import is_dcp_checkpoint
 
     allow_pickle = getattr(args, "allow_pickle", False)
     others = []
@@ -628,6 +624,9 @@ def _inspect_dcp_dirs(args: argparse.Namespace, described: list[dict[str, Any]])
         if not is_dcp_checkpoint(target):
             others.append(target)
             continue
+        # only now: the DCP integration imports torch.distributed.checkpoint (seconds)
+        from fastckpt.integrations.dcp import describe_dcp, format_dcp
+
         if allow_pickle:
             warn(f"--allow-pickle: {target}/.metadata is unpickled without limits")
         info = describe_dcp(target, allow_pickle=allow_pickle)

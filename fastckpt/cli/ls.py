@@ -7,10 +7,17 @@ short), its size, whether it is committed in some tier, whether its copies were 
 marker records. ``--json`` prints the same as a JSON list.
 
 Reads the tiers without a manager: it runs beside a training job (a step it sees committed
-stays complete; one it sees partial may commit a moment later).
+stays complete; one it sees partial may commit a moment later). A step that the manager's
+retention removes while ``--verify`` reads it is reported as ``removed``, not as damage: a
+copy that fails its check is counted damaged only if its marker is still there, unchanged.
 
-Exit status: 0, or 1 when ``--verify`` finds a damaged or unreadable copy; 2 when ROOT or
-``--fast`` is not a directory.
+A step whose commit marker cannot be used (unreadable, not JSON, fields of the wrong types)
+is listed as committed, and a line on stderr names the step, the tier and what is wrong.
+In ``--json``, a metric that is not a finite number is the string ``"nan"``, ``"inf"`` or
+``"-inf"`` (JSON has no such numbers).
+
+Exit status: 0, or 1 when ``--verify`` finds a damaged or unreadable copy or a marker
+cannot be used; 2 when ROOT or ``--fast`` is not a directory.
 
 Example (shell)::
 
@@ -25,18 +32,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes
-from fastckpt.cli.series_tiers import StepCopy, tier_copies, tier_location
+from fastckpt.cli.series_tiers import (
+    MarkerError,
+    StepCopy,
+    marker_fields,
+    tier_copies,
+    tier_location,
+)
 
 if TYPE_CHECKING:
     from fastckpt.series.steps import Tier
 
 __all__ = ["add_parser", "list_steps", "run"]
 
-#: Verdicts of --verify, per step (the worst of its committed copies).
+#: Verdicts of --verify, per step (the worst of its committed copies); REMOVED: every
+#: copy went (retention of a running manager) while it was being checked.
 VERIFIED, DAMAGED, UNVERIFIABLE, NOT_CHECKED = "yes", "DAMAGED", "no checksums", "-"
+REMOVED = "removed"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -66,7 +83,8 @@ def list_steps(
 ) -> list[dict[str, Any]]:
     """Each step of the series, ascending: ``step``, ``tiers`` (``{"fast": "committed" |
     "partial", "root": ...}``), ``size``, ``committed``, ``verified`` and ``metrics``; with
-    ``verify``, ``damaged`` names each damaged copy and why.
+    ``verify``, ``damaged`` names each damaged copy and why; ``problems`` names each copy
+    whose marker cannot be used.
 
     Example:
         >>> import tempfile, torch
@@ -77,45 +95,91 @@ def list_steps(
         >>> [(s["step"], s["tiers"], s["metrics"]) for s in list_steps(root)]
         [(3, {'root': 'committed'}, {'loss': 0.5})]
     """
+    tiers = {"fast": fast, "root": root} if fast is not None else {"root": root}
     copies: dict[int, list[StepCopy]] = {}
-    tiers = [("fast", fast), ("root", root)] if fast is not None else [("root", root)]
-    for name, tier in tiers:
+    for name, tier in tiers.items():
         for copy in tier_copies(tier, name):
             copies.setdefault(copy.step, []).append(copy)
-    listing = []
-    for step in sorted(copies):
-        held = copies[step]
-        committed = [c for c in held if c.committed]
-        shown = committed[0] if committed else max(held, key=lambda c: c.size)
-        entry: dict[str, Any] = {
-            "step": step,
-            "tiers": {c.tier: "committed" if c.committed else "partial" for c in held},
-            "size": shown.size,
-            "committed": bool(committed),
-            "verified": NOT_CHECKED,
-            "metrics": shown.metrics,
-        }
-        if verify and committed:
-            entry["verified"], entry["damaged"] = _verify(committed)
-        listing.append(entry)
+    listing = [_entry(step, copies[step]) for step in sorted(copies)]
+    if verify:
+        for entry in listing:
+            usable = [c for c in copies[entry["step"]] if c.committed and c.problem is None]
+            if usable:
+                entry["verified"], entry["damaged"] = verify_copies(usable, tiers)
     return listing
 
 
-def _verify(copies: list[StepCopy]) -> tuple[str, list[str]]:
-    """The verdict over a step's committed copies, and what is wrong with each damaged one."""
+def _entry(step: int, held: list[StepCopy]) -> dict[str, Any]:
+    """What ``ls`` says of one step, from its copies (a usable committed copy preferred)."""
+    committed = [c for c in held if c.committed]
+    usable = [c for c in committed if c.problem is None]
+    shown = (usable or committed or [max(held, key=lambda c: c.size)])[0]
+    entry: dict[str, Any] = {
+        "step": step,
+        "tiers": {c.tier: "committed" if c.committed else "partial" for c in held},
+        "size": shown.size,
+        "committed": bool(committed),
+        "verified": NOT_CHECKED,
+        "metrics": shown.metrics,
+    }
+    problems = [c.problem for c in held if c.problem is not None]
+    if problems:
+        entry["problems"] = problems
+    return entry
+
+
+def verify_copies(
+    copies: list[StepCopy], tiers: dict[str, Tier | str | None]
+) -> tuple[str, list[str]]:
+    """The verdict over a step's committed copies, and what is wrong with each damaged one.
+
+    A copy that fails its check while a manager's retention removes its step (its marker
+    gone or rewritten since it was listed) was not damaged: it is left out, and a step
+    whose every copy went so is :data:`REMOVED`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from fastckpt.series.manager import CheckpointManager
+        >>> from fastckpt.series import steps
+        >>> root = tempfile.mkdtemp()
+        >>> with CheckpointManager(root) as manager:
+        ...     _ = manager.save(1, {"w": torch.ones(2)})
+        >>> listed = tier_copies(root, "root")
+        >>> steps.remove_step(root, 1)  # as retention does, after the listing
+        >>> verify_copies(listed, {"root": root})
+        ('removed', [])
+    """
     from fastckpt.cli.verify import OK, verify_file
     from fastckpt.cli.verify import UNVERIFIABLE as NO_CHECKSUMS
 
-    damaged, unverifiable = [], False
+    damaged, unverifiable, checked = [], False, 0
     for copy in copies:
         verdict = verify_file(copy.checkpoint, progress=False)
+        if verdict.status != OK and _gone(copy, tiers.get(copy.tier)):
+            continue
+        checked += 1
         if verdict.status == NO_CHECKSUMS:
             unverifiable = True
         elif verdict.status != OK:
             damaged.append(f"{copy.tier}: {verdict.detail}")
     if damaged:
         return DAMAGED, damaged
+    if not checked:
+        return REMOVED, []
     return (UNVERIFIABLE if unverifiable else VERIFIED), []
+
+
+def _gone(copy: StepCopy, tier: Tier | str | None) -> bool:
+    """Whether ``copy``'s step was removed or saved anew since it was listed: its marker
+    is missing or says other files or another time. Retention removes the marker before
+    the files, so a check that failed because the files went finds the marker gone."""
+    if tier is None:
+        return False
+    try:
+        fields = marker_fields(tier, copy.step, copy.tier)
+    except MarkerError:
+        return True
+    return fields["time"] != copy.time or sum(fields["files"].values()) != copy.size
 
 
 def _tiers_text(tiers: dict[str, str]) -> str:
@@ -125,19 +189,54 @@ def _tiers_text(tiers: dict[str, str]) -> str:
 
 
 def _metrics_text(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()))
+    return " ".join(f"{_escaped(k)}={v:.6g}" for k, v in sorted(metrics.items()))
+
+
+def _escaped(text: str) -> str:
+    """``text`` with control characters escaped: names in markers are not ours, and must
+    not move the cursor or retitle the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def json_number(value: float) -> float | str:
+    """A metric as JSON can hold it: the number, or ``"nan"``, ``"inf"``, ``"-inf"`` (JSON
+    has no such numbers, and Python's bare ``NaN`` token is not JSON).
+
+    Example:
+        >>> json_number(0.5), json_number(float("nan")), json_number(float("-inf"))
+        (0.5, 'nan', '-inf')
+    """
+    return value if math.isfinite(value) else repr(value)
+
+
+def as_json(listing: list[dict[str, Any]]) -> str:
+    """``listing`` as valid JSON (``allow_nan=False`` keeps it so).
+
+    Example:
+        >>> json.loads(as_json([{"step": 1, "metrics": {"loss": float("nan")}}]))
+        [{'step': 1, 'metrics': {'loss': 'nan'}}]
+    """
+    shown = [
+        {**s, "metrics": {k: json_number(v) for k, v in s["metrics"].items()}} for s in listing
+    ]
+    return json.dumps(shown, indent=1, allow_nan=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``fastckpt ls``; 1 when ``--verify`` found damage, else 0."""
+    """Runs ``fastckpt ls``; 1 when ``--verify`` found damage or a marker cannot be used,
+    else 0."""
     root = tier_location("ROOT", args.root)
     fast = None if args.fast is None else tier_location("--fast", args.fast)
     listing = list_steps(root, fast, verify=args.verify)
     if args.json:
-        print(json.dumps(listing, indent=1))
+        print(as_json(listing))
     else:
         _print_table(listing)
-    return FAILURE if any(s["verified"] == DAMAGED for s in listing) else 0
+    problems = [p for s in listing for p in s.get("problems", [])]
+    for problem in problems:
+        print(f"fastckpt ls: error: {_escaped(problem)}", file=sys.stderr)
+    damaged = any(s["verified"] == DAMAGED for s in listing)
+    return FAILURE if damaged or problems else 0
 
 
 def _print_table(listing: list[dict[str, Any]]) -> None:

@@ -8,8 +8,12 @@ crash mid-way never leaves a step that half exists. With ``--fast``, the steps p
 ROOT are removed from the fast tier too (a fast step missing from ROOT would be drained back
 by the next manager). Takes the tiers' manager locks: a running manager makes it fail.
 
-Exit status: 0; 1 a tier is in use by a running manager; 2 usage errors (a missing
-directory, a malformed ``--best``).
+A committed step whose marker cannot be used (unreadable, not JSON, fields of the wrong
+types) stops ``prune`` before it removes anything: its metrics and the steps it depends on
+are unknown, so no policy can be applied safely. The error names the step and the tier.
+
+Exit status: 0; 1 a tier is in use by a running manager, or a marker cannot be used; 2
+usage errors (a missing directory, a malformed ``--best``).
 
 Example (shell)::
 
@@ -23,8 +27,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from fastckpt.cli._common import format_bytes, positive_int_arg, spellings
-from fastckpt.cli.series_tiers import locked_tiers, tier_copies, tier_location
+from fastckpt.cli._common import CliError, format_bytes, positive_int_arg, spellings
+from fastckpt.cli.series_tiers import StepCopy, locked_tiers, tier_copies, tier_location
 from fastckpt.series.retention import Retention, kept_bases
 
 if TYPE_CHECKING:
@@ -95,14 +99,23 @@ def pruned_steps(root: Tier | str, policy: Retention) -> list[int]:
         >>> pruned_steps(root, Retention(keep_last=1))
         [1, 2]
     """
-    from fastckpt.series import steps as layout  # here: `fastckpt --help` loads no I/O engine
-
-    committed = [c for c in tier_copies(root, "root") if c.committed]
+    committed = _usable(tier_copies(root, "root"))
     steps = [c.step for c in committed]
     kept = policy.kept(steps, {c.step: c.metrics for c in committed})
     # an incremental step's bases stay while it does, as the manager's retention keeps them
-    kept |= set(kept_bases(kept, steps, lambda s: layout.marker_of(root, s).get("depends_on", [])))
+    depends_on = {c.step: c.depends_on for c in committed}
+    kept |= set(kept_bases(kept, steps, depends_on.__getitem__))
     return [c.step for c in committed if c.step not in kept]
+
+
+def _usable(copies: list[StepCopy]) -> list[StepCopy]:
+    """The committed copies, or a failure (status 1) naming the first whose marker cannot
+    be used: without its metrics and bases no policy can be applied safely."""
+    committed = [c for c in copies if c.committed]
+    for copy in committed:
+        if copy.problem is not None:
+            raise CliError(f"{copy.problem}; nothing was removed (fix or move that step first)")
+    return committed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     policy = Retention(keep_last=args.keep_last, keep_every=args.keep_every, best=args.best)
     verb = "would remove" if args.dry_run else "removed"
     with locked_tiers(*([root] if fast is None else [fast, root])):
-        sizes = {c.step: c.size for c in tier_copies(root, "root") if c.committed}
+        sizes = {c.step: c.size for c in _usable(tier_copies(root, "root"))}
         doomed = pruned_steps(root, policy)
         fast_steps = set(layout.committed_steps(fast)) if fast is not None else set()
         for step in doomed:

@@ -14,6 +14,12 @@ Example:
     >>> os.makedirs(steps.step_dir(tier, 5))
     >>> [(c.step, c.committed) for c in tier_copies(tier, "root")]
     [(5, False)]
+
+A marker is read as data that anyone may have written: one that cannot be read, is not JSON,
+or holds fields of unexpected types (files as a list, a size that is not an integer, metrics
+that are not numbers, nesting too deep to parse) makes its step a committed copy with a
+``problem`` (one line naming the step, the tier and what is wrong), which every command
+reports and none deletes.
 """
 
 from __future__ import annotations
@@ -29,7 +35,35 @@ from fastckpt.cli._common import USAGE, CliError
 if TYPE_CHECKING:
     from fastckpt.series.steps import Tier
 
-__all__ = ["StepCopy", "locked_tiers", "tier_copies", "tier_location"]
+__all__ = [
+    "MarkerError",
+    "StepCopy",
+    "locked_tiers",
+    "marker_fields",
+    "tier_copies",
+    "tier_location",
+]
+
+#: Layouts a marker may name: one ``state.safetensors`` (``steps.FILE_LAYOUT``) or a DCP
+#: checkpoint (``fastckpt.series.sharded.DCP_LAYOUT``, spelled here since that module
+#: imports torch.distributed).
+_LAYOUTS = ("file", "dcp")
+#: Sizes and step numbers above this are not ones a file system or a manager writes.
+_LARGEST = 2**63 - 1
+
+
+class MarkerError(ValueError):
+    """A commit marker that cannot be used: unreadable, not JSON, or with fields of the
+    wrong types; the message names the step, the tier and what is wrong.
+
+    Example:
+        >>> str(MarkerError(7, "root", "'files' is a list, not an object"))
+        "step 7 in root: bad commit marker: 'files' is a list, not an object"
+    """
+
+    def __init__(self, step: int, tier: str, problem: str):
+        super().__init__(f"step {step} in {tier}: bad commit marker: {problem}")
+        self.step, self.tier, self.problem = step, tier, problem
 
 
 @dataclasses.dataclass
@@ -46,6 +80,10 @@ class StepCopy:
     layout: str = "file"
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     time: str | None = None
+    #: the steps an incremental step's files refer to (its marker's ``depends_on``)
+    depends_on: list[int] = dataclasses.field(default_factory=list)
+    #: why a committed copy's marker cannot be used (None when it can): see MarkerError
+    problem: str | None = None
 
     @property
     def checkpoint(self) -> str:
@@ -76,42 +114,167 @@ def tier_location(option: str, path: str) -> Tier:
 
 
 def tier_copies(tier: Tier | str, name: str) -> list[StepCopy]:
-    """Every step of ``tier`` with files (committed or not), ascending by step."""
+    """Every step of ``tier`` with files (committed or not), ascending by step. A committed
+    step whose marker cannot be used is listed with its ``problem`` set."""
     from fastckpt.series import steps as layout
 
     copies = []
     for step in layout.committed_steps(tier):
         try:
-            marker = layout.marker_of(tier, step)
-        except (OSError, ValueError):
-            # A marker that cannot be read: the step cannot be restored either.
-            copies.append(_partial(tier, name, step))
+            fields = marker_fields(tier, step, name)
+        except MarkerError as exc:
+            # committed as far as a manager can tell: reported, never taken for a partial
+            copies.append(_partial(tier, name, step, committed=True, problem=str(exc)))
             continue
-        files = marker.get("files") or {}
         copies.append(
             StepCopy(
                 step=step,
                 tier=name,
                 directory=layout.step_dir(tier, step),
                 committed=True,
-                size=sum(int(v) for v in files.values()),
-                layout=str(marker.get("layout") or layout.FILE_LAYOUT),
-                metrics=dict(marker.get("metrics") or {}),
-                time=marker.get("time"),
+                size=sum(fields["files"].values()),
+                layout=fields["layout"],
+                metrics=fields["metrics"],
+                time=fields["time"],
+                depends_on=fields["depends_on"],
             )
         )
     copies += [_partial(tier, name, step) for step in layout.uncommitted_steps(tier)]
     return sorted(copies, key=lambda c: c.step)
 
 
-def _partial(tier: Tier | str, name: str, step: int) -> StepCopy:
+def marker_fields(tier: Tier | str, step: int, name: str = "root") -> dict[str, Any]:
+    """The fields of ``step``'s marker the commands use, checked: ``files`` (name -> size),
+    ``layout``, ``metrics`` (name -> float, NaN and infinities kept), ``time`` (str or None)
+    and ``depends_on`` (steps). ``name`` names the tier in errors.
+
+    Raises:
+        MarkerError: the marker cannot be read or parsed, or a field has the wrong type.
+
+    Example:
+        >>> import tempfile, os, json
+        >>> from fastckpt.series import steps
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(steps.step_dir(tier, 2)); steps.commit(tier, 2, {"loss": 0.5})
+        >>> marker_fields(tier, 2)["metrics"]
+        {'loss': 0.5}
+        >>> marker = os.path.join(steps.step_dir(tier, 2), steps.MARKER)
+        >>> with open(marker, "w") as f:
+        ...     json.dump({"step": 2, "files": ["state.safetensors"]}, f)
+        >>> try:
+        ...     marker_fields(tier, 2)
+        ... except MarkerError as exc:
+        ...     print(exc)
+        step 2 in root: bad commit marker: 'files' is a list, expected an object of file sizes
+    """
+    from fastckpt.series import steps as layout
+
+    try:
+        document = layout.marker_of(tier, step)
+    except OSError as exc:
+        raise MarkerError(step, name, f"cannot read it: {exc.strerror or exc}") from None
+    except RecursionError:  # json gives up on deep nesting this way, not with ValueError
+        raise MarkerError(step, name, "nested too deeply to parse") from None
+    except ValueError as exc:  # not JSON, not UTF-8, not an object, another step's marker
+        raise MarkerError(step, name, _one_line(str(exc))) from None
+    try:
+        return {
+            "files": _sizes(document.get("files")),
+            "layout": _layout(document.get("layout")),
+            "metrics": _metrics(document.get("metrics")),
+            "time": _optional_text(document.get("time"), "time"),
+            "depends_on": _steps(document.get("depends_on")),
+        }
+    except ValueError as exc:
+        raise MarkerError(step, name, str(exc)) from None
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line, cut at ``limit`` characters (a marker's content is not ours)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _kind(value: Any) -> str:
+    """How a JSON value is named in messages."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sizes(value: Any) -> dict[str, int]:
+    """A marker's ``files``: file name -> size in bytes (none: an empty step)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"'files' is {_kind(value)}, expected an object of file sizes")
+    for file, size in value.items():
+        if not _is_int(size) or not 0 <= size <= _LARGEST:
+            shown = _one_line(repr(size), 40)
+            raise ValueError(f"'files' gives {file[:100]!r} the size {shown}, not a byte count")
+    return dict(value)
+
+
+def _layout(value: Any) -> str:
+    """A marker's ``layout`` (none: one state file)."""
+    if value is None:
+        return _LAYOUTS[0]
+    if value not in _LAYOUTS:
+        shown = _one_line(repr(value), 40)
+        raise ValueError(f"'layout' is {shown}, expected one of {', '.join(_LAYOUTS)}")
+    return str(value)
+
+
+def _metrics(value: Any) -> dict[str, float]:
+    """A marker's ``metrics``: name -> number, as floats (NaN and infinities kept)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"'metrics' is {_kind(value)}, expected an object of numbers")
+    metrics = {}
+    for metric, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"metric {metric[:100]!r} is {_kind(number)}, not a number")
+        try:
+            metrics[metric] = float(number)
+        except OverflowError:  # an integer beyond any float
+            raise ValueError(f"metric {metric[:100]!r} is too large for a float") from None
+    return metrics
+
+
+def _optional_text(value: Any, field: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{field!r} is {_kind(value)}, expected a string")
+
+
+def _steps(value: Any) -> list[int]:
+    """A marker's ``depends_on``: step numbers (none: a full step)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= _LARGEST for v in value):
+        raise ValueError(f"'depends_on' is {_kind(value)}, expected a list of step numbers")
+    return list(value)
+
+
+def _partial(
+    tier: Tier | str, name: str, step: int, *, committed: bool = False, problem: str | None = None
+) -> StepCopy:
+    """A step copy known by its files on disk: a partial one, or (``committed``) one whose
+    marker cannot be used."""
     from fastckpt.series import steps as layout
 
     try:
         size = sum(layout.step_files(tier, step).values())
     except OSError:  # removed meanwhile by its manager
         size = 0
-    return StepCopy(step, name, layout.step_dir(tier, step), committed=False, size=size)
+    directory = layout.step_dir(tier, step)
+    return StepCopy(step, name, directory, committed=committed, size=size, problem=problem)
 
 
 @contextlib.contextmanager

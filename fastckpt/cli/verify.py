@@ -39,7 +39,12 @@ import os
 from typing import Any
 
 from fastckpt.cli._common import FAILURE, USAGE, format_bytes
-from fastckpt.cli.file_kinds import checkpoint_targets, skipped_summary, sniff
+from fastckpt.cli.file_kinds import (
+    checkpoint_targets,
+    is_dcp_checkpoint,
+    skipped_summary,
+    sniff,
+)
 from fastckpt.cli.inspect import EXIT_STATUS_HELP, add_allow_pickle
 from fastckpt.cli.unpickling import trusted_unpickling
 
@@ -112,11 +117,11 @@ def verify_file(
     from fastckpt import api
     from fastckpt.cli.inspect import describe_file
     from fastckpt.errors import HeaderError
-    from fastckpt.integrations.dcp import is_dcp_checkpoint
-    from fastckpt.integrations.remote import is_url
+    from fastckpt.storage.locations import is_url
 
     name = os.fspath(path)
-    if os.path.isdir(name) or (is_url(name) and is_dcp_checkpoint(name)):  # a DCP checkpoint
+    if os.path.isdir(name) or is_dcp_checkpoint(name):  # a DCP checkpoint
+        # only now: the DCP integration imports torch.distributed.checkpoint (seconds)
         from fastckpt.integrations.dcp import verify_dcp
 
         return Verdict(*verify_dcp(name, allow_pickle=allow_pickle))
@@ -220,7 +225,6 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``fastckpt verify``; returns 0 only when every file is intact, 1 when any is not,
     else 2 when a file named was not a fastckpt/safetensors file."""
     from fastckpt.cli._common import warn
-    from fastckpt.integrations.dcp import is_dcp_checkpoint
 
     allow_pickle = getattr(args, "allow_pickle", False)
     if allow_pickle:
