@@ -6,8 +6,12 @@ The README's demo line installs the bench extra and runs ``fastckpt bench``; the
 install part as written and the bench on a small checkpoint (the README's 1 GiB run measures
 the disk, which is the benchmarks' job, not a test's).
 
-This is the suite's slowest test (about three minutes on 2 cores: torch's wheel and four
-wheel builds of the native module); it needs the package index that ``pip install
+Against that non-editable install, from the clone's root (where the clone's ``fastckpt/``, which
+has no built native module, comes first on ``sys.path``) and from outside it, the README's
+Quickstart and every example run, and ``python -m fastckpt verify`` checks what they wrote.
+
+This is the suite's slowest test (about five minutes on 2 cores: torch's wheel, five wheel
+builds of the native module, and the examples twice); it needs the package index that ``pip install
 torch==2.13.0`` uses everywhere else.
 """
 
@@ -30,13 +34,19 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 
-def readme_bash_block(after_heading: str) -> list[str]:
-    """The command lines (comments dropped) of the first ```bash block under a README heading."""
+def readme_block(after_heading: str, language: str) -> str:
+    """The code of the first block in ``language`` under a README heading."""
     text = README.read_text(encoding="utf-8")
     start = text.index(f"\n## {after_heading}\n")
     section_line = text.count("\n", 0, start) + 2
-    block = next(b for b in blocks(README) if b.language == "bash" and b.line > section_line)
-    commands = [line.split("#", 1)[0].strip() for line in block.code.splitlines()]
+    block = next(b for b in blocks(README) if b.language == language and b.line > section_line)
+    return block.code
+
+
+def readme_bash_block(after_heading: str) -> list[str]:
+    """The command lines (comments dropped) of the first ```bash block under a README heading."""
+    code = readme_block(after_heading, "bash")
+    commands = [line.split("#", 1)[0].strip() for line in code.splitlines()]
     return [command for command in commands if command]
 
 
@@ -95,3 +105,24 @@ def test_the_readme_install_lines_work_in_a_fresh_environment(tmp_path: Path) ->
     report = run_in_env(small_bench, env_dir, tmp_path).stdout
     assert re.search(r"^fastckpt\s+\d", report, re.MULTILINE), report
     assert Path(sys.executable).resolve() != python.resolve()
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for where in (clone, outside):
+        run_the_quickstart_and_examples(python, env_dir, where, clone / "examples")
+
+
+def run_the_quickstart_and_examples(python: Path, env_dir: Path, cwd: Path, examples: Path) -> None:
+    """The README's Quickstart (fed to ``python -``, so ``cwd`` leads ``sys.path`` as in a
+    terminal), ``python -m fastckpt verify`` on what it wrote, then every example."""
+    quickstart = readme_block("Quickstart", "python")
+    run_in_env(f"{python} - <<'QUICKSTART'\n{quickstart}\nQUICKSTART", env_dir, cwd)
+    verified = run_in_env(f"{python} -m fastckpt verify ckpt.safetensors", env_dir, cwd)
+    assert "OK" in verified.stdout, verified.stdout
+    for script in sorted(examples.glob("*.py")):
+        folder = cwd / f"run-{script.stem}"
+        folder.mkdir()
+        command = f"{python} {shlex.quote(str(script))} {shlex.quote(str(folder))}"
+        out = run_in_env(command, env_dir, cwd).stdout
+        if script.name == "train_with_manager.py":  # its children import fastckpt too
+            assert "newest committed: True" in out and "finished: step 24" in out, out
