@@ -330,12 +330,14 @@ class CheckpointReader(HeaderView, Reader):
         Prefetched tensors are taken from their prefetch (verified now when ``verify`` asks
         and the prefetch did not; read again when ``pin_memory`` asks and it was not pinned).
         """
-        if verify:
-            self.check_stored_copies(names)
         if compressed_tensors.asks_compressed(self, names):  # read, then decompressed
+            if verify:  # copies of the others: checked by the read of those it makes
+                self.check_stored_copies(self._compressed_names(names))
             return compressed_tensors.read_decoded(
                 self, names, pin_memory=pin_memory, verify=verify, progress=progress
             )
+        if verify:
+            self.check_stored_copies(names)
         with self._reading():
             entries = self._entries_of(names)
             self.require_checksums(verify)
@@ -390,10 +392,10 @@ class CheckpointReader(HeaderView, Reader):
             ...     f.map()["w"].tolist()
             [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         """
+        if compressed_tensors.asks_compressed(self, names):  # those decompressed into memory
+            return compressed_tensors.map_decoded(self, names, verify=verify)  # (copies too)
         if verify:
             self.check_stored_copies(names)
-        if compressed_tensors.asks_compressed(self, names):  # those decompressed into memory
-            return compressed_tensors.map_decoded(self, names, verify=verify)
         with self._reading():
             if self.device.type != "cpu":
                 raise ValueError(f"mapping gives CPU tensors; this reader loads to {self.device}")
@@ -578,8 +580,9 @@ class CheckpointReader(HeaderView, Reader):
         return sorted(found, key=lambda name: order.get(name, len(order)))
 
     def check_stored_copies(self, names: Sequence[str] | None = None) -> None:
-        """Checks the stored copies of the tied tensors among ``names`` (all when None)
-        against the CRC32C of the tensor they copy. fastckpt reads a tied tensor once, under
+        """Checks the stored copies of the tied tensors among ``names`` (all when None; a
+        name may be the alias or the tensor it copies) against the CRC32C of the tensor they
+        copy. fastckpt reads a tied tensor once, under
         its first name, and never the copy stored under the alias; but a safetensors reader
         returns the copy, so a load that verifies checks it too. Costs one more read of
         each tied tensor's bytes (none when nothing is tied).
@@ -603,13 +606,23 @@ class CheckpointReader(HeaderView, Reader):
 
     def _stored_copies(self, names: Sequence[str] | None) -> dict[str, format.TensorEntry]:
         """The stored copies of tied tensors among ``names`` (all when None), by alias; a
-        compressed one as its stored bytes."""
+        compressed one as its stored bytes. A tensor named is intact only when every copy of
+        it is, so naming the tensor a copy holds names the copy too (an incremental
+        checkpoint's reader names stored tensors only)."""
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
         entries, aliases = self.header.entries, self.meta.aliases
-        wanted = aliases if names is None else [n for n in names if n in aliases]
+        if names is None:
+            wanted = list(aliases)
+        else:
+            named = set(names)
+            wanted = [a for a, target in aliases.items() if a in named or target in named]
         copies = {a: entries[a] for a in wanted if a in entries}
         return compressed_tensors.as_stored(copies, self.compressed) if copies else copies
+
+    def _compressed_names(self, names: Sequence[str] | None) -> list[str]:
+        """The stored names of the compressed tensors among ``names`` (all when None)."""
+        return [n for n in self._entries_of(names) if n in self.compressed]
 
     def _copy_crcs(self, copies: Mapping[str, format.TensorEntry]) -> dict[str, int]:
         """The CRC32C each copy must have: the one recorded for the tensor it copies (the

@@ -6,6 +6,7 @@ fastckpt reads those bytes once."""
 
 from __future__ import annotations
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -148,7 +149,10 @@ def test_a_damaged_stored_copy_is_found_by_load_verify_and_the_cli(tmp_path, cap
         assert "'head.weight'" in str(exc)
     else:
         raise AssertionError("load(keys=[alias]) accepted a damaged stored copy")
-    assert list(fastckpt.load(path, keys=["embed.weight"])) == ["embed.weight"]  # intact
+    # a tensor is intact only when every stored copy of it is
+    with pytest.raises(fastckpt.ChecksumError, match="'head.weight'"):
+        fastckpt.load(path, keys=["embed.weight"])
+    assert list(fastckpt.load(path, keys=["embed.weight"], verify=False)) == ["embed.weight"]
     assert main(["verify", str(path)]) == 1
     assert "head.weight" in capsys.readouterr().out
 
@@ -173,3 +177,32 @@ def test_every_data_bit_flip_in_a_tied_checkpoint_is_found(tmp_path):
         except fastckpt.ChecksumError:
             seen_by_load += 1
     assert (seen_by_verify, seen_by_load) == (flips, flips)
+
+
+def _save_tied(kind: str, folder) -> str:
+    """A tied pair saved as ``kind``: a compressed file, or an incremental file over a base
+    (whose reader names only stored tensors); returns the file holding the copy."""
+    torch.manual_seed(4)
+    first = torch.randn(64, 64).to(torch.bfloat16)
+    path = str(folder / f"{kind}.safetensors")
+    if kind == "compressed":
+        fastckpt.save({"emb": first, "head": first, "n": torch.ones(3)}, path, compress=True)
+    else:
+        base = str(folder / "base.safetensors")
+        fastckpt.save({"emb": first, "head": first, "n": torch.ones(3)}, base)
+        second = torch.randn(64, 64).to(torch.bfloat16)
+        fastckpt.save({"emb": second, "head": second, "n": torch.ones(3)}, path, base=base)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["compressed", "incremental"])
+def test_a_damaged_stored_copy_is_found_in_compressed_and_incremental_files(tmp_path, kind):
+    path = _save_tied(kind, tmp_path)
+    with fastckpt.open(path) as reader:
+        top = getattr(reader, "top", reader)
+        copy = top.header.entries["head"]
+        _flip_data_bit(path, top.header.data_offset + copy.begin + copy.nbytes // 2, 0)
+    with fastckpt.open(path) as reader:
+        assert reader.verify() == ["head"]
+    with pytest.raises(fastckpt.ChecksumError, match="'head'"):
+        fastckpt.load(path)
