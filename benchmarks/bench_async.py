@@ -339,7 +339,8 @@ class LightningFastckpt(Saver):
         super().__init__(*args)
         from fastckpt.lightning import AsyncFastCkptIO
 
-        self.io = AsyncFastCkptIO()
+        # used directly, without a Trainer: the optimizer to fence is named
+        self.io = AsyncFastCkptIO(fence=self.optimizer)
         self.futures: list[Any] = []
 
     def save(self, path: str) -> None:

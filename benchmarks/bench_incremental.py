@@ -12,11 +12,13 @@ Parts (``--parts``, default all; each is its own function, reporting one JSON-ab
   - ``full``: ``fastckpt.save(state, path)``, every tensor written each time;
   - ``hash``: ``save(state, path, base=previous)`` with the process's records forgotten
     before each save, so every tensor is hashed (XXH3-128) and compared with the base's;
-  - ``versions``: the same with the records kept (the default behaviour): tensors whose
-    version counter and storage have not moved since the last save are not hashed;
+  - ``default``: the same with the records kept (the default behaviour): tensors whose
+    version counter moved on the same memory since the last save are written without being
+    hashed first; every other tensor is hashed and compared (a counter never says
+    "unchanged");
   - ``frozen``: ``base=previous, frozen=<the base's names>``: the frozen tensors are referred
     to unread, on the caller's word.
-  - ``compressed``: ``versions`` with ``compress=True``: the tensors that changed are
+  - ``compressed``: ``default`` with ``compress=True``: the tensors that changed are
     written compressed (byte planes), for storage where bytes are expensive.
 
   Reported per mode: bytes written and seconds per checkpoint (each save is durable: fsync
@@ -58,7 +60,7 @@ from typing import Any, Callable
 from fastckpt.bench.units import format_bytes
 from fastckpt.config import parse_size
 
-INCREMENTAL_MODES = ("full", "hash", "versions", "frozen", "compressed")
+INCREMENTAL_MODES = ("full", "hash", "default", "frozen", "compressed")
 
 
 # -- the incremental part -----------------------------------------------------------------

@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from fastckpt.checkpoint import config_objects, tree
-from fastckpt.checkpoint.asynchronous import SaveFuture, async_save
+from fastckpt.checkpoint.asynchronous import SaveFuture, async_save, fenced_optimizers
 from fastckpt.checkpoint.load import load as load_fastckpt
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.save import save as save_fastckpt
@@ -626,6 +626,8 @@ class AsyncFastCkptIO(FastCkptIO):
         lazy: stream the parameters and optimizer state while training goes on, fenced at
             the optimizers' steps, rather than snapshot them all before returning. Default
             (None): lazy for a state on the CPU, a snapshot for one with CUDA tensors.
+        fence: the optimizers to fence when the plugin is used directly, outside a
+            Trainer (which otherwise says which): without them such saves snapshot.
         fence_bytes: cap on the host memory one fence may snapshot (default: no cap); past
             it the step waits for the ring, at the storage's speed.
         save_options: other keyword options of :func:`fastckpt.async_save`.
@@ -644,6 +646,7 @@ class AsyncFastCkptIO(FastCkptIO):
         allow_pickle: bool = False,
         max_pending: int = 2,
         lazy: bool | None = None,
+        fence: Any = (),
         fence_bytes: int | None = None,
         **save_options: Any,
     ):
@@ -651,6 +654,7 @@ class AsyncFastCkptIO(FastCkptIO):
         self.max_pending = max_pending
         self.lazy = lazy
         self.fence_bytes = fence_bytes
+        self._fence = fenced_optimizers(fence)
         self._reset_runtime_state()
 
     def _reset_runtime_state(self) -> None:
@@ -667,6 +671,7 @@ class AsyncFastCkptIO(FastCkptIO):
         state = dict(self.__dict__)
         for name in ("_unsettled", "_latest", "_removals", "_deleter", "_deletions", "_threads"):
             state.pop(name, None)
+        state["_fence"] = []  # optimizers stay with this process too
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -694,7 +699,10 @@ class AsyncFastCkptIO(FastCkptIO):
         _make_parent(path)
         trainer = _calling_trainer()
         outside = _outside_a_run(trainer)
-        optimizers = list(getattr(trainer, "optimizers", None) or ()) if not outside else []
+        if trainer is None:
+            optimizers = self._fence  # used directly: only what the caller said to fence
+        else:
+            optimizers = [] if outside else list(getattr(trainer, "optimizers", None) or ())
         wanted = not _has_cuda_tensors(flat) if self.lazy is None else self.lazy
         lazy = wanted and bool(optimizers) and not is_url(path)
         before = set(threading.enumerate())

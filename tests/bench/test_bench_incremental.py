@@ -35,14 +35,14 @@ def _smoke(tmp_path: Path, part: str) -> tuple[dict, str]:
 
 def _check_modes(results: dict) -> None:
     modes = results["modes"]
-    assert sorted(modes) == ["compressed", "frozen", "full", "hash", "versions"]
-    for mode in ("hash", "versions", "frozen", "compressed"):
+    assert sorted(modes) == ["compressed", "default", "frozen", "full", "hash"]
+    for mode in ("hash", "default", "frozen", "compressed"):
         assert modes[mode]["median_bytes"] < modes["full"]["median_bytes"] / 4, mode
         assert modes[mode]["restore_seconds"] > 0
-    for mode in ("hash", "versions", "frozen"):
+    for mode in ("hash", "default", "frozen"):
         assert modes[mode]["first_bytes"] == modes["full"]["first_bytes"]
     # the changed tensors (random Adam moments) are stored compressed, never larger
-    assert modes["compressed"]["median_bytes"] <= modes["versions"]["median_bytes"]
+    assert modes["compressed"]["median_bytes"] <= modes["default"]["median_bytes"]
 
 
 def test_bench_incremental_smoke(tmp_path):

@@ -277,3 +277,28 @@ def test_async_fastckpt_io_outside_a_run_takes_a_point_in_time_copy(tmp_path):
         model.weight.add_(1)  # written for Lightning's AsyncCheckpointIO may
     io.teardown()
     _assert_equal(fastckpt.load(tmp_path / "x.ckpt"), expected)
+
+
+def test_async_fastckpt_io_used_directly_with_a_fence_reads_lazily(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    from fastckpt.lightning import AsyncFastCkptIO
+
+    run = Run("adamw", "fused")
+    run.train_step()
+    io = AsyncFastCkptIO(fence=run.optimizer, staging_bytes=8 << 20)
+    expected = _frozen(run.state())
+    held = _held_ring(8 << 20)
+    try:
+        io.save_checkpoint(run.state(), tmp_path / "x.ckpt")
+        guard = io._latest[str(tmp_path / "x.ckpt")]._guard
+        run.forward_backward()
+        run.step()  # the fused step: fenced, so the file keeps the call's values
+    finally:
+        _free(held)
+    run.after_step()
+    io.teardown()
+    # copied at the call: the EMA and BatchNorm's buffers; the rest was the fence's
+    assert guard.call_copy_bytes == sum(t.nbytes for t in run.ema) + sum(
+        b.nbytes for b in run.model.buffers()
+    )
+    _assert_equal(fastckpt.load(tmp_path / "x.ckpt"), expected)
