@@ -29,6 +29,7 @@ Example (shell)::
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.dry_run:
                 try:
                     layout.remove_step(by_name[copy.tier], copy.step)
+                    _check_removed(by_name[copy.tier], copy.directory)
                 except OSError as exc:
                     failed += 1
                     print(f"cannot remove {copy.directory}: {exc.strerror or exc}")
@@ -134,6 +136,15 @@ def run(args: argparse.Namespace) -> int:
     for problem in bad:
         print(f"fastckpt clean: error: {problem}; left in place", file=sys.stderr)
     return FAILURE if failed or bad else 0
+
+
+def _check_removed(tier: Tier, directory: str) -> None:
+    """Raises OSError (EEXIST, naming ``directory``) when a local step directory is still
+    there after its removal: a removal that skips what it must not follow (a symbolic
+    link) or cannot delete must not be reported as done."""
+    if not tier.is_url and os.path.lexists(directory):
+        what = "a symbolic link, not followed" if os.path.islink(directory) else "still there"
+        raise OSError(errno.EEXIST, f"not removed ({what})", directory)
 
 
 def _bad_markers(tiers: list[Tier], by_name: dict[str, Tier]) -> list[str]:

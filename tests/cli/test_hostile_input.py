@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -112,6 +113,32 @@ def test_odd_markers_are_named_in_one_line_and_nothing_is_removed(tmp_path, caps
         if "--json" in args:
             json.loads(out)
     assert _tree_listing(root) == before  # clean and prune removed nothing
+
+
+def test_odd_markers_in_the_fast_tier_are_named_with_their_tier(tmp_path, capsys):
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    _series(root, 1)
+    fast.mkdir()
+    _write_marker(fast, 9, ODD_MARKERS["files as a list"])
+    for verb in ("ls", "clean"):
+        status, _, err = run_main(capsys, verb, root, "--fast", fast)
+        assert status == 1 and "step 9 in fast: bad commit marker" in err, (verb, err)
+    assert os.path.exists(os.path.join(steps.step_dir(str(fast), 9), steps.MARKER))
+
+
+def test_clean_never_reports_a_linked_step_removed_while_it_is_there(tmp_path, capsys):
+    root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    _series(root, 1)
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the series' file")
+    os.symlink(elsewhere, steps.step_dir(str(root), 5))  # an uncommitted "step", linked
+    status, out, err = run_main(capsys, "clean", root)
+    assert (elsewhere / "keep.txt").read_text() == "not the series' file"
+    link = steps.step_dir(str(root), 5)
+    if os.path.lexists(link):  # left in place: said so, and a failure
+        assert status == 1 and f"cannot remove {link}" in out, out + err
+    else:  # the link itself removed, never what it points to
+        assert status == 0 and f"removed {link}" in out
 
 
 def test_ls_json_writes_nan_metrics_as_strings(tmp_path, capsys):
@@ -362,6 +389,15 @@ def _hostile_files(folder) -> dict[str, str]:
     empty.mkdir()
     made["an empty folder"] = str(empty)
     made["no such path"] = str(folder / "missing.safetensors")
+    for name, metadata in (
+        ("dcp metadata empty", b""),
+        ("dcp metadata garbage", bytes(range(256)) * 4),
+        ("dcp metadata unsafe pickle", pickle.dumps(os.system)),
+    ):
+        dcp = folder / name.replace(" ", "_")
+        dcp.mkdir()
+        (dcp / ".metadata").write_bytes(metadata)
+        made[name] = str(dcp)
     return made
 
 
@@ -390,6 +426,9 @@ _FILE_CASES = [
     "a folder of notes",
     "an empty folder",
     "no such path",
+    "dcp metadata empty",
+    "dcp metadata garbage",
+    "dcp metadata unsafe pickle",
 ]
 
 
