@@ -243,9 +243,7 @@ def test_the_next_checkpoints_fence_copies_into_the_memory_the_last_one_used(tmp
             held.append(buffer)
         try:
             path = tmp_path / f"{step}.safetensors"
-            future = fastckpt.async_save(
-                state, path, fence=owner(state), staging_bytes=16 << 20
-            )
+            future = fastckpt.async_save(state, path, fence=owner(state), staging_bytes=16 << 20)
             idle_before = fence_memory.idle_bytes()
             future.fence()
             if step == 1:  # every snapshot came from what the first save's writer gave back

@@ -133,10 +133,20 @@ def test_s3_restore_reads_a_base_with_interleaved_changes_in_few_requests(s3, re
         state[f"t{i:02d}.b"].add_(1)
     fastckpt.save(state, u1, base=u0, storage_options=opts)
     reads.clear()
-    _assert_same(fastckpt.load(u1, storage_options=opts), state)
+    # the new object and its base are read at once, each on its own thread: each read
+    # waits for the other to start (a sequential reader would break the barrier)
+    both = threading.Barrier(2, timeout=60)
+    recorded = UrlStorage.read_spans
+
+    def read_spans(self, spans, **kw):
+        both.wait()
+        return recorded(self, spans, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(UrlStorage, "read_spans", read_spans)
+        _assert_same(fastckpt.load(u1, storage_options=opts), state)
     spans = {url: n for url, kind, n in reads if kind == "spans"}
     assert spans[u0] <= 2, spans
-    # the new object and its base are read at once, each on its own thread
     assert len({n for _, kind, n in reads if kind == "thread"}) == 2
 
 
