@@ -116,7 +116,7 @@ def verify_file(
     """
     from fastckpt import api
     from fastckpt.cli.inspect import describe_file
-    from fastckpt.errors import HeaderError
+    from fastckpt.errors import FastCkptError, HeaderError
     from fastckpt.storage.locations import is_url
 
     name = os.fspath(path)
@@ -161,8 +161,10 @@ def verify_file(
             damaged = reader.verify(progress=progress)
     except HeaderError as exc:
         return Verdict(DAMAGED, f"{name}: bad header: {exc}")
-    except OSError as exc:
+    except OSError as exc:  # a missing base of an incremental file included
         return Verdict(UNREADABLE, f"{name}: {exc.strerror or exc}")
+    except FastCkptError as exc:  # a base changed since this file referred to it, ...
+        return Verdict(DAMAGED, f"{name}: {exc}")
     if damaged:
         shown = ", ".join(damaged[:20]) + (
             f", ... ({len(damaged) - 20} more)" if len(damaged) > 20 else ""

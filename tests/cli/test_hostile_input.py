@@ -280,6 +280,22 @@ def test_verify_of_an_intact_compressed_file_is_ok(tmp_path, capsys):
     assert status == 0 and out.startswith("OK")
 
 
+def test_verify_reports_an_incremental_file_whose_base_changed_and_goes_on(tmp_path, capsys):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    base, top = folder / "a_base.safetensors", folder / "b_top.safetensors"
+    fastckpt.save({"a": torch.ones(100), "b": torch.zeros(100)}, base)
+    fastckpt.save({"a": torch.ones(100), "b": torch.ones(100)}, top, base=base)
+    fastckpt.save({"a": torch.full((100,), 2.0), "b": torch.zeros(100)}, base)  # replaced
+    fastckpt.save({"w": torch.ones(3)}, folder / "c_other.safetensors")
+    status, out, err = run_main(capsys, "verify", folder)
+    assert status == 1 and "Traceback" not in out + err
+    lines = out.splitlines()
+    assert lines[0].startswith("OK") and "a_base" in lines[0]
+    assert lines[1].startswith("DAMAGED") and "b_top" in lines[1] and "'a'" in lines[1]
+    assert lines[2].startswith("OK") and "c_other" in lines[2]
+
+
 # ------------------------------------------------------ the CLI imports what it needs
 
 
