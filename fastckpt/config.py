@@ -69,6 +69,9 @@ __all__ = [
     "force_read_mode",
     "save_tuned_read_mode",
     "tuned_read_mode",
+    "WRITE_MODES",
+    "save_tuned_write_mode",
+    "tuned_write_mode",
     "progress_hidden",
     "cufile_library",
     "async_staging_bytes",
@@ -433,6 +436,56 @@ def tuned_read_mode(path: str | os.PathLike[str]) -> tuple[str, str] | None:
         return None
     figures = ", ".join(f"{k} {v} GB/s" for k, v in gbps.items())
     return mode, f"fastckpt tune measured cold reads here: {figures}"
+
+
+#: The ways a save can write a local file (see :mod:`fastckpt.io.write_mode`).
+WRITE_MODES = ("direct", "buffered")
+
+
+def save_tuned_write_mode(
+    fs_key: str, mode: str, gbps: Mapping[str, float], settings: Mapping[str, Any] | None = None
+) -> Path:
+    """Records which way of writing a checkpoint until durable was fastest on one file system
+    (``mode``: ``"direct"`` or ``"buffered"``), what each measured, and the I/O settings
+    (``block_size``, ``queue_depth``, ``staging_bytes``) the direct figure was measured
+    with; returns the file written.
+
+    Example:
+        >>> import os, tempfile
+        >>> os.environ["FASTCKPT_CONFIG"] = os.path.join(tempfile.mkdtemp(), "t.json")
+        >>> _ = save_tuned_write_mode("ext4:/dev/x:/", "buffered", {"direct": 0.4, "buffered": 0.5})
+        >>> load_tuned()["ext4:/dev/x:/"]["write"]["mode"]
+        'buffered'
+        >>> del os.environ["FASTCKPT_CONFIG"]; reload()
+    """
+    if mode not in WRITE_MODES:
+        raise ValueError(f"write mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
+    entries = load_tuned()
+    entry = entries.setdefault(fs_key, {"config": {}, "measured": {}})
+    entry["write"] = {
+        "mode": mode,
+        "gbps": {k: round(float(v), 3) for k, v in gbps.items()},
+        "settings": dict(settings or {}),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    entry.setdefault("time", entry["write"]["time"])
+    return _write_tuned(entries)
+
+
+def tuned_write_mode(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """The way of writing a checkpoint that ``fastckpt tune`` found fastest on the file
+    system of ``path``, and why (the figures); None when it was not measured there.
+
+    Example:
+        >>> tuned_write_mode("/nonexistent/x.safetensors") is None
+        True
+    """
+    write = _tuned_entries().get(filesystem_key(path), {}).get("write", {})
+    mode, gbps = write.get("mode"), write.get("gbps", {})
+    if mode not in WRITE_MODES or not isinstance(gbps, dict):
+        return None
+    figures = ", ".join(f"{k} {v} GB/s" for k, v in gbps.items())
+    return mode, f"fastckpt tune measured saves here: {figures}"
 
 
 def _write_tuned(entries: Mapping[str, Any]) -> Path:

@@ -21,8 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
+import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +34,14 @@ import xxhash
 
 from fastckpt.io.checksums import PieceCrcs
 
-__all__ = ["BufferHasher", "TensorDigest", "hash_tensor", "hash_tensors", "memory_at"]
+__all__ = [
+    "BufferHasher",
+    "TensorDigest",
+    "hash_beside",
+    "hash_tensor",
+    "hash_tensors",
+    "memory_at",
+]
 
 # Bytes of a device or non-contiguous tensor brought to contiguous host memory at a time.
 _CHUNK_BYTES = 64 << 20
@@ -79,12 +89,31 @@ class TensorDigest(PieceCrcs):
 
 
 class BufferHasher:
-    """Hashes staging buffers on one background thread, in the order they are given, while
-    their writes are in flight: a buffer is handed over when full, and waited for
-    (:meth:`wait`) before it is reused. One thread keeps each tensor's bytes in order."""
+    """Hashes staging buffers in the background, in the order they are given, while their
+    writes are in flight: a buffer is handed over when full, and waited for (:meth:`wait`)
+    before it is reused.
+
+    The jobs of one hasher run one after another (each tensor's bytes must reach its hash in
+    order), on threads shared by every save of the process: starting a thread per save cost
+    more than writing a small state (0.3-1.6 ms against ~1 ms for a 1 MiB save here).
+
+    Example:
+        >>> import torch
+        >>> t = torch.arange(8, dtype=torch.int32)
+        >>> acc = TensorDigest(t.nbytes, 0)
+        >>> hasher = BufferHasher()
+        >>> hasher.start(1, [(acc, t.data_ptr(), 16)]); hasher.start(2, [(acc, t.data_ptr() + 16, 16)])
+        >>> hasher.wait(1); hasher.wait(2); hasher.close()
+        >>> acc.strong == hash_tensor(t)
+        True
+    """
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-hash")
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[concurrent.futures.Future[None], Any]] = (
+            collections.deque()
+        )
+        self._running = False  # a shared thread is draining this hasher's queue
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
 
     def start(self, key: int, pieces: list[tuple[Any, int, int]]) -> None:
@@ -95,12 +124,32 @@ class BufferHasher:
                 if isinstance(digest, TensorDigest):
                     digest.hash_memory(address, nbytes)
 
+        job: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._jobs[key] = job
+        with self._lock:
+            self._queue.append((job, run))
+            if self._running:
+                return
+            self._running = True
         try:
-            self._jobs[key] = self._pool.submit(run)
+            _shared_pool().submit(self._drain)
         except RuntimeError:  # the interpreter is exiting (pending saves still finish):
-            for job in self._jobs.values():  # hash here, after the buffers handed over before
-                job.result()
-            run()
+            self._drain()  # hash here, in order, after the buffers handed over before
+
+    def _drain(self) -> None:
+        """Runs the queued jobs in order until none is left (on a shared thread)."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                job, run = self._queue.popleft()
+            try:
+                run()
+            except BaseException as exc:  # the waiter re-raises it
+                job.set_exception(exc)
+            else:
+                job.set_result(None)
 
     def wait(self, key: int) -> None:
         """Returns once the buffer ``key`` is hashed (at once if it never was handed over)."""
@@ -110,10 +159,58 @@ class BufferHasher:
 
     def close(self) -> None:
         """Waits for every job (ignoring their errors: the save is failing or done)."""
-        for job in self._jobs.values():
-            concurrent.futures.wait([job])
+        concurrent.futures.wait(list(self._jobs.values()))
         self._jobs.clear()
-        self._pool.shutdown(wait=True)
+
+
+def hash_beside(jobs: list[tuple[TensorDigest, int, int]]) -> concurrent.futures.Future[None]:
+    """Feeds each ``(digest, address, nbytes)`` its memory's hash, in order, on a shared
+    thread (no thread is started per call); the future is done when all are hashed.
+
+    Example:
+        >>> import torch
+        >>> t = torch.ones(4)
+        >>> acc = TensorDigest(t.nbytes, 0)
+        >>> hash_beside([(acc, t.data_ptr(), t.nbytes)]).result()
+        >>> acc.strong == hash_tensor(t)
+        True
+    """
+
+    def run() -> None:
+        for digest, address, nbytes in jobs:
+            digest.hash_memory(address, nbytes)
+
+    try:
+        return _shared_pool().submit(run)
+    except RuntimeError:  # the interpreter is exiting: hash here
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        run()
+        done.set_result(None)
+        return done
+
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads every :class:`BufferHasher` of the process hashes on, started once."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max(1, min(8, os.cpu_count() or 1)), "fastckpt-hash"
+            )
+        return _pool
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the parent's threads do not exist here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _host_chunks(t: torch.Tensor) -> Any:

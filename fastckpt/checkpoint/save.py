@@ -17,11 +17,12 @@ import collections
 import dataclasses
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from fastckpt import _C, config, format
+from fastckpt import _C, format
 from fastckpt.checkpoint import (
     compressed_tensors,
     compressed_writer,
@@ -30,10 +31,10 @@ from fastckpt.checkpoint import (
     save_order,
     tree,
 )
-from fastckpt.checkpoint.digests import BufferHasher, TensorDigest
+from fastckpt.checkpoint.digests import BufferHasher, TensorDigest, hash_beside
 from fastckpt.checkpoint.lazy_guard import LazyGuard
 from fastckpt.config import resolve_io
-from fastckpt.io import page_cache, parallel_io
+from fastckpt.io import parallel_io
 from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef
 from fastckpt.io.checksums import PieceCrcs, piece_cuts
 from fastckpt.io.commit import AtomicFile, check_destination
@@ -41,6 +42,7 @@ from fastckpt.io.executor import Executor, shared_executor
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span
 from fastckpt.io.staging_pool import StagingBuffer, StagingPool, default_pool, zero_fill
+from fastckpt.io.write_mode import SMALL_STATE_BYTES, choose_write_mode
 from fastckpt.progress import progress_bar
 
 __all__ = [
@@ -796,13 +798,19 @@ def write_into(
 ) -> None:
     """Writes a planned checkpoint into ``out``'s temporary file; the caller commits it
     (one file of a multi-file checkpoint, :mod:`fastckpt.io.commit_set`) or aborts it."""
-    out.reserve(plan.file_size)
     if plan.frames:  # compressed while written (compressed_writer.py)
+        out.reserve(plan.file_size)
         compressed_writer.write_frames(plan, out.file, progress=progress)
         return
     if _through_page_cache(plan, out, direct_io):
+        # A small file written in order through the page cache is laid out contiguously by
+        # the file system's delayed allocation: reserving its blocks first only adds a
+        # metadata update to the fsync (a full disk still fails, at the write or fsync).
+        if plan.file_size > SMALL_STATE_BYTES:
+            out.reserve(plan.file_size)
         _write_from_tensors(plan, out.file, progress=progress)
         return
+    out.reserve(plan.file_size)
     writer = StreamWriter(plan, out.file, executor, pool, progress=progress)
     try:
         writer.fill()
@@ -813,16 +821,16 @@ def write_into(
 
 
 def _through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
-    """Whether to write from the tensors' memory through the page cache (CPU tensors only)."""
-    if direct_io is None:
-        direct_io = config.direct_io()
-    if any(t.device.type != "cpu" for t in plan.tensors.values()):
-        return False  # device tensors need host staging anyway
-    if direct_io is not None:
-        return not direct_io
-    if out.file.direct_fd < 0:
-        return True
-    return config.filesystem_key(out.path).split(":", 1)[0] in page_cache.MEMORY_FILESYSTEMS
+    """Whether to write from the tensors' memory through the page cache (CPU tensors only);
+    the choice and its reason are logged (:mod:`fastckpt.io.write_mode`)."""
+    mode, _ = choose_write_mode(
+        out.path,
+        plan.file_size,
+        direct_available=out.file.direct_fd >= 0,
+        explicit=direct_io,
+        on_device=any(t.device.type != "cpu" for t in plan.tensors.values()),
+    )
+    return mode == "buffered"
 
 
 def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:
@@ -864,7 +872,7 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
             )
         finally:
             if hashing is not None:
-                hashing.join()
+                hashing.result()
         if plan.checksum:
             for name, span, values in zip(labels, spans, found):
                 _add_segments(sums[name], span, values)
@@ -887,22 +895,16 @@ def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) ->
     plan.write_header(file, sums)
 
 
-def _hash_beside(plan: SavePlan, sums: Mapping[str, PieceCrcs]) -> threading.Thread:
-    """Starts hashing the contiguous tensors of ``plan`` from their memory, on a thread."""
+def _hash_beside(plan: SavePlan, sums: Mapping[str, PieceCrcs]) -> Future[None]:
+    """Starts hashing the contiguous tensors of ``plan`` from their memory, on a shared
+    thread (:func:`~fastckpt.checkpoint.digests.hash_beside`)."""
     jobs = []
     for e in plan.entries:
         t = plan.tensors[e.name].detach().resolve_conj().resolve_neg()
         acc = sums[e.name]
         if e.nbytes and t.is_contiguous() and isinstance(acc, TensorDigest):
-            jobs.append((acc, t))
-
-    def run() -> None:
-        for acc, t in jobs:
-            acc.hash_memory(t.data_ptr(), t.numel() * t.element_size())
-
-    thread = threading.Thread(target=run, name="fastckpt-hash", daemon=True)
-    thread.start()
-    return thread
+            jobs.append((acc, t.data_ptr(), t.numel() * t.element_size()))
+    return hash_beside(jobs)
 
 
 def _add_segments(acc: PieceCrcs, span: Span, crcs: list[int]) -> None:

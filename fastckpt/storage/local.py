@@ -59,6 +59,24 @@ _MIN_SPAN = 1 << 20
 _RESIDENT_ENOUGH = 0.5
 
 
+# st_dev -> whether O_DIRECT reads work on that file system (see LocalStorage._probe_direct)
+_DIRECT_READS: dict[int, bool] = {}
+
+
+def _direct_read_works(fd: int, alignment: int) -> bool:
+    """Whether one aligned O_DIRECT read of ``fd`` (opened with O_DIRECT) is taken."""
+    probe = mmap.mmap(-1, alignment)  # page-aligned memory
+    try:
+        os.preadv(fd, [probe], 0)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 def span_bytes(total: int, mode: str) -> int:
     """The most bytes one span covers when reading ``total`` bytes of a local file in
     ``mode``: direct reads in large pieces, buffered ones shared among the worker threads.
@@ -121,21 +139,21 @@ class LocalStorage(Storage):
 
     def _probe_direct(self) -> None:
         """Drops O_DIRECT when the file system took it at open but refuses it for reads, so
-        that :meth:`choose_mode` reports the mode really used."""
+        that :meth:`choose_mode` reports the mode really used. One aligned read per file
+        system and process: a refusal is the file system's, not the file's, and the read
+        goes to the device, a fixed cost larger than a small checkpoint's whole load."""
         file = self._file
         assert file is not None
         if file.direct_fd < 0 or self._direct_io is False:
             return
-        probe = mmap.mmap(-1, file.alignment)  # page-aligned memory
-        try:
-            os.preadv(file.direct_fd, [probe], 0)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
-                raise
+        device = os.fstat(file.fd).st_dev
+        works = _DIRECT_READS.get(device)
+        if works is None:
+            works = _direct_read_works(file.direct_fd, file.alignment)
+            _DIRECT_READS[device] = works
+        if not works:
             os.close(file.direct_fd)
             file.direct_fd = -1
-        finally:
-            probe.close()
 
     @property
     def file(self) -> File:
@@ -164,14 +182,18 @@ class LocalStorage(Storage):
             return (
                 ("direct", "direct_io=True") if self._direct_io else ("buffered", "direct_io=False")
             )
-        wanted, why = self._wanted_mode()
-        if self.file.direct_fd < 0 and wanted != "mapped":
+        read_mode_override()  # a bad FASTCKPT_READ_MODE is an error whatever is resident
+        if self.file.direct_fd < 0:
             # tmpfs and the like: resident by nature, so no residency check is worth its cost
-            return "buffered", "the file system refuses O_DIRECT"
+            wanted, _ = self._wanted_mode()
+            if wanted != "mapped":
+                return "buffered", "the file system refuses O_DIRECT"
         offset, nbytes = region
         resident = page_cache.resident_fraction(self.file.fd, offset, nbytes)
         if resident is not None and resident >= _RESIDENT_ENOUGH:
             return "buffered", f"{resident:.0%} of the data is in memory"
+        # the tuned mode is looked up only for cold bytes: a hot load skips the lookup
+        wanted, why = self._wanted_mode()
         known = "unknown" if resident is None else f"{resident:.0%}"
         return wanted, f"{known} of the data is in memory; {why}"
 
