@@ -103,7 +103,10 @@ class File:
                 )
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    os.close(self.fd)
+                    # forgotten before raising: the finalizer of this half-made object
+                    # would close the number again, by then another thread's descriptor
+                    fd, self.fd = self.fd, -1
+                    os.close(fd)
                     raise
         self.alignment = self._alignment()
 

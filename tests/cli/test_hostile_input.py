@@ -191,19 +191,22 @@ def test_a_damaged_step_still_there_is_damage(tmp_path):
     assert verdict == DAMAGED and "root:" in why[0]
 
 
-def test_ls_verify_beside_a_manager_whose_retention_removes_steps(tmp_path, capsys):
-    """A live manager keeps one step while ``ls --verify`` runs again and again: a step
-    removed under the check is never reported as damaged."""
+@pytest.mark.parametrize("with_fast_tier", [False, True])
+def test_ls_verify_beside_a_manager_whose_retention_removes_steps(tmp_path, with_fast_tier):
+    """A live manager keeps three steps while ``ls --verify`` runs again and again: a step
+    removed under the check (in the fast tier, its file then written over by the next
+    save) is never reported as damaged."""
     from fastckpt.cli.ls import list_steps
     from fastckpt.series.manager import CheckpointManager
 
     root = str(tmp_path / "run")
+    fast = str(tmp_path / "fast") if with_fast_tier else None
     stop = threading.Event()
     failures: list[BaseException] = []
 
     def train() -> None:
         try:
-            with CheckpointManager(root, keep_last=3) as manager:
+            with CheckpointManager(root, fast=fast, keep_last=3) as manager:
                 step = 0
                 while not stop.is_set():
                     step += 1
@@ -217,7 +220,7 @@ def test_ls_verify_beside_a_manager_whose_retention_removes_steps(tmp_path, caps
         verdicts = set()
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline and "DAMAGED" not in verdicts:
-            for entry in list_steps(root, verify=True):
+            for entry in list_steps(root, fast, verify=True):
                 verdicts.add(entry["verified"])
     finally:
         stop.set()
