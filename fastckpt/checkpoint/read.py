@@ -332,12 +332,12 @@ class CheckpointReader(HeaderView, Reader):
         """
         if compressed_tensors.asks_compressed(self, names):  # read, then decompressed
             if verify:  # copies of the others: checked by the read of those it makes
-                self.check_stored_copies(self._compressed_names(names))
+                self._check_stored_copies(self._compressed_names(names))
             return compressed_tensors.read_decoded(
                 self, names, pin_memory=pin_memory, verify=verify, progress=progress
             )
         if verify:
-            self.check_stored_copies(names)
+            self._check_stored_copies(names)
         with self._reading():
             entries = self._entries_of(names)
             self.require_checksums(verify)
@@ -395,7 +395,7 @@ class CheckpointReader(HeaderView, Reader):
         if compressed_tensors.asks_compressed(self, names):  # those decompressed into memory
             return compressed_tensors.map_decoded(self, names, verify=verify)  # (copies too)
         if verify:
-            self.check_stored_copies(names)
+            self._check_stored_copies(names)
         with self._reading():
             if self.device.type != "cpu":
                 raise ValueError(f"mapping gives CPU tensors; this reader loads to {self.device}")
@@ -579,22 +579,16 @@ class CheckpointReader(HeaderView, Reader):
         order = {name: i for i, name in enumerate(self.header.entries)}
         return sorted(found, key=lambda name: order.get(name, len(order)))
 
-    def check_stored_copies(self, names: Sequence[str] | None = None) -> None:
+    def _check_stored_copies(self, names: Sequence[str] | None = None) -> None:
         """Checks the stored copies of the tied tensors among ``names`` (all when None; a
         name may be the alias or the tensor it copies) against the CRC32C of the tensor they
-        copy. fastckpt reads a tied tensor once, under
-        its first name, and never the copy stored under the alias; but a safetensors reader
-        returns the copy, so a load that verifies checks it too. Costs one more read of
-        each tied tensor's bytes (none when nothing is tied).
+        copy. fastckpt reads a tied tensor once, under its first name, and never the copy
+        stored under the alias; but a safetensors reader returns the copy, so a read that
+        verifies checks it too. Costs one more read of each tied tensor's bytes (none when
+        nothing is tied).
 
         Raises:
             ChecksumError: naming the damaged copy (the alias) and the file.
-
-        Example:
-            >>> import torch, fastckpt
-            >>> w = torch.ones(3)
-            >>> fastckpt.save({"emb": w, "head": w}, "/tmp/fastckpt-tied-check.safetensors")
-            >>> fastckpt.open("/tmp/fastckpt-tied-check.safetensors").check_stored_copies()
         """
         copies = self._stored_copies(names)
         if not copies or not self.meta.crcs:

@@ -320,17 +320,20 @@ def _imported(*args: str, cwd) -> set[str]:
     }
 
 
-def test_verify_and_inspect_of_plain_files_import_no_distributed_checkpoint(tmp_path):
+def test_commands_on_plain_files_import_no_distributed_checkpoint(tmp_path):
     folder = tmp_path / "ckpts"
     folder.mkdir()
     fastckpt.save({"w": torch.ones(4)}, folder / "a.safetensors")
+    root = tmp_path / "run"
+    _series(root, 1)
     for args in (
         ["verify", str(folder / "a.safetensors")],
         ["verify", str(folder)],
         ["inspect", str(folder / "a.safetensors")],
+        ["ls", str(root), "--verify"],
     ):
         modules = _imported(*args, cwd=tmp_path)
-        assert "fastckpt.cli.verify" in modules or "fastckpt.cli.inspect" in modules
+        assert f"fastckpt.cli.{args[0]}" in modules
         heavy = sorted(m for m in modules if m.startswith("torch.distributed.checkpoint"))
         assert not heavy, (args, heavy[:5])
         assert "fastckpt.integrations.dcp" not in modules, args
