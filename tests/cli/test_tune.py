@@ -90,6 +90,14 @@ def test_tune_saves_a_configuration_that_new_handles_use(tmp_path, sweep_file):
     saved = json.loads(Path(saved_path).read_text())["filesystems"]
     assert saved[filesystem_key(nvme)]["config"] == config
 
+    # Real checkpoint saves were timed in each write mode, and the winner recorded with the
+    # settings its direct saves used.
+    assert "saves until durable, GB/s (min-max): direct" in out
+    write = saved[filesystem_key(nvme)]["write"]
+    assert write["mode"] in ("direct", "buffered") and set(write["gbps"]) == {"direct", "buffered"}
+    assert write["mode"] == max(write["gbps"], key=write["gbps"].get)
+    assert write["settings"]["block_size"] == 65536
+
     # The test files are gone; the log has one JSON line per measurement.
     assert list(nvme.iterdir()) == []
     (log,) = logs.iterdir()

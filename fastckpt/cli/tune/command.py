@@ -71,6 +71,7 @@ from fastckpt.cli.tune.sweep import (
 )
 from fastckpt.cli.tune.sweep_log import SweepLog
 from fastckpt.cli.tune.tuned_file import Coverage, Outcome, forget, save_gds_winner, save_winner
+from fastckpt.cli.tune.write_modes import measure_write_modes, remember_write_modes
 from fastckpt.progress import progress_bar
 
 __all__ = ["add_parser", "run", "why_winner"]
@@ -299,9 +300,11 @@ def _tune(args: argparse.Namespace) -> int:
             replace=args.replace,
         )
     _print_outcomes(outcomes, coverage, dirs, gds=args.gds)
-    if read and not args.gds:  # beside a configuration this tune saved (not a kept one)
+    if not args.gds:  # beside a configuration this tune saved (not a kept one)
         saved = [d for d, outcome in zip(dirs, _outcome_per_dir(dirs, outcomes)) if outcome.saved]
-        if saved:
+        if saved and write:  # the direct saves use the settings just saved
+            _tune_write_modes(saved, args)
+        if saved and read:
             _tune_read_modes(saved, args, cache)
     if args.plot:
         plot_results(results, sweep, args.plot, read=read, write=write)
@@ -325,6 +328,16 @@ def _tune_read_modes(dirs: Sequence[str], args: argparse.Namespace, cache: PageC
     for one in figures:
         print(f"  {one.describe()}")
     remember_read_modes(figures)
+
+
+def _tune_write_modes(dirs: Sequence[str], args: argparse.Namespace) -> None:
+    """Times checkpoint saves (until durable) with O_DIRECT and through the page cache and
+    remembers the fastest per file system (see :mod:`fastckpt.cli.tune.write_modes`)."""
+    print("Measuring checkpoint saves per write mode (direct, buffered)...", flush=True)
+    figures = measure_write_modes(dirs, args.io_size, max(3, args.loops))
+    for one in figures:
+        print(f"  {one.describe()}")
+    remember_write_modes(figures)
 
 
 def _engines_to_sweep(args: argparse.Namespace) -> list[str]:
