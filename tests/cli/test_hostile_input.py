@@ -530,3 +530,95 @@ def test_sweep_of_hostile_series_trees(tmp_path, capsys, case):
         _assert_one_line_answer(status, out, err, (case, args))
         if "--json" in args and status == 1:
             json.loads(out)
+
+
+# ------------------------------------------------------------- seeded mutation sweeps
+
+
+def _random_json(rng, depth: int = 0):
+    """A random JSON value: every type, nested a little, with awkward numbers."""
+    kinds = ["int", "float", "str", "bool", "null", "list", "dict"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:5])
+    if kind == "int":
+        return rng.choice([0, -1, 1, 16, 2**63, 10**30, -(2**70)])
+    if kind == "float":
+        return rng.choice([0.5, -0.0, 1e308, float("nan"), float("inf"), -float("inf")])
+    if kind == "str":
+        return rng.choice(["", "x", "state.safetensors", "../up", "\x1b[2J", "é", "1"])
+    if kind == "bool":
+        return rng.choice([True, False])
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(3))]
+    return {rng.choice(["a", "loss", "", "state.safetensors"]): _random_json(rng, depth + 1)}
+
+
+def test_seeded_sweep_of_random_marker_fields(tmp_path, capsys):
+    """Every field of a marker replaced by random JSON: the series verbs answer 0 or 1 in
+    one line, and the dry runs change nothing."""
+    import random
+
+    rng = random.Random(37)
+    root = tmp_path / "run"
+    _series(root, 2)
+    fields = ["step", "layout", "files", "metrics", "time", "depends_on"]
+    for _ in range(60):
+        document = json.loads(_marker(9, metrics={"loss": 0.1}, time="t"))
+        for field in rng.sample(fields, rng.randrange(1, 4)):
+            document[field] = _random_json(rng)
+        _write_marker(root, 9, json.dumps(document))
+        before = _tree_listing(root)
+        for args in (
+            ["ls", root, "--json"],
+            ["ls", root],
+            ["prune", root, "--keep-last", "1", "--best", "loss:min:1", "--dry-run"],
+            ["clean", root, "--dry-run"],
+        ):
+            status, out, err = run_main(capsys, *args)
+            assert status in (0, 1) and "Traceback" not in out + err, (document, args, err)
+            if args[-1] == "--json":
+                json.loads(out, parse_constant=lambda token: pytest.fail(f"{token} in JSON"))
+            if status == 1:
+                assert "step 9" in err and len(err.strip().splitlines()) == 1, (document, err)
+        assert _tree_listing(root) == before
+
+
+def test_seeded_sweep_of_damaged_files_never_verifies_what_load_refuses(tmp_path, capsys):
+    """Random flips, cuts and splices of a saved file's header and data: ``verify`` and
+    ``inspect`` answer in one line, and ``verify`` says OK only of a file load accepts."""
+    import random
+
+    rng = random.Random(11)
+    pristine = tmp_path / "pristine.safetensors"
+    emb = torch.randn(32, 8)
+    fastckpt.save(
+        {"model": {"emb": emb, "head": emb, "b": torch.ones(5)}, "epoch": 3, "lr": [0.1]},
+        pristine,
+    )
+    original = pristine.read_bytes()
+    (n,) = struct.unpack("<Q", original[:8])
+    path = tmp_path / "mutant.safetensors"
+    for _ in range(120):
+        data = bytearray(original)
+        how = rng.choice(["flip header", "flip data", "cut", "splice"])
+        if how == "flip header":
+            at = rng.randrange(8 * (8 + n))
+            data[at // 8] ^= 1 << (at % 8)
+        elif how == "flip data":
+            at = rng.randrange(8 * (8 + n), 8 * len(data))
+            data[at // 8] ^= 1 << (at % 8)
+        elif how == "cut":
+            del data[rng.randrange(len(data)) :]
+        else:
+            at = rng.randrange(8, 8 + n)
+            data[at : at + 4] = rng.choice([b"null", b'{"a"', b"9999", b"[[[["])
+        path.write_bytes(bytes(data))
+        status, out, err = run_main(capsys, "verify", path)
+        assert status in (0, 1, 2) and "Traceback" not in out + err, how
+        try:
+            fastckpt.load(path)
+        except (fastckpt.FastCkptError, OSError, ValueError):
+            assert status != 0, (how, out)
+        status, out, err = run_main(capsys, "inspect", path)
+        assert status in (0, 1, 2) and "Traceback" not in out + err, how
