@@ -165,8 +165,10 @@ def _load_torch(src: str, allow_pickle: bool) -> Any:
         return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CliError(_refusal_message(src, str(exc))) from None
-    except (RuntimeError, KeyError, ValueError, EOFError, IndexError) as exc:
-        # torch.load's own messages for damaged files; some are as bare as "KeyError: 101"
+    except Exception as exc:  # noqa: BLE001 - see below
+        # torch.load's own errors for damaged files, of many types (some as bare as
+        # "KeyError: 101", a fake zip's from safetensors' Rust reader); with weights_only
+        # it runs no code of the file's, so every one of them is about the file
         raise CliError(
             f"{src}: not a readable torch or safetensors file ({type(exc).__name__}: {exc})"
         ) from None

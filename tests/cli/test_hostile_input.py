@@ -465,10 +465,11 @@ def _assert_one_line_answer(status: int, out: str, err: str, what) -> None:
     assert err.strip() or out.strip(), what  # something says why
 
 
-@pytest.mark.parametrize("verb", ["verify", "inspect"])
+@pytest.mark.parametrize("verb", ["verify", "inspect", "convert"])
 @pytest.mark.parametrize("case", _FILE_CASES)
-def test_sweep_of_hostile_files(hostile_files, capsys, verb, case):
-    status, out, err = run_main(capsys, verb, hostile_files[case])
+def test_sweep_of_hostile_files(hostile_files, tmp_path, capsys, verb, case):
+    out_file = [str(tmp_path / "out.safetensors")] if verb == "convert" else []
+    status, out, err = run_main(capsys, verb, hostile_files[case], *out_file)
     _assert_one_line_answer(status, out, err, (verb, case))
     if verb == "inspect":
         status, out, err = run_main(capsys, verb, hostile_files[case], "--json")
