@@ -53,7 +53,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "marker (saves, drains or deletions cut short). Committed steps are never touched; "
             "a tier in use by a running manager is refused."
         ),
-        epilog="exit status: 0; 1 a tier is in use or a removal failed; 2 a directory is missing",
+        epilog="exit status: 0; 1 a tier is in use, a removal failed or a commit marker cannot "
+        "be used (that step is left in place); 2 a directory is missing",
     )
     parser.add_argument("root", metavar="ROOT", help="the series' durable directory")
     parser.add_argument("--fast", metavar="DIR", help="the series' fast tier, if it has one")

@@ -65,8 +65,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Lists the steps of a CheckpointManager series: the tiers each is in, its size, "
             "whether it is committed (its marker written) and verified, and its metrics."
         ),
-        epilog="exit status: 0; 1 when --verify finds a damaged copy; 2 when a directory "
-        "is missing",
+        epilog="exit status: 0; 1 when --verify finds a damaged copy or a commit marker cannot "
+        "be used; 2 when a directory is missing",
     )
     parser.add_argument("root", metavar="ROOT", help="the series' durable directory")
     parser.add_argument("--fast", metavar="DIR", help="the series' fast tier, if it has one")

@@ -61,7 +61,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "keep: the --keep-last newest, every step divisible by --keep-every and the --best "
             "by a recorded metric stay (the newest step always stays)."
         ),
-        epilog="exit status: 0; 1 a tier is in use by a running manager; 2 usage errors",
+        epilog="exit status: 0; 1 a tier is in use by a running manager or a commit marker "
+        "cannot be used (then nothing is removed); 2 usage errors",
     )
     parser.add_argument("root", metavar="ROOT", help="the series' durable directory")
     parser.add_argument(
