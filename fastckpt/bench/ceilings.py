@@ -1,5 +1,7 @@
 """The ceilings a loader or saver is compared with: what plain parallel ``preadv`` and
-``pwrite`` reach on one file, with no format, checksum or tensor in the way.
+``pwrite`` reach on one file, with no format, checksum or tensor in the way; and, with
+O_DIRECT (:func:`direct_pwrite_file`, :func:`direct_preadv_file`), what the device itself
+reaches, page cache out of the way (what fio's sequential direct jobs measure).
 
 Example:
     >>> import tempfile, pathlib
@@ -22,7 +24,7 @@ from typing import Any
 from fastckpt.bench.caches import make_durable
 from fastckpt.bench.units import MiB
 
-__all__ = ["preadv_file", "pwrite_file"]
+__all__ = ["direct_preadv_file", "direct_pwrite_file", "preadv_file", "pwrite_file"]
 
 PAGE = mmap.PAGESIZE
 
@@ -138,3 +140,116 @@ def pwrite_file(
         raise errors[0]
     make_durable(path)
     return time.perf_counter() - t0
+
+
+#: Bytes per O_DIRECT request of the device ceilings, and requests in flight (one thread
+#: each): a deep queue of large requests, as fio's ``--bs=4M --iodepth=32`` jobs.
+DIRECT_CHUNK = 4 * MiB
+DIRECT_IN_FLIGHT = 16
+
+
+def _in_parallel(count: int, work: Any) -> None:
+    """Runs ``work(i)`` for i in range(count) on as many threads; re-raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+
+
+def _direct_open(path: str | os.PathLike[str], flags: int) -> int:
+    """``open`` with O_DIRECT; ``OSError`` saying the file system refuses it."""
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        raise OSError(exc.errno, f"O_DIRECT refused here: {exc.strerror}", str(path)) from None
+
+
+def direct_pwrite_file(path: str | os.PathLike[str], nbytes: int) -> float:
+    """The device's write ceiling: ``nbytes`` (rounded up to whole pages) written to a new
+    file at ``path`` with O_DIRECT, :data:`DIRECT_IN_FLIGHT` requests of
+    :data:`DIRECT_CHUNK` in flight, then fsync of the file and its directory. Returns the
+    seconds from the open to the end of the fsyncs (the buffer is made before).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory(dir=".") as d:
+        ...     seconds = direct_pwrite_file(f"{d}/f", 10 * 4096)
+        ...     os.path.getsize(f"{d}/f")
+        40960
+    """
+    nbytes = -(-nbytes // PAGE) * PAGE
+    chunk = min(DIRECT_CHUNK, max(PAGE, nbytes))
+    buffer = mmap.mmap(-1, chunk)  # page-aligned; one source for every request
+    buffer.write(os.urandom(min(chunk, 1 << 20)) * (chunk // min(chunk, 1 << 20)))
+    pieces = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+    t0 = time.perf_counter()
+    fd = _direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        view = memoryview(buffer)
+
+        def work(first: int) -> None:
+            for off, n in pieces[first::DIRECT_IN_FLIGHT]:
+                done = 0
+                while done < n:
+                    done += os.pwritev(fd, [view[done:n]], off + done)
+
+        _in_parallel(min(DIRECT_IN_FLIGHT, len(pieces)), work)
+        view.release()
+    finally:
+        os.close(fd)
+    make_durable(path)
+    return time.perf_counter() - t0
+
+
+def direct_preadv_file(path: str | os.PathLike[str]) -> float:
+    """The device's read ceiling: the whole file at ``path`` read with O_DIRECT,
+    :data:`DIRECT_IN_FLIGHT` requests of :data:`DIRECT_CHUNK` in flight, into page-aligned
+    buffers reused by each thread (no page faults). The caller empties the page cache
+    first (O_DIRECT reads resident pages from the device anyway). Returns seconds.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory(dir=".") as d:
+        ...     _ = direct_pwrite_file(f"{d}/f", 3 * 4096)
+        ...     direct_preadv_file(f"{d}/f") > 0
+        True
+    """
+    fd = _direct_open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        nbytes = -(-size // PAGE) * PAGE  # the tail block is read whole, as O_DIRECT must
+        chunk = min(DIRECT_CHUNK, max(PAGE, nbytes))
+        pieces = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+        threads = max(1, min(DIRECT_IN_FLIGHT, len(pieces)))
+        buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
+
+        def work(first: int) -> None:
+            view = memoryview(buffers[first])
+            for off, n in pieces[first::threads]:
+                done = 0
+                while done < n:
+                    got = os.preadv(fd, [view[done:n]], off + done)
+                    if got == 0:
+                        break  # the (unaligned) end of the file
+                    done += got
+            view.release()
+
+        t0 = time.perf_counter()
+        _in_parallel(threads, work)
+        seconds = time.perf_counter() - t0
+        for b in buffers:
+            b.close()
+    finally:
+        os.close(fd)
+    return seconds

@@ -5,6 +5,14 @@ load one state dict in turns, on one file system, in one process.
 Saves are timed until the data is durable (fsync); loads from a cold cache (disk regime) or
 a warm one (memory regime), until every tensor has been touched.
 
+In the disk regime the device's own ceiling runs in the same loops: a raw O_DIRECT write
+(+ fsync) and read of as many bytes (:mod:`fastckpt.bench.ceilings`), so every figure can be
+read against what the disk did at that moment. In the memory regime ``fastckpt.load(mmap=True)``
+runs beside safetensors' ``load_file``, which maps the file lazily: its figure is a mapping
+(pages faulted in by the touch), set against fastckpt's default load, which copies into
+memory of its own. The table shows each figure's median with its spread (min-max of the
+loops) and ends with a one-line verdict (:func:`verdict`).
+
 Example:
     >>> import tempfile, torch
     >>> rows = [Row("fastckpt", "fastckpt", "fastckpt", "fastckpt")]
@@ -37,6 +45,7 @@ __all__ = [
     "compare",
     "comparison_table",
     "validate_loaded",
+    "verdict",
 ]
 
 #: (row name, file suffix, saver, loader) of the libraries compared: names in
@@ -47,12 +56,16 @@ LIBRARIES: list[tuple[str, str, str, str]] = [
     ("safetensors", ".st.safetensors", "safetensors", "safetensors"),
 ]
 
-#: Rows added in the memory regime: loaders of the safetensors row's file (no save).
-MEMORY_PEERS: list[tuple[str, str]] = [
-    ("runai-streamer", "runai"),
-    ("fastsafetensors", "fastsafetensors"),
-    ("preadv-ceiling", "preadv"),
+#: Rows added in the memory regime: (row name, loader, the row whose file it reads).
+MEMORY_PEERS: list[tuple[str, str, str]] = [
+    ("fastckpt(mmap=True)", "fastckpt-mmap", "fastckpt"),
+    ("runai-streamer", "runai", "safetensors"),
+    ("fastsafetensors", "fastsafetensors", "safetensors"),
+    ("preadv-ceiling", "preadv", "safetensors"),
 ]
+
+#: The disk regime's ceiling row: raw O_DIRECT write and read of as many bytes.
+DEVICE_ROW = "device(O_DIRECT)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +105,13 @@ def available_rows(memory: bool, device: str, warn: Callable[[str], None]) -> li
                 warn("safetensors is not installed: its row is left out (pip install safetensors)")
                 continue
         rows.append(Row(name, saver, loader, name))
-    if memory and any(r.name == "safetensors" for r in rows):
-        for name, loader in MEMORY_PEERS:
+    if not memory and device == "cpu":
+        rows.append(Row(DEVICE_ROW, "direct", "direct", DEVICE_ROW))
+    if memory:
+        present = {r.name for r in rows}
+        for name, loader, file_of in MEMORY_PEERS:
+            if file_of not in present:
+                continue
             try:
                 LOADERS[loader].setup(os.devnull, device)
             except Skip as why:
@@ -101,7 +119,7 @@ def available_rows(memory: bool, device: str, warn: Callable[[str], None]) -> li
                 continue
             except Exception:  # noqa: BLE001 - os.devnull is no checkpoint; setup got this far
                 pass
-            rows.append(Row(name, None, loader, "safetensors"))
+            rows.append(Row(name, None, loader, file_of))
     return rows
 
 
@@ -116,30 +134,35 @@ def compare(
     check: Callable[[Row, Any, str], None] | None = None,
     advance: Callable[[], None] = lambda: None,
     cache: PageCache | None = None,
+    running: Callable[[str], None] = lambda what: None,
 ) -> dict[str, Timings]:
     """Saves and loads ``state`` in ``folder`` with every row, ``loops`` times; the files are
     removed at the end.
 
     The rows take turns within each loop, so a drifting device treats all alike. ``check``
     (untimed) is given each row, what it loaded and its file; ``advance`` is called after
-    each row's turn (a progress bar). ``cache`` keeps the disk regime's loads cold (default: a
+    each row's turn (a progress bar), ``running`` before each step with what runs (e.g.
+    ``"safetensors: save"``). ``cache`` keeps the disk regime's loads cold (default: a
     :class:`PageCache` that drops the machine's cache where permitted).
     """
     if not memory and cache is None:
         cache = PageCache()
     tag = f".fastckpt-bench-{os.getpid()}"
     paths = {name: os.path.join(folder, tag + suffix) for name, suffix, _, _ in LIBRARIES}
+    paths[DEVICE_ROW] = os.path.join(folder, tag + ".direct.bin")
     timings = {row.name: Timings() for row in rows}
     try:
         for _loop in range(loops):
             for row in rows:
                 path, times = paths[row.file_of], timings[row.name]
                 if row.saver is not None:
+                    running(f"{row.name}: save (loop {_loop + 1}/{loops})")
                     save = SAVERS[row.saver].setup(state, path)
                     wall, cpu = time.perf_counter(), time.process_time()
                     save()  # returns once the file is durable
                     times.save.append(time.perf_counter() - wall)
                     times.save_cpu.append(time.process_time() - cpu)
+                running(f"{row.name}: load (loop {_loop + 1}/{loops})")
                 load = LOADERS[row.loader].setup(path, device)
                 if memory:
                     warm_page_cache([path])
@@ -150,7 +173,7 @@ def compare(
                 touch(loaded)
                 times.load.append(time.perf_counter() - wall)
                 times.load_cpu.append(time.process_time() - cpu)
-                if check is not None:
+                if check is not None and row.name != DEVICE_ROW:  # the ceiling returns no tensor
                     check(row, loaded, path)
                 del loaded
                 advance()
@@ -187,42 +210,115 @@ def validate_loaded(name: str, state: dict[str, Any], loaded: Any, path: str = "
     return None
 
 
-def comparison_table(timings: dict[str, Timings], nbytes: int) -> str:
-    """The table: GB/s (median of the loops), CPU seconds and the first row's speedup.
+def _rates(nbytes: int, seconds: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) GB/s of the loops' seconds (NaNs when there are none)."""
+    if not seconds:
+        return math.nan, math.nan, math.nan
+    return gbps(nbytes, median(seconds)), gbps(nbytes, max(seconds)), gbps(nbytes, min(seconds))
+
+
+def comparison_table(timings: dict[str, Timings], nbytes: int, *, memory: bool = False) -> str:
+    """The table: GB/s (median of the loops, min-max beside it), CPU seconds, the first row's
+    speedup, then the verdict line (:func:`verdict`) and, in the memory regime, what
+    safetensors' figure is.
 
     Example:
         >>> t = {"a": Timings([1.0], [0.5], [1.0], [0.5]), "b": Timings([], [1.0], [], [1.0])}
         >>> print(comparison_table(t, 10**9).splitlines()[4])  # doctest: +NORMALIZE_WHITESPACE
-        b  — 1  — 1.00  — / 2.00x
+        b  —  —  1  1-1  — 1.00  — / 2.00x
     """
-
-    def rate(seconds: list[float]) -> float:
-        return gbps(nbytes, median(seconds)) if seconds else math.nan
 
     def num(value: float, spec: str) -> str:
         # A row without a save (a loader only) shows a dash, aligned like a number.
         return format("—", spec.split(".")[0]) if math.isnan(value) else format(value, spec)
 
+    def spread(low: float, high: float) -> str:
+        return format("—", ">11") if math.isnan(low) else format(f"{low:.3g}-{high:.3g}", ">11")
+
     def ratio(base: float, value: float) -> str:
         return "—" if math.isnan(value) or math.isnan(base) else f"{base / value:.2f}x"
 
     rows = [
-        (name, rate(t.save), rate(t.load), median(t.save_cpu), median(t.load_cpu))
+        (
+            name,
+            _rates(nbytes, t.save),
+            _rates(nbytes, t.load),
+            median(t.save_cpu),
+            median(t.load_cpu),
+        )
         for name, t in timings.items()
     ]
-    base_save, base_load = rows[0][1], rows[0][2]
+    base_save, base_load = rows[0][1][0], rows[0][2][0]
     header = (
-        f"{'library':<16}  {'save GB/s':>9}  {'load GB/s':>9}  {'save CPU s':>10}  "
-        f"{'load CPU s':>10}  fastckpt speedup (save / load)"
+        f"{'library':<18}  {'save GB/s':>9}  {'(min-max)':>11}  {'load GB/s':>9}  "
+        f"{'(min-max)':>11}  {'save CPU s':>10}  {'load CPU s':>10}  fastckpt speedup (save / load)"
     )
     lines = ["", header, "-" * len(header)]
     for name, save, load, save_cpu, load_cpu in rows:
         lines.append(
-            f"{name:<16}  {num(save, '>9.3g')}  {num(load, '>9.3g')}  {num(save_cpu, '>10.2f')}  "
-            f"{num(load_cpu, '>10.2f')}  {ratio(base_save, save)} / {ratio(base_load, load)}"
+            f"{name:<18}  {num(save[0], '>9.3g')}  {spread(save[1], save[2])}  "
+            f"{num(load[0], '>9.3g')}  {spread(load[1], load[2])}  {num(save_cpu, '>10.2f')}  "
+            f"{num(load_cpu, '>10.2f')}  {ratio(base_save, save[0])} / {ratio(base_load, load[0])}"
         )
     lines.append(
-        "\nGB/s: 10^9 bytes of tensor data per second, median of the loops. CPU s: CPU time of "
-        "this process (all threads). Speedup: fastckpt's GB/s over the library's."
+        "\nGB/s: 10^9 bytes of tensor data per second, median of the loops (min-max beside it). "
+        "CPU s: CPU time of this process (all threads). Speedup: fastckpt's GB/s over the row's."
     )
+    if DEVICE_ROW in timings:
+        lines.append(
+            f"{DEVICE_ROW}: the device's ceiling in the same loops, a raw O_DIRECT write "
+            "(+ fsync) and a cold O_DIRECT read of as many bytes, no format or checksum."
+        )
+    if memory and "safetensors" in timings:
+        lines.append(
+            "safetensors' load is a lazy mapping of the file (pages faulted in by the touch), "
+            "set against fastckpt.load's copy into memory of its own; fastckpt(mmap=True) is "
+            "fastckpt's mapping."
+        )
+    medians = {name: (save[0], load[0]) for name, save, load, _, _ in rows}
+    lines.append("Verdict: " + verdict(medians, memory=memory))
     return "\n".join(lines)
+
+
+# Figures within this fraction of each other are "the same" to the verdict: the loops of
+# one run on a virtual disk spread by more than that.
+_SAME = 0.10
+
+
+def verdict(medians: dict[str, tuple[float, float]], *, memory: bool = False) -> str:
+    """One line saying what the figures mean: fastckpt against the device's ceiling (when
+    measured) and the best peer, save and load. ``medians``: row -> (save, load) GB/s.
+
+    Example:
+        >>> print(verdict({"fastckpt": (0.5, 1.0), "torch.save/load": (0.49, 0.5),
+        ...                "safetensors": (0.5, 0.9), "device(O_DIRECT)": (0.52, 1.0)}))
+        save: all at the disk's limit (fastckpt 0.96x the device); load: fastckpt 1.00x the device, 1.11x the best peer
+    """
+    parts = []
+    for index, what in ((0, "save"), (1, "load")):
+        mine = medians.get("fastckpt", (math.nan, math.nan))[index]
+        ceiling = medians.get(DEVICE_ROW, (math.nan, math.nan))[index]
+        peers = [
+            v[index]
+            for name, v in medians.items()
+            if name in ("torch.save/load", "safetensors") and not math.isnan(v[index])
+        ]
+        if math.isnan(mine):
+            continue
+        best = max(peers) if peers else math.nan
+        if not math.isnan(ceiling):
+            near = [v >= (1 - _SAME) * ceiling for v in [mine, *peers]]
+            if all(near):
+                parts.append(
+                    f"{what}: all at the disk's limit (fastckpt {mine / ceiling:.2f}x the device)"
+                )
+                continue
+            text = f"{what}: fastckpt {mine / ceiling:.2f}x the device"
+        else:
+            text = f"{what}: fastckpt"
+        if not math.isnan(best):
+            text += f"{',' if not math.isnan(ceiling) else ''} {mine / best:.2f}x the best peer"
+        parts.append(text)
+    if memory:
+        parts.append("memory regime: the software's own ceiling, no disk involved")
+    return "; ".join(parts) if parts else "nothing measured"

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fastckpt.bench.caches import make_durable
-from fastckpt.bench.ceilings import preadv_file, pwrite_file
+from fastckpt.bench.ceilings import (
+    direct_preadv_file,
+    direct_pwrite_file,
+    preadv_file,
+    pwrite_file,
+)
 
 __all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "install_hint"]
 
@@ -121,6 +126,25 @@ def _pwrite(parallel: bool) -> Callable[[dict[str, Any], str], Callable[[], None
     return setup
 
 
+def _direct_write(state: dict[str, Any], path: str) -> Callable[[], None]:
+    """The device's write ceiling for as many bytes as ``state`` holds (its bytes are not
+    what is written: the device's speed does not depend on them)."""
+    import torch
+
+    nbytes = sum(
+        t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)
+    )
+    try:
+        direct_pwrite_file(path, 4096)  # can this file system take O_DIRECT?
+    except OSError as exc:
+        raise Skip(str(exc)) from None
+
+    def run() -> None:
+        direct_pwrite_file(path, nbytes)
+
+    return run
+
+
 #: Savers by name; every one is timed until the data is durable.
 SAVERS: dict[str, Saver] = {
     "fastckpt": Saver("fastckpt.save", "fastckpt", _save_fastckpt),
@@ -129,6 +153,7 @@ SAVERS: dict[str, Saver] = {
     # Ceilings: raw tensor bytes, a file no loader reads.
     "pwrite-1": Saver("pwrite ceiling, 1 thread", "raw", _pwrite(parallel=False)),
     "pwrite": Saver("parallel pwrite ceiling", "raw", _pwrite(parallel=True)),
+    "direct": Saver("device ceiling: O_DIRECT write + fsync", "raw", _direct_write),
 }
 
 # ----------------------------------------------------------------------------- loads
@@ -265,6 +290,17 @@ def _preadv(prefault: bool) -> Callable[[str, str], Callable[[], Any]]:
     return setup
 
 
+def _direct_read(path: str, device: str) -> Callable[[], Any]:
+    """The device's read ceiling: the file read with O_DIRECT into reused buffers (nothing
+    is returned: there is no tensor to give)."""
+
+    def run() -> dict[str, Any]:
+        direct_preadv_file(path)
+        return {}
+
+    return run
+
+
 def _ones() -> Any:
     import torch
 
@@ -292,6 +328,7 @@ LOADERS: dict[str, Loader] = {
     "runai": Loader("Run:ai SafetensorsStreamer", "safetensors", _load_runai),
     "fastsafetensors": Loader("fastsafetensors (nogds)", "safetensors", _load_fastsafetensors),
     "preadv": Loader("parallel preadv ceiling", "safetensors", _preadv(prefault=False)),
+    "direct": Loader("device ceiling: O_DIRECT read", "raw", _direct_read),
     "preadv-prefault": Loader(
         "parallel preadv ceiling, prefaulted buffer", "safetensors", _preadv(prefault=True)
     ),
