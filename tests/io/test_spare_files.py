@@ -16,6 +16,7 @@ import fastckpt
 from fastckpt.checkpoint import asynchronous
 from fastckpt.io import spare_files
 from fastckpt.io.commit import AtomicFile
+from tests._fences import owner
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="leases and tmpfs are Linux's"
@@ -179,7 +180,7 @@ def test_a_lazy_save_over_a_spare_in_memory_reads_through_the_fence_into_the_fil
         }
         expected = {k: v.clone() for k, v in state.items()}
         path = os.path.join(directory, "new.safetensors")
-        future = fastckpt.async_save(state, path, lazy=True, spare_file=spare)
+        future = fastckpt.async_save(state, path, fence=owner(state), spare_file=spare)
         if fence_at == "at once":
             future.fence()  # the rest is snapshotted: the tensors may change now
         else:
@@ -213,8 +214,8 @@ def test_a_lazy_save_over_a_spare_in_memory_fails_naming_a_tensor_changed_unfenc
         assert spare_files.retire(os.path.join(directory, "old"), spare)
         state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20)}
         path = os.path.join(directory, "new.safetensors")
-        future = fastckpt.async_save(state, path, lazy=True, spare_file=spare)
-        state["b"].add_(1)  # no fence
+        future = fastckpt.async_save(state, path, fence=owner(state), spare_file=spare)
+        state["b"].add_(1)  # outside the fenced step
         started.set()
         with pytest.raises(fastckpt.LazySaveError) as caught:
             future.result()
@@ -241,7 +242,8 @@ def test_a_series_with_spares_writes_into_memory_before_it_has_one(monkeypatch, 
         state = {"w": torch.randn(1 << 20), "n": torch.arange(7)}
         expected = {k: v.clone() for k, v in state.items()}
         path = os.path.join(directory, "first.safetensors")
-        future = fastckpt.async_save(state, path, spare_file=spare, lazy=lazy)
+        fenced = {"fence": owner(state)} if lazy else {}
+        future = fastckpt.async_save(state, path, spare_file=spare, **fenced)
         future.fence()
         state["w"].add_(1)  # after the call (eager) or the fence (lazy)
         future.result()
