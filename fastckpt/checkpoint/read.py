@@ -52,7 +52,7 @@ from fastckpt.checkpoint.tensor_runs import (
 )
 from fastckpt.config import staging_bytes
 from fastckpt.io import device_copy, parallel_io
-from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, aligned_tensor
+from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, arena_tensor
 from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 from fastckpt.storage import Storage, open_storage, to_local
@@ -727,7 +727,7 @@ class _PendingRead:
         self.storage, self.mode, self.checksum = storage, mode, checksum
         self.entries = entries
         self.runs = tensor_runs(entries)
-        self.arena = aligned_tensor(
+        self.arena = arena_tensor(
             place_runs(self.runs, data_offset, BUFFER_ALIGNMENT), lock=pin_memory
         )
         self.pinned = pin_memory

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.storage import local as local_storage
 from fastckpt.storage.local import LocalStorage
 
 
@@ -92,10 +93,40 @@ def test_o_direct_refused_for_reads_is_found_at_open(tmp_path):
     if file.direct_fd < 0:
         pytest.skip("this file system refuses O_DIRECT")
     os.close(file.direct_fd)
-    # a descriptor of the same file that refuses reads (opened for writing only)
+    # a descriptor of the same file that refuses reads (opened for writing only), probed as
+    # the first file of its file system in this process (the answer is kept per file system)
     file.direct_fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-    local._probe_direct()
-    assert file.direct_fd == -1
-    with fastckpt.CheckpointReader(local) as reader:
-        assert reader.read_mode == "buffered"
-        assert reader.get_tensor("w").sum().item() == 1 << 16
+    device = os.stat(path).st_dev
+    kept = local_storage._DIRECT_READS.pop(device, None)
+    try:
+        local._probe_direct()
+        assert file.direct_fd == -1
+        assert local_storage._DIRECT_READS[device] is False
+        with fastckpt.CheckpointReader(local) as reader:
+            assert reader.read_mode == "buffered"
+            assert reader.get_tensor("w").sum().item() == 1 << 16
+    finally:
+        local_storage._DIRECT_READS.pop(device, None)
+        if kept is not None:
+            local_storage._DIRECT_READS[device] = kept
+
+
+def test_o_direct_reads_are_probed_once_per_file_system(tmp_path):
+    """The probe reads from the device: a second file of the same file system is not
+    probed again (its answer is the file system's), and still reads correctly."""
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    fastckpt.save({"w": torch.ones(4096)}, first)
+    fastckpt.save({"w": torch.full((4096,), 2.0)}, second)
+    with LocalStorage(first, direct_io=True) as local:
+        if local.local_file().direct_fd < 0:
+            pytest.skip("this file system refuses O_DIRECT")
+    assert os.stat(first).st_dev in local_storage._DIRECT_READS
+    probes = []
+    original = local_storage._direct_read_works
+    local_storage._direct_read_works = lambda *a: probes.append(a) or original(*a)
+    try:
+        with fastckpt.open(second) as reader:
+            assert reader.get_tensor("w").sum().item() == 2 * 4096
+    finally:
+        local_storage._direct_read_works = original
+    assert probes == []
