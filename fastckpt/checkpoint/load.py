@@ -135,8 +135,10 @@ def load(
         keys: load only these tensors (reading only their bytes); returns a flat
             ``name -> tensor`` dict. For nested checkpoints names look like ``"model/fc.weight"``
             (see ``fastckpt.open(f).keys()``).
-        verify: check every tensor's CRC32C (``ChecksumError`` names a damaged one). Default:
-            on when the file has checksums.
+        verify: check every tensor's CRC32C (``ChecksumError`` names a damaged one), the
+            copy of a tied tensor stored under its alias included (readers that know no
+            aliases return that copy; checking it reads its bytes once more). Default: on
+            when the file has checksums.
         progress: show a progress bar (default: on a terminal).
         mmap: like ``torch.load(mmap=True)``: tensors are views of a copy-on-write mapping of
             the file, read lazily as their pages are touched (zero copies; memory only for
