@@ -214,10 +214,24 @@ def _sizes(value: Any) -> dict[str, int]:
     if not isinstance(value, dict):
         raise ValueError(f"'files' is {_kind(value)}, expected an object of file sizes")
     for file, size in value.items():
+        if not _inside_step(file):
+            shown = _one_line(repr(file), 100)
+            raise ValueError(f"'files' names {shown}, which is not a file inside the step")
         if not _is_int(size) or not 0 <= size <= _LARGEST:
             shown = _one_line(repr(size), 40)
             raise ValueError(f"'files' gives {file[:100]!r} the size {shown}, not a byte count")
     return dict(value)
+
+
+def _inside_step(name: str) -> bool:
+    """Whether ``name`` is a relative path inside a step directory: no empty, ``.`` or
+    ``..`` part, not absolute (a marker is no licence to name files elsewhere).
+
+    Example:
+        >>> _inside_step("state.safetensors"), _inside_step("../../etc/passwd"), _inside_step("/x")
+        (True, False, False)
+    """
+    return not name.startswith("/") and all(part not in ("", ".", "..") for part in name.split("/"))
 
 
 def _layout(value: Any) -> str:

@@ -69,6 +69,8 @@ def _tree_listing(root) -> list[str]:
 #: Well-formed JSON (or not) that no manager writes: each must be reported, naming the step.
 ODD_MARKERS = {
     "files as a list": _marker(9, files=["state.safetensors"]),
+    "a file outside the step": _marker(9, files={"../../elsewhere/payload.txt": 16}),
+    "an absolute file": _marker(9, files={"/etc/passwd": 16}),
     "size a string": _marker(9, files={"state.safetensors": "16"}),
     "size a float": _marker(9, files={"state.safetensors": 16.5}),
     "size negative": _marker(9, files={"state.safetensors": -1}),
