@@ -61,9 +61,11 @@ class MarkerError(ValueError):
         "step 7 in root: bad commit marker: 'files' is a list, not an object"
     """
 
-    def __init__(self, step: int, tier: str, problem: str):
+    def __init__(self, step: int, tier: str, problem: str, *, gone: bool = False):
         super().__init__(f"step {step} in {tier}: bad commit marker: {problem}")
         self.step, self.tier, self.problem = step, tier, problem
+        #: the marker is no longer there: the step was deleted after it was listed
+        self.gone = gone
 
 
 @dataclasses.dataclass
@@ -123,8 +125,10 @@ def tier_copies(tier: Tier | str, name: str) -> list[StepCopy]:
         try:
             fields = marker_fields(tier, step, name)
         except MarkerError as exc:
-            # committed as far as a manager can tell: reported, never taken for a partial
-            copies.append(_partial(tier, name, step, committed=True, problem=str(exc)))
+            if exc.gone:  # deleted since the listing (a manager's retention): no longer a step
+                copies.append(_partial(tier, name, step))
+            else:  # committed as far as a manager can tell: reported, never taken for partial
+                copies.append(_partial(tier, name, step, committed=True, problem=str(exc)))
             continue
         copies.append(
             StepCopy(
@@ -171,6 +175,8 @@ def marker_fields(tier: Tier | str, step: int, name: str = "root") -> dict[str, 
 
     try:
         document = layout.marker_of(tier, step)
+    except FileNotFoundError:
+        raise MarkerError(step, name, "it is gone", gone=True) from None
     except OSError as exc:
         raise MarkerError(step, name, f"cannot read it: {exc.strerror or exc}") from None
     except RecursionError:  # json gives up on deep nesting this way, not with ValueError

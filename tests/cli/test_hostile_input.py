@@ -177,6 +177,17 @@ def test_a_step_removed_while_ls_verifies_it_is_not_damage(tmp_path):
     assert verify_copies([listed[1]], {"root": root}) == ("yes", [])
 
 
+def test_a_step_deleted_after_the_listing_is_no_bad_marker(tmp_path):
+    from fastckpt.cli.series_tiers import MarkerError, marker_fields
+
+    root = str(tmp_path / "run")
+    _series(root, 1)
+    steps.remove_step(root, 1)
+    with pytest.raises(MarkerError) as caught:
+        marker_fields(root, 1)
+    assert caught.value.gone
+
+
 def test_a_damaged_step_still_there_is_damage(tmp_path):
     from fastckpt.cli.ls import DAMAGED, verify_copies
     from fastckpt.cli.series_tiers import tier_copies
@@ -222,8 +233,10 @@ def test_ls_verify_beside_a_manager_whose_retention_removes_steps(tmp_path, with
         verdicts = set()
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline and "DAMAGED" not in verdicts:
-            for entry in list_steps(root, fast, verify=True):
-                verdicts.add(entry["verified"])
+            for verify in (True, False):
+                for entry in list_steps(root, fast, verify=verify):
+                    verdicts.add(entry["verified"])
+                    assert "problems" not in entry, entry  # a deleted step is no bad marker
     finally:
         stop.set()
         trainer.join()
