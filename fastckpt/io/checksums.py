@@ -92,6 +92,11 @@ class PieceCrcs:
             return crc32c_combine(self._whole, self._crc, self._in_piece)
         return self._whole
 
+    @property
+    def taken(self) -> int:
+        """Bytes of the tensor taken so far (where the next ones start)."""
+        return self._done
+
     def update(self, address: int, nbytes: int) -> None:
         """Checksums the next ``nbytes`` of the tensor, which are at ``address``."""
         while nbytes:
