@@ -111,10 +111,12 @@ IO_KEYS = tuple(f.name for f in dataclasses.fields(IOConfig))
 DEFAULT_STAGING_BYTES = 224 << 20  # 7 buffers of 32 MiB: the save extra RSS stays under 256 MiB
 
 _process_defaults: dict[str, Any] = {}
+_SETTINGS = IO_KEYS + ("staging_bytes", "open_files")
 
 
 def set_defaults(**settings: Any) -> None:
-    """Sets process-wide defaults (any of :data:`IO_KEYS` and ``staging_bytes``); ``None`` clears one.
+    """Sets process-wide defaults (any of :data:`IO_KEYS`, ``staging_bytes`` and
+    ``open_files``); ``None`` clears one.
 
     Example:
         >>> import fastckpt.config
@@ -122,10 +124,8 @@ def set_defaults(**settings: Any) -> None:
         >>> fastckpt.config.set_defaults(engine=None)
     """
     for key, value in settings.items():
-        if key not in IO_KEYS and key != "staging_bytes":
-            raise TypeError(
-                f"unknown setting {key!r}; expected one of {IO_KEYS + ('staging_bytes',)}"
-            )
+        if key not in _SETTINGS:
+            raise TypeError(f"unknown setting {key!r}; expected one of {_SETTINGS}")
         if value is None:
             _process_defaults.pop(key, None)
         else:
@@ -254,6 +254,39 @@ def async_staging_bytes() -> int | None:
     """``FASTCKPT_ASYNC_STAGING_BYTES``: a cap on the asynchronous staging pool, or None."""
     text = environment("ASYNC_STAGING_BYTES")
     return None if text is None else parse_size(text)
+
+
+#: Files a reader of many files (a sharded directory, a distributed checkpoint) keeps open
+#: at once; it opens the others on demand, closing the least recently used. Far below the
+#: common soft limit of 1024 open files, so a load of any number of files never meets it.
+DEFAULT_OPEN_FILES = 64
+
+
+def open_files(explicit: int | None = None) -> int:
+    """How many files a reader of many files keeps open at once (default 64):
+    ``explicit``, else ``set_defaults(open_files=...)``, else ``FASTCKPT_OPEN_FILES``.
+
+    Example:
+        >>> open_files(), open_files(8)
+        (64, 8)
+    """
+    if explicit is not None:
+        value: Any = explicit
+    elif "open_files" in _process_defaults:
+        value = _process_defaults["open_files"]
+    elif environment("OPEN_FILES"):
+        text = environment("OPEN_FILES") or ""
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(
+                f"environment variable FASTCKPT_OPEN_FILES={text!r} is not an int"
+            ) from None
+    else:
+        value = DEFAULT_OPEN_FILES
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"open_files must be a positive int, got {value!r}")
+    return value
 
 
 def _from_environment() -> dict[str, Any]:

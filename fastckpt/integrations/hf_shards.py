@@ -61,7 +61,9 @@ import torch
 from fastckpt import format, storage
 from fastckpt.checkpoint import save as checkpoint_save
 from fastckpt.checkpoint.header_view import TensorInfo
-from fastckpt.checkpoint.read import CheckpointReader, open_checkpoint
+from fastckpt.checkpoint.open_readers import HeaderOnly, ReaderCache
+from fastckpt.checkpoint.range_read import TensorSlice
+from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.reader import Reader, RoutedReads
 from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
@@ -707,6 +709,13 @@ class ShardedReader(RoutedReads, Reader):
     a shard holds but the index does not name (left by an earlier save) is not seen.
     ``only`` opens just the shards that hold these indexed names (what ``load(keys=...)`` reads).
 
+    Whatever the number of shards, at most ``open_files`` of them are open at once (default
+    64, ``FASTCKPT_OPEN_FILES``; see :mod:`fastckpt.checkpoint.open_readers`): the headers
+    are kept in memory, and a shard is opened again when a read needs it, closing the least
+    recently used. A prefetch of more shards than that is read again by the shards closed
+    since. A shard replaced or removed since the directory was opened raises
+    ``FileNotFoundError`` naming it.
+
     Example:
         >>> import tempfile, torch
         >>> d = tempfile.mkdtemp()
@@ -723,6 +732,7 @@ class ShardedReader(RoutedReads, Reader):
         storage_options: Mapping[str, Any] | None = None,
         parallel: int = DEFAULT_PARALLEL,
         only: Sequence[str] | None = None,
+        open_files: int | None = None,
         **open_options: Any,
     ):
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -730,9 +740,18 @@ class ShardedReader(RoutedReads, Reader):
         text = storage.to_local(path) or os.fspath(path)
         self.path = text
         self._parallel = parallel
-        self._readers: dict[str, CheckpointReader] = {}
+
+        def opener(shard: str) -> Any:
+            return open_checkpoint(
+                shard, storage_options=storage_options, parallel=parallel, **open_options
+            )
+
+        self._open_files = open_files
+        self._opener = opener
+        self._cache = ReaderCache(opener, open_files)
+        self._readers: dict[str, HeaderOnly] = {}  # shard path -> its header
         self._closed = False
-        self._owner: dict[str, CheckpointReader] = {}  # stored name -> its shard's reader
+        self._owner: dict[str, HeaderOnly] = {}  # stored name -> its shard's header
         self._aliases: dict[str, str] = {}
         # A save that publishes a new set removes the old set's shards once its index is in
         # place: a shard named by the index just read can vanish before it is opened. The
@@ -743,6 +762,7 @@ class ShardedReader(RoutedReads, Reader):
                 return
             except FileNotFoundError:
                 self._readers, self._owner, self._aliases = {}, {}, {}
+                self._cache = ReaderCache(self._opener, self._open_files)
                 if attempt == _REPUBLISHED_RETRIES:
                     self._closed = True
                     raise
@@ -769,9 +789,9 @@ class ShardedReader(RoutedReads, Reader):
         files = [single] if single else [storage.join(directory, n) for n in weight_map.values()]
         try:
             for shard in dict.fromkeys(files):
-                self._readers[shard] = open_checkpoint(
-                    shard, storage_options=storage_options, parallel=parallel, **open_options
-                )
+                opened = self._opener(shard)
+                self._readers[shard] = HeaderOnly(opened, shard)
+                self._cache.adopt(shard, opened)  # kept open while few are
             if single is not None:
                 reader = self._readers[single]
                 self._aliases = reader.aliases
@@ -795,8 +815,7 @@ class ShardedReader(RoutedReads, Reader):
                     if self._owner.get(stored) is reader and alias not in weight_map:
                         self._aliases[alias] = stored
         except BaseException:
-            for reader in self._readers.values():
-                reader.close()
+            self._cache.close()
             raise
 
     # -- what the index and headers say ----------------------------------------------------
@@ -813,10 +832,10 @@ class ShardedReader(RoutedReads, Reader):
             return dict(self._metadata)
         return next(iter(self._readers.values())).metadata()
 
-    def _route(self, name: str) -> tuple[CheckpointReader, str]:
+    def _route(self, name: str) -> tuple[Reader, str]:
         return self._reader_of(name)
 
-    def _reader_of(self, name: str) -> tuple[CheckpointReader, str]:
+    def _reader_of(self, name: str) -> tuple[HeaderOnly, str]:
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
         stored = self._aliases.get(name, name)
@@ -843,35 +862,71 @@ class ShardedReader(RoutedReads, Reader):
 
     @property
     def read_mode(self) -> str:
-        modes = {reader.read_mode for reader in self._live()}
+        modes = {self._cache.call(h.key, lambda r: r.read_mode) for h in self._live()}
         return modes.pop() if len(modes) == 1 else "mixed"
 
     @property
     def bytes_read(self) -> int:
-        return sum(reader.bytes_read for reader in self._readers.values())
+        return self._cache.bytes_read
 
-    def _live(self) -> list[CheckpointReader]:
+    @property
+    def open_count(self) -> int:
+        """How many shard files are open now (at most ``open_files`` between reads)."""
+        return self._cache.open_count
+
+    def _live(self) -> list[HeaderOnly]:
         if self._closed:
             raise ValueError(f"{self.path}: the reader is closed")
         return list(self._readers.values())
 
     # -- reading ---------------------------------------------------------------------------
-    def _by_shard(self, names: Sequence[str] | None) -> dict[CheckpointReader, list[str]]:
+    def get_slice(self, name: str, *, verify: bool = False) -> TensorSlice:
+        header, stored = self._reader_of(name)
+        sliced = self._cache.call(header.key, lambda r: r.get_slice(stored, verify=verify))
+
+        def read(lo: int, hi: int) -> torch.Tensor:  # the shard may be closed by then
+            return self._cache.call(
+                header.key, lambda r: r.get_slice(stored, verify=verify)._read(lo, hi)
+            )
+
+        sliced._read = read
+        return sliced
+
+    def read_range(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        *,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        header, stored = self._reader_of(name)
+        return self._cache.call(
+            header.key, lambda r: r.read_range(stored, start, stop, out=out, verify=verify)
+        )
+
+    def _by_shard(self, names: Sequence[str] | None) -> dict[HeaderOnly, list[str]]:
         self._live()
         if isinstance(names, str):
             raise TypeError("names must be a sequence of str, not a str")
-        groups: dict[CheckpointReader, list[str]] = {}
+        groups: dict[HeaderOnly, list[str]] = {}
         for name in list(self._owner) if names is None else names:
             reader, stored = self._reader_of(name)
             groups.setdefault(reader, []).append(stored)
         return groups
 
-    def _each_shard(self, work: Any, groups: dict[CheckpointReader, list[str]]) -> list[Any]:
-        """``work(reader, names)`` per shard, ``parallel`` shards at once; results in order."""
+    def _each_shard(self, work: Any, groups: dict[HeaderOnly, list[str]]) -> list[Any]:
+        """``work(reader, names)`` per shard on its open reader, ``parallel`` shards at once;
+        results in order."""
+
+        def on_shard(header: HeaderOnly, names: list[str]) -> Any:
+            return self._cache.call(header.key, lambda reader: work(reader, names))
+
         if len(groups) <= 1:
-            return [work(reader, names) for reader, names in groups.items()]
+            return [on_shard(header, names) for header, names in groups.items()]
         with concurrent.futures.ThreadPoolExecutor(min(self._parallel, len(groups))) as pool:
-            futures = [pool.submit(work, reader, names) for reader, names in groups.items()]
+            futures = [pool.submit(on_shard, header, names) for header, names in groups.items()]
             return [f.result() for f in futures]
 
     def read(
@@ -885,7 +940,7 @@ class ShardedReader(RoutedReads, Reader):
         self.require_checksums(verify)
         groups = self._by_shard(names)
 
-        def work(reader: CheckpointReader, stored: list[str]) -> dict[str, torch.Tensor]:
+        def work(reader: Any, stored: list[str]) -> dict[str, torch.Tensor]:
             return reader.read(stored, pin_memory=pin_memory, verify=verify, progress=False)
 
         merged = {k: v for part in self._each_shard(work, groups) for k, v in part.items()}
@@ -896,8 +951,11 @@ class ShardedReader(RoutedReads, Reader):
         self, names: Sequence[str], *, pin_memory: bool = False, verify: bool = False
     ) -> None:
         self.require_checksums(verify)
-        for reader, stored in self._by_shard(names).items():
-            reader.prefetch(stored, pin_memory=pin_memory, verify=verify)
+        for header, stored in self._by_shard(names).items():
+            self._cache.call(
+                header.key,
+                lambda r, stored=stored: r.prefetch(stored, pin_memory=pin_memory, verify=verify),
+            )
 
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
@@ -913,15 +971,16 @@ class ShardedReader(RoutedReads, Reader):
     ) -> dict[str, torch.Tensor]:
         self.require_checksums(verify)
         merged: dict[str, torch.Tensor] = {}
-        for reader, stored in self._by_shard(names).items():
-            merged.update(reader.map(stored, verify=verify))
+        for header, stored in self._by_shard(names).items():
+            merged.update(
+                self._cache.call(header.key, lambda r, stored=stored: r.map(stored, verify=verify))
+            )
         return merged
 
     def close(self) -> None:
         """Closes every shard (each first waits for its reads in flight)."""
         self._closed = True
-        for reader in self._readers.values():
-            reader.close()
+        self._cache.close()
 
     def __enter__(self) -> ShardedReader:
         return self

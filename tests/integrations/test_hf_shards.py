@@ -345,7 +345,11 @@ def test_opening_a_url_directory_keeps_the_read_options():
         assert isinstance(reader, hf_shards.ShardedReader)
         shards = list(reader._readers.values())
         assert len(shards) > 1
-        assert {(r.storage.part_size, r.storage.parallel) for r in shards} == {(1 << 20, 3)}
+        options = {
+            reader._cache.call(h.key, lambda r: (r.storage.part_size, r.storage.parallel))
+            for h in shards
+        }
+        assert options == {(1 << 20, 3)}
         assert reader.read_mode == "ranged"
 
 
