@@ -289,36 +289,41 @@ def verdict(medians: dict[str, tuple[float, float]], *, memory: bool = False) ->
     """One line saying what the figures mean: fastckpt against the device's ceiling (when
     measured) and the best peer, save and load. ``medians``: row -> (save, load) GB/s.
 
+    In the memory regime the load's ceiling is the parallel-``preadv`` row, and safetensors'
+    load (a lazy mapping) is set against ``fastckpt(mmap=True)``, not against a copy.
+
     Example:
         >>> print(verdict({"fastckpt": (0.5, 1.0), "torch.save/load": (0.49, 0.5),
         ...                "safetensors": (0.5, 0.9), "device(O_DIRECT)": (0.52, 1.0)}))
         save: all at the disk's limit (fastckpt 0.96x the device); load: fastckpt 1.00x the device, 1.11x the best peer
     """
+    nan = (math.nan, math.nan)
     parts = []
     for index, what in ((0, "save"), (1, "load")):
-        mine = medians.get("fastckpt", (math.nan, math.nan))[index]
-        ceiling = medians.get(DEVICE_ROW, (math.nan, math.nan))[index]
-        peers = [
-            v[index]
-            for name, v in medians.items()
-            if name in ("torch.save/load", "safetensors") and not math.isnan(v[index])
-        ]
+        mine = medians.get("fastckpt", nan)[index]
         if math.isnan(mine):
             continue
-        best = max(peers) if peers else math.nan
-        if not math.isnan(ceiling):
-            near = [v >= (1 - _SAME) * ceiling for v in [mine, *peers]]
-            if all(near):
-                parts.append(
-                    f"{what}: all at the disk's limit (fastckpt {mine / ceiling:.2f}x the device)"
-                )
-                continue
-            text = f"{what}: fastckpt {mine / ceiling:.2f}x the device"
-        else:
-            text = f"{what}: fastckpt"
-        if not math.isnan(best):
-            text += f"{',' if not math.isnan(ceiling) else ''} {mine / best:.2f}x the best peer"
-        parts.append(text)
+        ceiling = medians.get(DEVICE_ROW, nan)[index]
+        names = ["torch.save/load", "safetensors"]
+        if memory and index == 1:  # a mapping is not a copy: it has a row of its own below
+            ceiling, names = medians.get("preadv-ceiling", nan)[1], ["torch.save/load"]
+        peers = [medians[n][index] for n in names if n in medians]
+        peers = [v for v in peers if not math.isnan(v)]
+        where = "the preadv ceiling" if memory else "the device"
+        if not math.isnan(ceiling) and all(v >= (1 - _SAME) * ceiling for v in [mine, *peers]):
+            parts.append(
+                f"{what}: all at the disk's limit (fastckpt {mine / ceiling:.2f}x {where})"
+                if not memory
+                else f"{what}: all at {where} (fastckpt {mine / ceiling:.2f}x)"
+            )
+            continue
+        bits = [f"{mine / ceiling:.2f}x {where}"] if not math.isnan(ceiling) else []
+        if peers:
+            bits.append(f"{mine / max(peers):.2f}x the best peer")
+        parts.append(f"{what}: fastckpt " + ", ".join(bits))
     if memory:
-        parts.append("memory regime: the software's own ceiling, no disk involved")
+        mapped = medians.get("fastckpt(mmap=True)", nan)[1]
+        lazy = medians.get("safetensors", nan)[1]
+        if not math.isnan(mapped) and not math.isnan(lazy):
+            parts.append(f"mappings: fastckpt(mmap=True) {mapped / lazy:.2f}x safetensors'")
     return "; ".join(parts) if parts else "nothing measured"

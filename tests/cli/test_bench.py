@@ -258,7 +258,7 @@ def test_bench_checkpoint_memory_regime_adds_the_peers(tmp_path):
     # fastckpt's own mapping beside safetensors', and the table says what the latter is
     assert float(rows["fastckpt(mmap=True)"][3]) > 0
     assert "safetensors' load is a lazy mapping of the file" in result.stdout
-    assert "memory regime" in result.stdout.split("Verdict: ")[1]
+    assert "mappings: fastckpt(mmap=True)" in result.stdout.split("Verdict: ")[1]
     assert "Validation passed" in result.stdout
     assert list(tmp_path.iterdir()) == []
 
