@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shutil
 import sys
@@ -43,6 +44,8 @@ from typing import Any, Callable
 
 from fastckpt.bench.caches import PageCache
 from fastckpt.bench.children import child_main, spawn
+from fastckpt.bench.comparison import DEVICE_ROW
+from fastckpt.bench.comparison import verdict as one_line_verdict
 from fastckpt.bench.filesystems import (
     available_memory,
     filesystem_of,
@@ -222,6 +225,18 @@ def report_markdown(meta: dict[str, Any], stats: dict[str, Any]) -> str:
             "",
         ]
     out += _rounds_table(meta["rounds"])
+
+    def gbps(s: dict[str, Any] | None) -> float:
+        return float(s["gbps"]) if s and s.get("gbps") else math.nan
+
+    # fio's figures are the device's ceiling here (comparison.py's own is a raw O_DIRECT row)
+    medians = {
+        "fastckpt": (gbps(saves["fastckpt"]), gbps(loads["fastckpt"])),
+        "torch.save/load": (gbps(saves["torch"]), gbps(loads["torch"])),
+        "safetensors": (gbps(saves["safetensors"]), gbps(loads["safetensors"])),
+        DEVICE_ROW: (gbps(fio_w), gbps(fio_r)),
+    }
+    out += [f"**Verdict:** {one_line_verdict(medians)} (the device: fio in the same rounds).", ""]
 
     out += ["### Targets", "", "| target | measured | met |", "|---|---|:-:|"]
 
