@@ -436,12 +436,17 @@ def _save_local(
     with commit_set.CommitSet(
         directory, overwrite_readonly=bool(options.get("overwrite_readonly"))
     ) as files:
-        staged = [files.stage(name) for name in _shard_names(len(shards))]
+        hints = _shard_names(len(shards))
+
+        def write(i: int) -> None:
+            # Staged, written and closed one at a time per worker: the set holds a bounded
+            # number of descriptors whatever the number of shards.
+            out = files.stage(hints[i], position=i)
+            _save_one(shards[i], out, options)
+            out.make_durable()
+
         with concurrent.futures.ThreadPoolExecutor(min(parallel, len(shards))) as pool:
-            work = [
-                pool.submit(_save_one, shards[i], staged[i], options) for i in range(len(shards))
-            ]
-            for f in work:
+            for f in [pool.submit(write, i) for i in range(len(shards))]:
                 f.result()  # the first failure is raised; the commit set removes every file
 
         def publish(names: list[str]) -> None:

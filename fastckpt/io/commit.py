@@ -10,6 +10,12 @@ life, and a new writer removes every ``<name>.<12 hex>.tmp`` sibling it can lock
 waiting, since the lock is free only when its writer is gone. So after any number of
 crashes at most one temporary file per live or last-crashed writer remains.
 
+A writer of many files (:mod:`fastckpt.io.commit_set`) does not hold a descriptor per file:
+its temporaries form a group, named ``<name>.<token>.tmp`` with one token, and only the
+first of them (the anchor) keeps its lock until the group is committed; the others are
+written, fsynced and closed. A cleaner removes a temporary only when no file of its group
+is locked (:func:`abandoned`), so the anchor's one lock keeps the whole group alive.
+
 Saving over an existing file keeps its permission bits (and, when run as root, its owner),
 as writing it in place would. A read-only file (no write bit, or not writable by this user)
 is refused with ``PermissionError`` naming it, as ``torch.save`` refuses it, unless
@@ -34,6 +40,8 @@ import os
 import re
 import secrets
 import stat
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 from fastckpt import _C
@@ -42,6 +50,8 @@ from fastckpt.io.files import File
 
 __all__ = [
     "AtomicFile",
+    "TemporaryGroup",
+    "abandoned",
     "fsync_directory",
     "check_destination",
     "check_writable",
@@ -79,6 +89,46 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 _TMP_SUFFIX = re.compile(r"\.[0-9a-f]{12}\.tmp")
 
 
+def _held(path: str) -> bool:
+    """Whether another open file description holds the ``flock`` of ``path`` now."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone (committed or removed)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno not in _NO_FLOCK
+    finally:
+        os.close(fd)  # a lock taken here goes with it
+    return False
+
+
+def abandoned(path: str, siblings: Iterable[str]) -> bool:
+    """Whether the temporary file ``path``, whose own lock the caller holds, belongs to no
+    live writer: no other temporary of its group (same 12-hex token, among ``siblings``,
+    names in its directory) is locked. A group's files other than its anchor are kept
+    alive by the anchor's lock alone (see the module).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> live = os.path.join(d, "a.bin.0123456789ab.tmp")
+        >>> fd = os.open(live, os.O_RDONLY | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX)
+        >>> abandoned(os.path.join(d, "b.bin.0123456789ab.tmp"), os.listdir(d))
+        False
+        >>> os.close(fd)
+        >>> abandoned(os.path.join(d, "b.bin.0123456789ab.tmp"), os.listdir(d))
+        True
+    """
+    directory, name = os.path.split(path)
+    token = name[-16:]  # ".<12 hex>.tmp"
+    return not any(
+        sibling != name and sibling.endswith(token) and _held(os.path.join(directory, sibling))
+        for sibling in siblings
+    )
+
+
 def remove_stale_temporaries(path: str) -> list[str]:
     """Removes the temporary files that dead writers left for ``path``; returns their paths.
 
@@ -95,15 +145,17 @@ def remove_stale_temporaries(path: str) -> list[str]:
     directory, name = os.path.split(os.path.abspath(path))
     removed: list[str] = []
     try:
-        candidates = [
-            entry.name
-            for entry in os.scandir(directory)
-            if entry.name.startswith(name)
-            and _TMP_SUFFIX.fullmatch(entry.name, len(name))
-            and entry.is_file(follow_symlinks=False)
-        ]
+        listing = [entry for entry in os.scandir(directory) if entry.name.endswith(".tmp")]
     except OSError:
         return removed
+    siblings = [entry.name for entry in listing]
+    candidates = [
+        entry.name
+        for entry in listing
+        if entry.name.startswith(name)
+        and _TMP_SUFFIX.fullmatch(entry.name, len(name))
+        and entry.is_file(follow_symlinks=False)
+    ]
     for candidate in candidates:
         stale = os.path.join(directory, candidate)
         try:
@@ -113,6 +165,9 @@ def remove_stale_temporaries(path: str) -> list[str]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        if not abandoned(stale, siblings):  # its group's anchor is locked: a live writer
             os.close(fd)
             continue
         try:
@@ -190,23 +245,71 @@ def _carry_attributes(fd: int, path: str) -> None:
             os.fchown(fd, old.st_uid, old.st_gid)
 
 
+def _create_locked(tmp_path: str) -> int | None:
+    """Creates ``tmp_path`` (``FileExistsError`` if it exists) and takes its lock: the lock
+    fd, or None when a cleaner removed it before the lock was taken."""
+    # 0o666 less the umask, as open() gives a new file
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
+    except OSError as exc:
+        if exc.errno not in _NO_FLOCK:
+            os.close(fd)
+            os.unlink(tmp_path)
+            raise
+        return fd  # no flock here: cleaners cannot lock it either, so keep it
+    if os.fstat(fd).st_nlink:
+        return fd
+    os.close(fd)
+    return None
+
+
 def _locked_temporary(directory: str, name: str) -> tuple[str, int]:
     """Creates ``<name>.<random>.tmp`` and takes its lifetime lock: (path, lock fd)."""
     while True:
         tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
-        # 0o666 less the umask, as open() gives a new file
-        fd = os.open(tmp_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner is looking at it
-        except OSError as exc:
-            if exc.errno not in _NO_FLOCK:
-                os.close(fd)
-                os.unlink(tmp_path)
-                raise
-            return tmp_path, fd  # no flock here: cleaners cannot lock it either, so keep it
-        if os.fstat(fd).st_nlink:
+        fd = _create_locked(tmp_path)
+        if fd is not None:
             return tmp_path, fd
-        os.close(fd)  # a cleaner removed it before we locked it: take another name
+        # a cleaner removed it before we locked it: take another name
+
+
+class TemporaryGroup:
+    """Temporary files written together (the files of one multi-file commit) that one lock
+    keeps alive: the first file created (the anchor) keeps its lock until committed or
+    removed; the others (members) share its token and drop their own lock once durable,
+    so the group holds one descriptor however many files it has (see the module).
+
+    Example:
+        >>> import tempfile
+        >>> d, group = tempfile.mkdtemp(), TemporaryGroup()
+        >>> a = AtomicFile(os.path.join(d, "a.bin"), group=group)
+        >>> b = AtomicFile(os.path.join(d, "b.bin"), group=group)
+        >>> a.tmp_path[-16:] == b.tmp_path[-16:], a.member, b.member
+        (True, False, True)
+        >>> b.abort(); a.abort()
+    """
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+        self._lock = threading.Lock()
+
+    def create(self, directory: str, name: str) -> tuple[str, int, bool]:
+        """A new locked temporary for ``name``: (path, lock fd, whether it is a member)."""
+        with self._lock:
+            if self.token is None:
+                tmp_path, fd = _locked_temporary(directory, name)
+                self.token = tmp_path[-16:-4]
+                return tmp_path, fd, False
+            token = self.token
+        try:
+            fd = _create_locked(os.path.join(directory, f"{name}.{token}.tmp"))
+        except FileExistsError:
+            fd = None  # a name staged twice: that file keeps its own lock
+        if fd is None:
+            tmp_path, fd = _locked_temporary(directory, name)
+            return tmp_path, fd, False
+        return os.path.join(directory, f"{name}.{token}.tmp"), fd, True
 
 
 class AtomicFile:
@@ -220,6 +323,10 @@ class AtomicFile:
     ``spare`` names a spare file (:mod:`fastckpt.io.spare_files`) in the same directory to
     write over instead of a new file, cut to ``size`` bytes (the file's final size, which
     the caller then writes whole); without a spare there, a new file as usual.
+
+    ``group`` makes it one of a :class:`TemporaryGroup`'s files: a member drops its lock
+    (and holds no descriptor) once :meth:`make_durable` has closed it, the group's anchor
+    keeping it alive; stale temporaries are then left to the group's own clean-up.
     """
 
     def __init__(
@@ -230,6 +337,7 @@ class AtomicFile:
         overwrite_readonly: bool = False,
         spare: str | None = None,
         size: int | None = None,
+        group: TemporaryGroup | None = None,
     ):
         self.path = os.path.abspath(os.fspath(path))
         self.overwrite_readonly = overwrite_readonly
@@ -238,13 +346,20 @@ class AtomicFile:
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
         _check_directory(directory, self.path)
         check_writable(self.path, overwrite_readonly=overwrite_readonly)
-        remove_stale_temporaries(self.path)
+        if group is None:  # a group's commit removes its kind's stale temporaries itself
+            remove_stale_temporaries(self.path)
         if spare is not None and size is None:
             raise ValueError("spare= needs size=: the file is cut to the size then written whole")
         taken = None if spare is None else spare_files.take(spare, directory, name)
         self.reused = taken is not None
+        self.member = False
         try:
-            self.tmp_path, self._lock_fd = taken or _locked_temporary(directory, name)
+            if taken is not None:
+                self.tmp_path, self._lock_fd = taken
+            elif group is not None:
+                self.tmp_path, self._lock_fd, self.member = group.create(directory, name)
+            else:
+                self.tmp_path, self._lock_fd = _locked_temporary(directory, name)
         except OSError as exc:  # name the user's path, not the temporary one
             raise type(exc)(
                 exc.errno, f"cannot save {self.path}: {exc.strerror}", directory
@@ -267,7 +382,12 @@ class AtomicFile:
         except FileNotFoundError:
             pass
         finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
             os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def reserve(self, nbytes: int) -> bool:
         """Allocates the file's blocks up front (where the file system can), so parallel
@@ -277,11 +397,14 @@ class AtomicFile:
         return bool(_C.preallocate(self.file.fd, nbytes, self.tmp_path))
 
     def make_durable(self) -> None:
-        """fsyncs and closes the temporary file; it stays locked and unnamed until
-        :meth:`commit` (or removed by :meth:`abort`)."""
+        """fsyncs and closes the temporary file; it stays locked (a group's member: kept
+        alive by its anchor, holding no descriptor) and unnamed until :meth:`commit` (or
+        removed by :meth:`abort`)."""
         if self.file.fd >= 0:
             self.file.fsync()
             self.file.close()
+        if self.member:
+            self._unlock()
 
     def commit(self, path: str | None = None, *, sync_directory: bool = True) -> None:
         """fsync, rename over the final path (``path``, default the one given at creation,
@@ -293,16 +416,28 @@ class AtomicFile:
                 raise ValueError(f"{target}: not in the directory of {self.tmp_path}")
             check_writable(target, overwrite_readonly=self.overwrite_readonly)
             self.make_durable()
-            _carry_attributes(self._lock_fd, target)
+            self._carry_attributes(target)
             os.replace(self.tmp_path, target)
         except BaseException:
             self.abort()
             raise
         self.path = target
         self._done = True
-        os.close(self._lock_fd)  # held until the rename: no cleaner removes a file in flight
+        self._unlock()  # held until the rename: no cleaner removes a file in flight
         if sync_directory:
             fsync_directory(os.path.dirname(self.path))
+
+    def _carry_attributes(self, target: str) -> None:
+        """:func:`_carry_attributes` through the lock's descriptor, or (a closed member)
+        one opened for it."""
+        if self._lock_fd >= 0:
+            _carry_attributes(self._lock_fd, target)
+            return
+        fd = os.open(self.tmp_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            _carry_attributes(fd, target)
+        finally:
+            os.close(fd)
 
     def abort(self) -> None:
         """Closes and removes the temporary file; the final path is untouched."""

@@ -5,8 +5,12 @@ files (Hugging Face shards plus their index, a step directory completed by a mar
 files of a distributed checkpoint) needs more: a reader must find the old set or the new
 one, never a mix, and a failed or killed save must leave the old set loadable. The protocol:
 
-1. **Stage.** Every new file is written as ``<hint>.<random>.tmp`` (:class:`AtomicFile`,
-   holding its ``flock`` for its whole life), a name no reader follows, and fsynced.
+1. **Stage.** Every new file is written as ``<hint>.<token>.tmp`` (:class:`AtomicFile`), a
+   name no reader follows, fsynced and closed. The set's files form one
+   :class:`~fastckpt.io.commit.TemporaryGroup`: the first keeps its ``flock`` until it is
+   published, which keeps every file of the group alive (a cleaner removes a temporary only
+   when no file of its group is locked); the others hold no descriptor once written. So a
+   set of any number of files holds one descriptor, plus those of the files being written.
 2. **Publish,** under an exclusive ``flock`` on the directory itself (no lock file is left
    in it): read which names the currently published set references; give each staged file
    a final name that set does not reference (the caller's choice, see below) and rename it
@@ -69,12 +73,15 @@ import fcntl
 import os
 import re
 import secrets
+import threading
 from collections.abc import Callable, Collection, Iterator, Set
 from typing import Any
 
 from fastckpt.io.commit import (
     _NO_FLOCK,
     AtomicFile,
+    TemporaryGroup,
+    abandoned,
     check_writable,
     fsync_directory,
     write_atomically,
@@ -129,12 +136,15 @@ def fresh_name(stem: str, suffix: str, taken: Collection[str]) -> str:
             return name
 
 
-def _remove_if_abandoned(path: str) -> bool:
-    """Removes the temporary file ``path`` if no live writer holds its lock; whether it did."""
+def _remove_if_abandoned(path: str, siblings: list[str]) -> bool:
+    """Removes the temporary file ``path`` if no live writer holds its lock or its group's
+    (``siblings``: the names in its directory); whether it did."""
     fd = lock_if_free(path)
     if fd is None:
         return False
     try:
+        if not abandoned(path, siblings):
+            return False
         os.unlink(path)
     except OSError:
         return False
@@ -162,13 +172,14 @@ def remove_unreferenced(
     removed = []
     with os.scandir(directory) as listing:
         entries = list(listing)
+    siblings = [entry.name for entry in entries if entry.name.endswith(".tmp")]
     for entry in entries:
         name = entry.name
         if not entry.is_file(follow_symlinks=False):
             continue
         temporary = _TEMPORARY.fullmatch(name)
         if temporary is not None:
-            if belongs(temporary.group(1)) and _remove_if_abandoned(entry.path):
+            if belongs(temporary.group(1)) and _remove_if_abandoned(entry.path, siblings):
                 removed.append(name)
             continue
         if belongs(name) and name not in referenced:
@@ -196,14 +207,29 @@ class CommitSet:
         self.overwrite_readonly = overwrite_readonly
         self.staged: list[AtomicFile] = []
         self.published: list[str] = []
+        self._group = TemporaryGroup()
+        self._position: dict[AtomicFile, int] = {}
+        self._lock = threading.Lock()
 
-    def stage(self, hint: str, *, direct: bool = True) -> AtomicFile:
+    def stage(self, hint: str, *, direct: bool = True, position: int | None = None) -> AtomicFile:
         """A new file, written by the caller into ``.file``; its temporary name is
-        ``<hint>.<random>.tmp``, and its final name is chosen at :meth:`publish`."""
+        ``<hint>.<token>.tmp``, and its final name is chosen at :meth:`publish`.
+
+        Call the returned file's ``make_durable()`` once it is written: it is then closed,
+        and holds no descriptor until published. Files may be staged from several threads;
+        ``position`` then gives each its place in the set (staging order otherwise).
+        """
         # The hint is only a name for the temporary: read-only files are checked at publish,
         # among the files the new set replaces.
-        out = AtomicFile(os.path.join(self.directory, hint), direct=direct, overwrite_readonly=True)
-        self.staged.append(out)
+        out = AtomicFile(
+            os.path.join(self.directory, hint),
+            direct=direct,
+            overwrite_readonly=True,
+            group=self._group,
+        )
+        with self._lock:
+            self._position[out] = len(self.staged) if position is None else position
+            self.staged.append(out)
         return out
 
     def publish(
@@ -227,6 +253,7 @@ class CommitSet:
             belongs: whether a file name is of this kind of set (removable once the
                 published set does not reference it).
         """
+        self.staged.sort(key=self._position.__getitem__)
         for out in self.staged:
             out.make_durable()  # the slow part, outside the lock
         with directory_lock(self.directory):
@@ -239,8 +266,11 @@ class CommitSet:
             if len(names) != len(self.staged):
                 raise ValueError(f"{len(names)} names for {len(self.staged)} staged files")
             renamed: list[str] = []
+            # The group's anchor (the one file still locked) goes last: its lock keeps the
+            # files not yet renamed alive
+            order = sorted(zip(self.staged, names), key=lambda pair: not pair[0].member)
             try:
-                for out, name in zip(self.staged, names):
+                for out, name in order:
                     out.commit(os.path.join(self.directory, name), sync_directory=False)
                     renamed.append(name)
                 fsync_directory(self.directory)
@@ -273,8 +303,9 @@ class CommitSet:
                     os.unlink(os.path.join(self.directory, name))
 
     def abort(self) -> None:
-        """Removes every file still staged."""
-        for out in self.staged:
+        """Removes every file still staged (the group's anchor last: its lock keeps the
+        others from a cleaner until they are gone)."""
+        for out in sorted(self.staged, key=lambda out: not out.member):
             out.abort()
         self.staged = []
 
