@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fastckpt.checkpoint.header_view import TensorInfo
+from fastckpt.checkpoint.open_readers import ReaderCache
 from fastckpt.checkpoint.read import open_checkpoint
+from fastckpt.config import open_files
 from fastckpt.errors import ChecksumError, FastCkptError, HeaderError
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
@@ -186,40 +188,43 @@ class FastCkptReader(StorageReader):
                 rest = direct.claim(file_name, reqs, planner)
                 if rest:
                     ranged[file_name] = rest
-        try:
-            if ranged:
-                self._read_ranges(ranged, planner)
-        finally:
-            direct.wait()
+        # The direct reads complete before the ranged ones open files: the two together
+        # would hold twice the bounded number of descriptors.
+        direct.wait()
+        if ranged:
+            self._read_ranges(ranged, planner)
         direct.verify_and_commit(planner)
 
     def _read_ranges(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         """Reads every request's range of its stored tensor, all requests in parallel, and
         commits them (on this thread: planners need not be thread-safe)."""
-        readers: dict[str, Any] = {}
+        # Rank files are opened when a request needs them, at most open_files at once
+        # (FASTCKPT_OPEN_FILES): a load of a thousand ranks' files meets no descriptor limit.
+        readers = ReaderCache(self._open)
         try:
             tasks: list[tuple[str, ReadItem, torch.Tensor | None]] = []
             for file_name, reqs in per_file.items():
-                readers[file_name] = self._open(remote.join(self.path, file_name))
                 for req in reqs:
                     target = None
                     if req.type != LoadItemType.BYTE_IO:
                         target = planner.resolve_tensor(req).detach()
                     tasks.append((file_name, req, target))
+
+            def run(task: tuple[str, ReadItem, torch.Tensor | None]) -> Any:
+                path = remote.join(self.path, task[0])
+                return readers.call(path, lambda reader: self._read_request(reader, *task))
+
             workers = max(1, min(len(tasks), 8))
             with concurrent.futures.ThreadPoolExecutor(workers, "fastckpt-dcp-read") as pool:
-                done = list(
-                    pool.map(lambda task: self._read_request(readers[task[0]], *task), tasks)
-                )
+                done = list(pool.map(run, tasks))
             for (_, req, target), value in zip(tasks, done):
                 if target is None:
                     planner.load_bytes(req, io.BytesIO(value))
                 else:
                     planner.commit_tensor(req, target)
         finally:
-            for reader in readers.values():
-                self._count(reader.bytes_read)
-                reader.close()
+            readers.close()
+            self._count(readers.bytes_read)
 
     def _open(self, path: str) -> Any:
         """A reader of one rank file: its header read, nothing else (a URL: one request)."""
@@ -331,6 +336,10 @@ class _DirectReads:
         self.reader = reader
         self.handle: Any = None
         self.pending: list[tuple[ReadItem, torch.Tensor, str, str, int | None]] = []
+        # Each read in flight holds its file open until it completes: waiting once this
+        # many are in flight bounds the descriptors of a load of any number of rank files.
+        self.in_flight_limit = open_files()
+        self.in_flight = 0
 
     def claim(self, file_name: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
         """Starts the reads it can do for this file; returns the requests left to the caller."""
@@ -368,13 +377,17 @@ class _DirectReads:
                 io = resolve_io(self.reader.path, engine_options(self.reader.io_options))
                 self.handle = aio_handle(**dataclasses.asdict(io))
             if info.nbytes:
+                if self.in_flight >= self.in_flight_limit:
+                    self.wait()
                 self.handle.async_pread(target, path, info.offset)
+                self.in_flight += 1
                 self.reader._count(info.nbytes)
             self.pending.append((req, target, path, name, None if crcs is None else crcs.get(name)))
         return rest
 
     def wait(self) -> None:
         if self.handle is not None:
+            self.in_flight = 0
             self.handle.wait()
 
     def verify_and_commit(self, planner: LoadPlanner) -> None:
