@@ -5,9 +5,10 @@ load one state dict in turns, on one file system, in one process.
 Saves are timed until the data is durable (fsync); loads from a cold cache (disk regime) or
 a warm one (memory regime), until every tensor has been touched.
 
-In the disk regime the device's own ceiling runs in the same loops: a raw O_DIRECT write
-(+ fsync) and read of as many bytes (:mod:`fastckpt.bench.ceilings`), so every figure can be
-read against what the disk did at that moment. In the memory regime ``fastckpt.load(mmap=True)``
+In the disk regime the device's own ceiling runs in the same loops: a sequential O_DIRECT
+write (+ fsync) and read of as many bytes (fio where installed, else
+:mod:`fastckpt.bench.ceilings`), so every figure can be read against what the disk did at
+that moment. In the memory regime ``fastckpt.load(mmap=True)``
 runs beside safetensors' ``load_file``, which maps the file lazily: its figure is a mapping
 (pages faulted in by the touch), set against fastckpt's default load, which copies into
 memory of its own. The table shows each figure's median with its spread (min-max of the
@@ -33,7 +34,7 @@ from typing import Any
 
 from fastckpt.bench.caches import PageCache, warm_page_cache
 from fastckpt.bench.checks import touch
-from fastckpt.bench.peers import LOADERS, SAVERS, Skip
+from fastckpt.bench.peers import LOADERS, SAVERS, Skip, Timed
 from fastckpt.bench.units import gbps, median
 
 __all__ = [
@@ -159,8 +160,9 @@ def compare(
                     running(f"{row.name}: save (loop {_loop + 1}/{loops})")
                     save = SAVERS[row.saver].setup(state, path)
                     wall, cpu = time.perf_counter(), time.process_time()
-                    save()  # returns once the file is durable
-                    times.save.append(time.perf_counter() - wall)
+                    timed = save()  # returns once the file is durable
+                    wall = time.perf_counter() - wall
+                    times.save.append(timed.seconds if isinstance(timed, Timed) else wall)
                     times.save_cpu.append(time.process_time() - cpu)
                 running(f"{row.name}: load (loop {_loop + 1}/{loops})")
                 load = LOADERS[row.loader].setup(path, device)
@@ -171,7 +173,8 @@ def compare(
                 wall, cpu = time.perf_counter(), time.process_time()
                 loaded = load()
                 touch(loaded)
-                times.load.append(time.perf_counter() - wall)
+                wall = time.perf_counter() - wall
+                times.load.append(loaded.seconds if isinstance(loaded, Timed) else wall)
                 times.load_cpu.append(time.process_time() - cpu)
                 if check is not None and row.name != DEVICE_ROW:  # the ceiling returns no tensor
                     check(row, loaded, path)
@@ -266,8 +269,9 @@ def comparison_table(timings: dict[str, Timings], nbytes: int, *, memory: bool =
     )
     if DEVICE_ROW in timings:
         lines.append(
-            f"{DEVICE_ROW}: the device's ceiling in the same loops, a raw O_DIRECT write "
-            "(+ fsync) and a cold O_DIRECT read of as many bytes, no format or checksum."
+            f"{DEVICE_ROW}: the device's ceiling in the same loops, a sequential O_DIRECT write "
+            "(+ fsync) and cold read of as many bytes, no format or checksum (fio's own "
+            "figures where fio is installed, else 16 threads of 4 MiB requests)."
         )
     if memory and "safetensors" in timings:
         lines.append(

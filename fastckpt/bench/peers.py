@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import inspect
 import os
 from dataclasses import dataclass
@@ -34,8 +36,9 @@ from fastckpt.bench.ceilings import (
     preadv_file,
     pwrite_file,
 )
+from fastckpt.bench.fio import FIO_LOCKED, fio_path, fio_sequential
 
-__all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "install_hint"]
+__all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "Timed", "install_hint"]
 
 #: What installs the peers without pulling a CUDA build of torch.
 PEERS_INSTALL = 'pip install -c benchmarks/constraints.txt -e ".[bench]"'
@@ -126,9 +129,25 @@ def _pwrite(parallel: bool) -> Callable[[dict[str, Any], str], Callable[[], None
     return setup
 
 
-def _direct_write(state: dict[str, Any], path: str) -> Callable[[], None]:
+# fio stands for the device from this size up (smaller files are below its block size, and
+# its process start would weigh on the figure); its blocks are of _FIO_BLOCK bytes.
+_FIO_MIN = 64 << 20
+_FIO_BLOCK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What a ceiling's thunk returns when it timed itself (fio's own runtime, without
+    starting its process): :func:`fastckpt.bench.comparison.compare` takes these seconds."""
+
+    seconds: float
+
+
+def _direct_write(state: dict[str, Any], path: str) -> Callable[[], Any]:
     """The device's write ceiling for as many bytes as ``state`` holds (its bytes are not
-    what is written: the device's speed does not depend on them)."""
+    what is written: the device's speed does not depend on them): fio's sequential O_DIRECT
+    write (io_uring, 4 MiB x 32, locked buffers, ``end_fsync``) where fio is installed, else
+    16 threads of 4 MiB O_DIRECT ``pwritev`` + fsync."""
     import torch
 
     nbytes = sum(
@@ -138,6 +157,19 @@ def _direct_write(state: dict[str, Any], path: str) -> Callable[[], None]:
         direct_pwrite_file(path, 4096)  # can this file system take O_DIRECT?
     except OSError as exc:
         raise Skip(str(exc)) from None
+    if fio_path() is not None and nbytes >= _FIO_MIN:
+        # fio writes whole 4 MiB blocks: its time is scaled back to the state's size
+        whole = -(-nbytes // _FIO_BLOCK) * _FIO_BLOCK
+
+        def run_fio() -> Timed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            out = fio_sequential("write", path, whole, bs="4M", extra=FIO_LOCKED)
+            if "error" in out:
+                raise OSError(errno.EIO, f"the fio ceiling failed: {out['error']}", path)
+            return Timed(out["seconds"] * nbytes / out["bytes"])
+
+        return run_fio
 
     def run() -> None:
         direct_pwrite_file(path, nbytes)
@@ -153,7 +185,7 @@ SAVERS: dict[str, Saver] = {
     # Ceilings: raw tensor bytes, a file no loader reads.
     "pwrite-1": Saver("pwrite ceiling, 1 thread", "raw", _pwrite(parallel=False)),
     "pwrite": Saver("parallel pwrite ceiling", "raw", _pwrite(parallel=True)),
-    "direct": Saver("device ceiling: O_DIRECT write + fsync", "raw", _direct_write),
+    "direct": Saver("device ceiling: O_DIRECT write + fsync (fio)", "raw", _direct_write),
 }
 
 # ----------------------------------------------------------------------------- loads
@@ -291,8 +323,19 @@ def _preadv(prefault: bool) -> Callable[[str, str], Callable[[], Any]]:
 
 
 def _direct_read(path: str, device: str) -> Callable[[], Any]:
-    """The device's read ceiling: the file read with O_DIRECT into reused buffers (nothing
-    is returned: there is no tensor to give)."""
+    """The device's read ceiling: the file read with O_DIRECT (fio's sequential read where
+    fio is installed, else threads into reused buffers); nothing is returned but the time
+    fio measured, since there is no tensor to give."""
+    if fio_path() is not None and os.path.getsize(path) >= _FIO_MIN:
+
+        def run_fio() -> Timed:
+            size = os.path.getsize(path)  # fio's write: whole 4 MiB blocks
+            out = fio_sequential("read", path, size, bs="4M", extra=FIO_LOCKED)
+            if "error" in out:
+                raise OSError(errno.EIO, f"the fio ceiling failed: {out['error']}", path)
+            return Timed(out["seconds"])
+
+        return run_fio
 
     def run() -> dict[str, Any]:
         direct_preadv_file(path)
@@ -328,7 +371,7 @@ LOADERS: dict[str, Loader] = {
     "runai": Loader("Run:ai SafetensorsStreamer", "safetensors", _load_runai),
     "fastsafetensors": Loader("fastsafetensors (nogds)", "safetensors", _load_fastsafetensors),
     "preadv": Loader("parallel preadv ceiling", "safetensors", _preadv(prefault=False)),
-    "direct": Loader("device ceiling: O_DIRECT read", "raw", _direct_read),
+    "direct": Loader("device ceiling: O_DIRECT read (fio)", "raw", _direct_read),
     "preadv-prefault": Loader(
         "parallel preadv ceiling, prefaulted buffer", "safetensors", _preadv(prefault=True)
     ),
