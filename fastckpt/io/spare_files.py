@@ -33,6 +33,7 @@ import fcntl
 import os
 import secrets
 import stat
+import threading
 
 from fastckpt.io import kept_mappings
 from fastckpt.io.files import lock_if_free
@@ -88,17 +89,27 @@ def retire(path: str, spare: str) -> bool:
 def _make_spare(fd: int, path: str, spare: str) -> bool:
     """Renames ``path`` (open at ``fd``) to ``spare`` if it may be one (True), else
     deletes it (False)."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode) or os.path.lexists(spare):
+    info = os.fstat(fd)
+    # a file someone else also links (a hard link kept to a step's file) is not only ours:
+    # its bytes are never written over
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or os.path.lexists(spare):
         os.unlink(path)
         return False
     os.rename(path, spare)  # from here no one can open it by its old name
     if _alone(fd):  # nobody opened it before the rename either
+        with _made_lock:
+            _made.add((info.st_dev, info.st_ino))
         return True
     os.unlink(spare)
     return False
 
 
 _RETIRE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+# The spares this process made (device, inode): ``take`` writes over nothing else, so a
+# ``spare_file=`` naming some other file (or a spare planted by someone) is never consumed.
+_made_lock = threading.Lock()
+_made: set[tuple[int, int]] = set()
 
 
 def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
@@ -110,14 +121,43 @@ def take(spare: str, directory: str, name: str) -> tuple[str, int] | None:
     if fd is None:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not os.fstat(fd).st_nlink:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # gone, or linked elsewhere
             raise OSError("not a spare file")
+        with _made_lock:  # only a file this process made a spare: never another's file
+            if (info.st_dev, info.st_ino) not in _made:
+                raise OSError("not a spare this process made")
+            _made.discard((info.st_dev, info.st_ino))
         tmp_path = os.path.join(directory, f"{name}.{secrets.token_hex(6)}.tmp")
         os.rename(spare, tmp_path)
     except OSError:
         os.close(fd)
         return None
     return tmp_path, fd
+
+
+def remove_stale(spare: str) -> bool:
+    """Removes a spare another process left at ``spare`` (a manager killed before it could
+    discard it), so that this one can keep spares there again; True if one was removed.
+    Only a regular file nothing else links is removed (a hard link someone kept is left).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), ".spare.safetensors")
+        >>> open(path, "wb").close(); remove_stale(path), os.path.exists(path)
+        (True, False)
+    """
+    try:
+        info = os.lstat(spare)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        return False
+    with _made_lock:
+        if (info.st_dev, info.st_ino) in _made:
+            return False  # this process's own spare
+    os.unlink(spare)
+    return True
 
 
 def discard(spare: str) -> None:

@@ -203,6 +203,8 @@ class CheckpointManager:
                 layout.remove_step(tier, step)
             if layout.abort_unfinished_uploads(tier):
                 _log.info("aborted the unfinished uploads a killed writer left in %s", tier)
+        if self._spare is not None and spare_files.remove_stale(self._spare):
+            _log.info("removed %s: a spare an earlier manager of this tier left", self._spare)
         if self._fast is not None:
             for step in sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps())):
                 self._pending.append(self._drains.submit(self._drain, step))
@@ -346,8 +348,18 @@ class CheckpointManager:
 
     def _clear_for(self, tier: Tier, step: int) -> None:
         self._check_lease()
-        if step in layout.committed_steps(tier):
-            raise ValueError(f"step {step} is already saved in {tier}")
+        committed = layout.committed_steps(tier)
+        if tier == self._fast:  # a step in root would be replaced by this one's drain
+            committed = sorted({*committed, *self._root_steps()})
+        if step in committed:
+            raise ValueError(
+                f"step {step} is already saved in {tier if step in layout.committed_steps(tier) else self._root}"
+            )
+        if committed and step < committed[-1]:
+            raise ValueError(
+                f"step {step} is older than the newest saved step {committed[-1]} in {tier}: "
+                "steps must increase (restore() the step to go back to, then save newer ones)"
+            )
         layout.remove_step(tier, step)  # a save of this step cut short
         self._markers.pop((tier.location, step), None)
 
@@ -440,6 +452,7 @@ class CheckpointManager:
                 kept = self.retention.kept(committed, self._metrics_of(tier, committed))
             kept |= {s for (where, s) in self._bases_in_use if where == tier.location}
             kept |= self._needed_by(tier, kept, committed)
+            kept |= self._unreadable_markers(tier, set(committed) - kept)
             # newest first: a step goes before the older ones it needs, so a crash
             # mid-way never leaves a committed step without its base
             spare = self._spare if tier == self._fast else None
@@ -476,6 +489,22 @@ class CheckpointManager:
                 )
         return set(added)
 
+    def _unreadable_markers(self, tier: Tier, steps: set[int]) -> set[int]:
+        """The steps of ``steps`` whose marker cannot be read: never removed by retention
+        (logged; a restore that meets one quarantines it)."""
+        unreadable = set()
+        for step in steps:
+            try:
+                self._marker(tier, step)
+            except FileNotFoundError:
+                continue  # removed meanwhile: nothing to keep
+            except (OSError, ValueError) as exc:
+                unreadable.add(step)
+                _log.error(
+                    "keeping step %d in %s: its commit marker cannot be read: %s", step, tier, exc
+                )
+        return unreadable
+
     def _marker(self, tier: Tier, step: int) -> dict[str, Any]:
         """The marker of a committed step (read once: at a URL, one request)."""
         key = (tier.location, step)
@@ -487,7 +516,14 @@ class CheckpointManager:
         """The metrics of ``steps`` (each marker read once: at a URL, one request each)."""
         if self.retention.best is None:
             return {}
-        return {s: self._marker(tier, s).get("metrics", {}) for s in steps}
+        found = {}
+        for step in steps:
+            try:
+                metrics = self._marker(tier, step).get("metrics", {})
+            except (OSError, ValueError):
+                continue  # kept anyway (_unreadable_markers)
+            found[step] = metrics if isinstance(metrics, dict) else {}
+        return found
 
     # -- reading ---------------------------------------------------------------------------
     def steps(self) -> list[int]:

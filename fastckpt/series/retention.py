@@ -14,7 +14,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["Retention", "kept_bases", "with_bases"]
 
@@ -60,9 +62,27 @@ class Retention:
         if self.best is not None:
             metric, mode, count = self.best
             scored = [s for s in ordered if metric in (metrics or {}).get(s, {})]
-            scored.sort(key=lambda s: (metrics or {})[s][metric], reverse=mode == "max")
+            scored.sort(key=lambda s: _rank((metrics or {})[s][metric], mode))
             keep.update(scored[:count])
         return keep
+
+
+def _rank(value: Any, mode: str) -> tuple[int, float]:
+    """A total order for best-k: the best first; NaN, and anything not a number, last.
+
+    Example:
+        >>> sorted([0.5, float("nan"), 0.3, 0.9], key=lambda v: _rank(v, "min"))[:2]
+        [0.3, 0.5]
+        >>> sorted([0.5, float("nan"), 0.9], key=lambda v: _rank(v, "max"))[0]
+        0.9
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return (1, 0.0)
+    if math.isnan(number):
+        return (1, 0.0)
+    return (0, number if mode == "min" else -number)
 
 
 def with_bases(kept: set[int], needs: Mapping[int, Sequence[int]]) -> dict[int, set[int]]:

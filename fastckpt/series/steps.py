@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +56,7 @@ __all__ = [
     "STATE_FILE",
     "Tier",
     "abort_unfinished_uploads",
+    "check_file_name",
     "commit",
     "committed_steps",
     "join",
@@ -73,7 +76,9 @@ STATE_FILE = "state.safetensors"
 #: A local fast tier's spare file: a deleted step's state file kept for the next save to
 #: write over (:mod:`fastckpt.io.spare_files`); never a step, removed when its manager closes.
 SPARE_FILE = ".spare.safetensors"
-_STEP = re.compile(r"step-(\d{12})")
+# ASCII digits only: ``\d`` also takes other scripts' digits, and a directory named with
+# them would alias a real step (``int`` reads them as the same number).
+_STEP = re.compile(r"step-([0-9]{12})", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +143,11 @@ def _listing(tier: Tier) -> dict[int, dict[str, int]]:
         found: dict[int, dict[str, int]] = {}
         for name in names:
             step = _step_of(name)
-            if step is not None and os.path.isdir(os.path.join(tier.location, name)):
+            if step is not None and _real_directory(os.path.join(tier.location, name)):
                 marker = os.path.join(tier.location, name, MARKER)
-                found[step] = {MARKER: 0} if os.path.isfile(marker) else {}
+                # a marker that is there counts, whatever it is: one that cannot be read
+                # is reported (and quarantined), never taken for a save cut short
+                found[step] = {MARKER: 0} if os.path.lexists(marker) else {}
         return found
     fs, path = tier.fs()
     with url_errors(tier.location, "listing"):
@@ -155,6 +162,43 @@ def _listing(tier: Tier) -> dict[int, dict[str, int]]:
         if step is not None:
             found.setdefault(step, {})["/".join(parts[1:])] = int(info.get("size") or 0)
     return found
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory itself, not a symbolic link to one: a link in a tier
+    is not fastckpt's, and is never followed (for deletion above all)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """``name`` (read from a marker or a listing) as a plain relative path inside its step:
+    no absolute path, no ``..`` or empty part, no backslash or NUL. A marker is data that
+    anyone who can write the tier can plant; what it names is opened, copied and deleted.
+
+    Raises:
+        ValueError: naming ``where`` (the marker) and the name.
+
+    Example:
+        >>> check_file_name("state.safetensors", "m")
+        'state.safetensors'
+        >>> check_file_name("../../etc/passwd", "step 3's marker")
+        Traceback (most recent call last):
+        ...
+        ValueError: step 3's marker: file name '../../etc/passwd' is not a plain name inside its step
+    """
+    parts = name.split("/") if isinstance(name, str) else []
+    if (
+        not parts
+        or name.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise ValueError(f"{where}: file name {name!r} is not a plain name inside its step")
+    return name
 
 
 def committed_steps(tier: Tier | str) -> list[int]:
@@ -224,9 +268,19 @@ def marker_of(tier: Tier | str, step: int) -> dict[str, Any]:
     """The marker of a committed step (its files, metrics and time)."""
     tier = _tier(tier)
     marker = join(step_dir(tier, step), MARKER)
-    document = json.loads(storage.read_whole(marker, tier.storage_options))
+    if not tier.is_url and not stat.S_ISREG(os.lstat(marker).st_mode):
+        raise ValueError(f"{marker}: the commit marker of step {step} is not a regular file")
+    try:
+        document = json.loads(storage.read_whole(marker, tier.storage_options))
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{marker}: not the marker of step {step}: {exc}") from None
     if not isinstance(document, dict) or document.get("step") != step:
         raise ValueError(f"{marker}: not the marker of step {step}")
+    files = document.get("files", {})
+    if not isinstance(files, dict):
+        raise ValueError(f"{marker}: its files are not a mapping of names to sizes")
+    for name in files:
+        check_file_name(name, marker)
     return document
 
 
@@ -245,10 +299,19 @@ def remove_step(tier: Tier | str, step: int, *, spare: str | None = None) -> Non
             fs.rm(base, recursive=True)
         fs.invalidate_cache(path)
         return
+    if os.path.lexists(directory) and not _real_directory(directory):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{directory} in tier {tier} is not a step directory fastckpt made (a symbolic "
+            "link or a file): not followed, not removed",
+            directory,
+        )
     try:
         os.unlink(os.path.join(directory, MARKER))
         fsync_directory(directory)
     except FileNotFoundError:
+        pass
+    except IsADirectoryError:  # a directory named like a marker is no marker of ours
         pass
     if spare is not None:  # the step no longer exists: its file's storage may be reused
         with contextlib.suppress(OSError):

@@ -1,0 +1,165 @@
+"""A checkpoint series against hostile and odd trees: names planted in markers, symbolic and
+hard links, steps named with other scripts' digits, markers that are not files, NaN metrics.
+Nothing outside a tier is opened for writing, truncated, moved or deleted, and no committed
+step is lost. Real files, real managers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.series import steps as layout
+
+MARKER = layout.MARKER
+
+
+def _state(value: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256,), value)}
+
+
+def _plant_step(tier, step: int, files: dict) -> str:
+    """A step directory holding a real state file, committed by a marker naming ``files``."""
+    directory = layout.step_dir(str(tier), step)
+    os.makedirs(directory)
+    fastckpt.save(_state(step), os.path.join(directory, layout.STATE_FILE))
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump({"step": step, "layout": "file", "files": files, "metrics": {}}, f)
+    return directory
+
+
+@pytest.mark.parametrize("planted", ["../../victim.txt", "/ABSOLUTE", "a/../../victim.txt"])
+def test_a_marker_naming_a_file_outside_its_step_is_refused_and_touches_nothing(tmp_path, planted):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    planted = planted.replace("/ABSOLUTE", str(victim))
+    fast, root = tmp_path / "fast", tmp_path / "root"
+    fast.mkdir()
+    _plant_step(fast, 5, {planted: 15})
+    manager = fastckpt.CheckpointManager(root, fast=fast)
+    with pytest.raises(ValueError, match="not a plain name inside its step"):
+        manager.wait()  # the drain of step 5 refuses the name
+    manager.close()
+    assert victim.read_text() == "the user's file"
+    assert sorted(os.listdir(tmp_path)) == ["fast", "root", "victim.txt"]
+
+
+def test_a_step_saved_in_root_is_not_saved_again_through_the_fast_tier(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root", fast=tmp_path / "fast") as manager:
+        manager.save(1, _state(1.0)).result()
+        manager.wait()
+    # the fast tier is lost (a node restarted, its tmpfs empty): root still holds step 1
+    with fastckpt.CheckpointManager(tmp_path / "root", fast=tmp_path / "fast2") as manager:
+        with pytest.raises(ValueError, match="step 1 is already saved"):
+            manager.save(1, _state(2.0))
+        manager.wait()
+        assert torch.equal(manager.restore(step=1)[1]["w"], _state(1.0)["w"])
+
+
+def test_a_step_older_than_the_newest_is_refused(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root") as manager:
+        manager.save(5, _state()).result()
+        with pytest.raises(ValueError, match="older than the newest saved step 5"):
+            manager.save(3, _state())
+
+
+def test_a_symlinked_step_directory_is_neither_a_step_nor_followed(tmp_path):
+    outside = tmp_path / "outside"
+    _plant_step(outside, 1, {layout.STATE_FILE: 1})
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(layout.step_dir(str(outside), 1), layout.step_dir(str(root), 1))
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:
+        assert manager.steps() == []  # a link is no step of this tier
+        for step in (2, 3):
+            manager.save(step, _state(step)).result()
+        manager.wait()
+    assert os.path.exists(os.path.join(layout.step_dir(str(outside), 1), MARKER))
+    assert os.path.islink(layout.step_dir(str(root), 1))
+    # saving the step the link stands for refuses: the link is not followed nor removed
+    with fastckpt.CheckpointManager(root) as manager, pytest.raises(ValueError, match="older"):
+        manager.save(1, _state())
+
+
+def test_nan_metrics_rank_worst_in_best_k(tmp_path):
+    from fastckpt.series.retention import Retention
+
+    losses = {1: 0.5, 2: float("nan"), 3: 0.3, 4: 0.9}
+    policy = Retention(1, None, ("loss", "min", 1))
+    assert policy.kept(list(losses), {s: {"loss": v} for s, v in losses.items()}) == {3, 4}
+    with fastckpt.CheckpointManager(
+        tmp_path / "root", keep_last=1, best=("loss", "min", 1)
+    ) as manager:
+        for step, loss in losses.items():
+            manager.save(step, _state(step), {"loss": loss}).result()
+        manager.wait()
+        assert manager.steps() == [3, 4]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
+def test_a_hard_link_to_a_fast_step_file_is_never_written_over(tmp_path):
+    import tempfile
+
+    fast = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        kept = os.path.join(fast, "kept-by-the-user")
+        with fastckpt.CheckpointManager(tmp_path / "root", fast=fast, keep_fast=1) as manager:
+            manager.save(1, _state(1.0)).result()
+            os.link(os.path.join(layout.step_dir(fast, 1), layout.STATE_FILE), kept)
+            for step in range(2, 6):
+                manager.save(step, _state(float(step))).result()
+                manager.wait()
+        assert torch.equal(fastckpt.load(kept)["w"], _state(1.0)["w"])
+    finally:
+        import shutil
+
+        shutil.rmtree(fast, ignore_errors=True)
+
+
+def test_a_directory_named_with_other_digits_never_aliases_a_step(tmp_path):
+    root = tmp_path / "root"
+    with fastckpt.CheckpointManager(root) as manager:
+        manager.save(1, _state()).result()
+    stray = root / ("step-" + "\u0966" * 11 + "\u0967")  # Devanagari 000000000001
+    stray.mkdir()
+    (stray / "notes.txt").write_text("someone's")
+    with fastckpt.CheckpointManager(root) as manager:
+        assert manager.steps() == [1]
+        assert torch.equal(manager.restore()[1]["w"], _state()["w"])
+    assert (stray / "notes.txt").read_text() == "someone's"
+
+
+def test_a_marker_that_is_a_directory_stops_nothing_and_is_never_deleted(tmp_path):
+    root = tmp_path / "root"
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:
+        manager.save(1, _state()).result()
+    odd = layout.step_dir(str(root), 7)
+    os.makedirs(os.path.join(odd, MARKER))
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:  # starts
+        manager.save(8, _state()).result()
+        manager.wait()
+    assert os.path.isdir(os.path.join(odd, MARKER))
+
+
+def test_an_unreadable_marker_keeps_its_step_through_retention(tmp_path):
+    root = tmp_path / "root"
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:
+        manager.save(1, _state()).result()
+    with open(os.path.join(layout.step_dir(str(root), 1), MARKER), "w") as f:
+        f.write("{not json")  # damaged between two runs
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:
+        for step in (2, 3):
+            manager.save(step, _state()).result()
+    assert os.path.exists(os.path.join(layout.step_dir(str(root), 1), MARKER))
+
+
+def test_spare_file_never_consumes_a_file_fastckpt_did_not_make(tmp_path):
+    other = tmp_path / "users-file.bin"
+    other.write_bytes(b"precious" * 1000)
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.async_save(_state(), path, spare_file=str(other)).result()
+    assert other.read_bytes() == b"precious" * 1000
+    assert torch.equal(fastckpt.load(path)["w"], _state()["w"])
