@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import logging
 import os
 import threading
@@ -79,6 +80,35 @@ from fastckpt.series.steps import Tier
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("fastckpt")
+
+
+class StepFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """The future :meth:`CheckpointManager.save` returns: once its error is taken with
+    ``result()`` or ``exception()``, :meth:`~CheckpointManager.wait` and
+    :meth:`~CheckpointManager.close` do not raise it again."""
+
+    retrieved = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.retrieved = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.retrieved = True
+        return super().exception(timeout)
+
+
+def _chain(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Settles ``target`` as ``source`` settles."""
+
+    def settle(done: concurrent.futures.Future) -> None:
+        error = concurrent.futures.Future.exception(done)
+        if error is None:
+            target.set_result(done.result())
+        else:
+            target.set_exception(error)
+
+    source.add_done_callback(settle)
 
 
 class CheckpointManager:
@@ -112,6 +142,11 @@ class CheckpointManager:
         full_every: with ``incremental``, every ``full_every``-th step of a chain is written
             whole (1: every step), so a restore reads from at most ``full_every`` files and
             retention can delete old bases.
+        max_undrained: with a fast tier, the most committed steps it may hold that root
+            lacks: while root fails (full, unreachable), the fast tier keeps every step
+            not drained, so past this many :meth:`save` refuses (naming root's error)
+            rather than fill the fast tier's memory. A failed drain is raised by the next
+            :meth:`save` (once), naming the step, the tiers, the file and the errno.
     """
 
     def __init__(
@@ -130,6 +165,7 @@ class CheckpointManager:
         distributed: bool | None = None,
         incremental: bool = False,
         full_every: int = 10,
+        max_undrained: int = 4,
     ):
         self._root = _tier(root, "root", storage_options)
         self._fast = None if fast is None else _tier(fast, "fast", storage_options)
@@ -175,6 +211,15 @@ class CheckpointManager:
             initargs=(drain_nice,),
         )
         self._pending: list[concurrent.futures.Future[Any]] = []
+        self._drain_futures: list[concurrent.futures.Future[None]] = []  # not yet reported
+        self._delivered: set[int] = set()  # ids of futures whose error a call raised
+        if (
+            isinstance(max_undrained, bool)
+            or not isinstance(max_undrained, int)
+            or max_undrained < 1
+        ):
+            raise ValueError(f"max_undrained must be a positive int, got {max_undrained!r}")
+        self.max_undrained = max_undrained
         self._closed = False
         try:
             self._ranks.agree(lambda: self._take_over(lease_seconds))
@@ -207,7 +252,7 @@ class CheckpointManager:
             _log.info("removed %s: a spare an earlier manager of this tier left", self._spare)
         if self._fast is not None:
             for step in sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps())):
-                self._pending.append(self._drains.submit(self._drain, step))
+                self._submit_drain(step)
 
     @property
     def root(self) -> str:
@@ -253,6 +298,7 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._surface_drain_failures(step)
         if "base" in save_options:
             raise ValueError("the manager chooses base= itself: pass incremental=True")
         tier = self._fast or self._root
@@ -293,9 +339,14 @@ class CheckpointManager:
                 self._release_base(tier, base)
             self._retain(tier)
             if self._fast is not None:
-                self._pending.append(self._drains.submit(self._drain, step))
+                self._submit_drain(step)
 
-        future = self._saves.submit(commit)
+        if written.done() and isinstance(written.exception(), (TypeError, ValueError)):
+            self._release_base(tier, base)  # refused in the call, as fastckpt.save refuses
+            layout.remove_step(tier, step)
+            raise written.exception()  # type: ignore[misc]
+        future: StepFuture = StepFuture()
+        _chain(self._saves.submit(commit), future)
         self._pending.append(future)
         self._last_commit = future
         return future
@@ -384,15 +435,60 @@ class CheckpointManager:
             layout.commit(tier, step, metrics, DCP_LAYOUT)
             self._retain(tier)
             if self._fast is not None:
-                self._pending.append(self._drains.submit(self._drain, step))
+                self._submit_drain(step)
 
         self._ranks.agree(commit)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)
         return done
 
+    def _submit_drain(self, step: int) -> None:
+        """Starts the drain of ``step`` in the background (its error: :meth:`save`, :meth:`wait`)."""
+        future = self._drains.submit(self._drain, step)
+        self._pending.append(future)
+        self._drain_futures.append(future)
+
+    def _surface_drain_failures(self, step: int) -> None:
+        """Raises, once, the first drain that failed since the last call; refuses ``step``
+        while the fast tier holds ``max_undrained`` steps that root lacks."""
+        done = [f for f in self._drain_futures if f.done()]
+        self._drain_futures = [f for f in self._drain_futures if not f.done()]
+        failed = [f for f in done if f.exception() is not None]
+        for future in failed:
+            self._delivered.add(id(future))
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        if self._fast is None:
+            return
+        undrained = sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps()))
+        if len(undrained) >= self.max_undrained and not self._drain_futures:
+            raise OSError(
+                errno.EAGAIN,
+                f"step {step} not saved: the fast tier {self._fast} holds {len(undrained)} "
+                f"steps that root {self._root} lacks ({undrained}; max_undrained="
+                f"{self.max_undrained}), and no drain is running: root is failing (see the "
+                "error an earlier save raised); free root, then close and reopen the manager "
+                "to drain them again",
+                str(self._root),
+            )
+
     def _drain(self, step: int) -> None:
-        """Copies a committed fast step to ``root``, verifies the copy, commits it there."""
+        """Copies a committed fast step to ``root``, verifies the copy, commits it there.
+
+        Raises:
+            OSError: naming the step, both tiers and the file, with the errno.
+        """
+        try:
+            self._drain_step(step)
+        except OSError as exc:
+            message = f"draining step {step} from {self.fast} to {self.root}: {exc.strerror or exc}"
+            try:  # the same kind of error (MissingBaseError, FileNotFoundError...), named
+                named = type(exc)(exc.errno, message, exc.filename)
+            except TypeError:
+                named = OSError(exc.errno, message, exc.filename)
+            raise named from exc
+
+    def _drain_step(self, step: int) -> None:
         assert self._fast is not None
         source, target = layout.step_dir(self._fast, step), layout.step_dir(self._root, step)
         marker = layout.marker_of(self._fast, step)
@@ -684,10 +780,16 @@ class CheckpointManager:
 
     # -- lifetime --------------------------------------------------------------------------
     def wait(self) -> None:
-        """Waits for every save and drain started so far; raises the first error."""
+        """Waits for every save and drain started so far; raises the first error not raised
+        already (by a save future's ``result()`` or by :meth:`save`)."""
         while self._pending:
             future = self._pending.pop(0)
-            future.result()
+            error = concurrent.futures.Future.exception(future)  # (not marked retrieved)
+            if error is None:
+                continue
+            retrieved = getattr(future, "retrieved", False) or id(future) in self._delivered
+            if not retrieved:
+                raise error
 
     def close(self) -> None:
         """Waits for saves and drains, then lets another manager own the tiers."""

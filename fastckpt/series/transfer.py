@@ -300,8 +300,11 @@ def _mapped_windows(fd: int, total: int) -> Iterator[memoryview]:
         try:
             yield view
         finally:
-            view.release()
-            window.close()
+            # A copy that failed (ENOSPC) may still hold a slice of the view in its
+            # traceback: the mapping then goes when that slice does, not here.
+            with contextlib.suppress(BufferError):
+                view.release()
+                window.close()
 
 
 def _copy_local(source: str, target: str, total: int, rate: float | None) -> int:

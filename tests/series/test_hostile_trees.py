@@ -163,3 +163,66 @@ def test_spare_file_never_consumes_a_file_fastckpt_did_not_make(tmp_path):
     fastckpt.async_save(_state(), path, spare_file=str(other)).result()
     assert other.read_bytes() == b"precious" * 1000
     assert torch.equal(fastckpt.load(path)["w"], _state()["w"])
+
+
+@pytest.fixture
+def small_root(tmp_path):
+    """A 5 MiB file system for root (a tmpfs mounted here; skipped where that needs a
+    privilege this process lacks)."""
+    import subprocess
+
+    mount = tmp_path / "small-root"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_root_is_raised_by_the_next_save_and_the_fast_tier_stays_bounded(
+    tmp_path, small_root, capfd
+):
+    import concurrent.futures
+    import errno
+
+    big = {"w": torch.ones(3 << 18)}  # 3 MiB: root holds one step, not two
+    manager = fastckpt.CheckpointManager(
+        small_root, fast=tmp_path / "fast", keep_last=1, max_undrained=3
+    )
+
+    def drained() -> None:
+        concurrent.futures.wait(list(manager._drain_futures))
+
+    manager.save(1, big).result()
+    drained()
+    manager.save(2, big).result()
+    drained()  # root is full: step 2's drain failed
+    with pytest.raises(OSError) as caught:
+        manager.save(3, big)
+    assert caught.value.errno == errno.ENOSPC
+    assert "draining step 2" in str(caught.value) and str(small_root) in str(caught.value)
+    for step in (3, 4):
+        manager.save(step, big).result()  # the error was raised once: saves go on
+        drained()
+        with pytest.raises(OSError, match=f"draining step {step}"):
+            manager.save(step + 1, big)
+    with pytest.raises(OSError, match="max_undrained=3") as refused:
+        manager.save(5, big)
+    assert refused.value.errno == errno.EAGAIN
+    manager.close()  # every error was raised already: none again
+    assert "BufferError" not in capfd.readouterr().err
+    assert layout.committed_steps(str(tmp_path / "fast")) == [2, 3, 4]
+    assert layout.committed_steps(str(small_root)) == [1]
+
+
+def test_a_state_save_refuses_is_refused_in_the_call(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root") as manager:
+        with pytest.raises(TypeError):
+            manager.save(3, {"model": torch.nn.Linear(2, 2)})
+        assert manager.steps() == []
+        manager.save(3, _state()).result()  # the step number is free again
