@@ -111,14 +111,20 @@ def open_chain(
     top: SingleFileReader,
     opener: Callable[[str], SingleFileReader],
     _chain: tuple[str, ...] = (),
+    _opened: dict[str, Reader] | None = None,
 ) -> Reader:
     """``top`` itself when it refers to no other file, else a :class:`ChainedReader` over it
-    and its bases (opened with ``opener(path)``). ``top`` is closed if this raises."""
+    and its bases (opened with ``opener(path)``). ``top`` is closed if this raises.
+
+    Each file of the graph is opened once, however many files refer to it: a file reached
+    again along another path shares the reader opened first (a graph of n files, each
+    naming the next twice, costs n opens, not 2**n)."""
     refs = top.meta.references
     if refs is None:
         return top
     try:
-        return ChainedReader(top, opener, (*_chain, _identity(top.path)))
+        opened = {} if _opened is None else _opened
+        return ChainedReader(top, opener, (*_chain, _identity(top.path)), opened)
     except BaseException:
         top.close()
         raise
@@ -133,8 +139,10 @@ class ChainedReader(RoutedReads, Reader):
         top: SingleFileReader,
         opener: Callable[[str], SingleFileReader],
         chain: tuple[str, ...],
+        opened: dict[str, Reader] | None = None,
     ):
         self.top = top
+        self._opened = {} if opened is None else opened  # identity -> reader, graph-wide
         self.path = top.path
         refs = top.meta.references
         self._refs: dict[str, format.Reference] = dict(refs.tensors)
@@ -168,6 +176,9 @@ class ChainedReader(RoutedReads, Reader):
             raise HeaderError(f"{self.path}: reference cycle through {path} ({cycle})")
         if len(chain) >= MAX_CHAIN:
             raise HeaderError(f"{self.path}: chain of bases longer than {MAX_CHAIN} files")
+        shared = self._opened.get(_identity(path))
+        if shared is not None:  # reached along another path: opened (and checked) once
+            return shared
         try:
             base = opener(path)
         except FileNotFoundError as exc:
@@ -177,7 +188,9 @@ class ChainedReader(RoutedReads, Reader):
                 f"missing ({len(users)} tensor(s) need it)",
                 path,
             ) from exc
-        return open_chain(base, opener, chain)
+        reader = open_chain(base, opener, chain, self._opened)
+        self._opened[_identity(path)] = reader
+        return reader
 
     def _check_reference(self, name: str, ref: format.Reference) -> None:
         base = self._bases[ref.file]
@@ -368,7 +381,8 @@ class ChainedReader(RoutedReads, Reader):
 
     @property
     def bytes_read(self) -> int:
-        return self.top.bytes_read + sum(b.bytes_read for b in self._bases)
+        # each file once: a base shared by several files is one reader
+        return sum(r.bytes_read for r in _graph(self) if not isinstance(r, ChainedReader))
 
     def close(self) -> None:
         try:
@@ -401,15 +415,25 @@ def _whole_file_cheaper(reader: Reader, wanted: list[str]) -> bool:
     return 2 * wanted_bytes >= reader.header.data_size
 
 
+def _graph(reader: Reader) -> list[Reader]:
+    """``reader`` and every reader under it, tops included, each once (bases are shared)."""
+    found: dict[int, Reader] = {}
+    todo = [reader]
+    while todo:
+        r = todo.pop()
+        if id(r) in found:
+            continue
+        found[id(r)] = r
+        if isinstance(r, ChainedReader):
+            todo.append(r.top)
+            todo.extend(r.bases)
+    return list(found.values())
+
+
 def _absolute(path: str) -> str:
     return path if is_url(path) else os.path.abspath(path)
 
 
 def files_of(reader: Reader) -> set[str]:
     """Every file a reader reads from, itself included."""
-    if not isinstance(reader, ChainedReader):
-        return {_absolute(reader.path)}
-    files = {_absolute(reader.path)}
-    for base in reader.bases:
-        files |= files_of(base)
-    return files
+    return {_absolute(r.path) for r in _graph(reader)}

@@ -536,3 +536,61 @@ def test_convert_materialize_writes_a_self_contained_file(pair, capsys):
         _assert_same(fastckpt.load(path), expected)
         assert sorted(safetensors.torch.load_file(str(path))) == sorted(expected)
     assert dependencies(p1) == []
+
+
+def _crafted_graph(folder, count: int) -> None:
+    """``count`` files, each holding one tensor of its own and referring to tensor "a" in
+    the next file and "b" in the one after: a graph every file of which is reached along
+    many paths (as many as Fibonacci's numbers)."""
+    import json as _json
+
+    from fastckpt import _C, format
+    from fastckpt.checkpoint.digests import hash_tensor
+    from fastckpt.format.layout import encode_header, plan_layout
+
+    a, b = torch.ones(4), torch.zeros(4)
+    ha, hb = hash_tensor(a), hash_tensor(b)
+    for k in reversed(range(count)):
+        path = folder / f"{k}.safetensors"
+        if k >= count - 2:  # the last two hold both tensors
+            fastckpt.save({"a": a, "b": b, "own": torch.full((1,), float(k))}, path)
+            continue
+        own = torch.full((1,), float(k))
+        refs = format.References(
+            (f"{k + 1}.safetensors", f"{k + 2}.safetensors"),
+            {
+                "a": format.Reference(0, "a", "F32", (4,), ha),
+                "b": format.Reference(1, "b", "F32", (4,), hb),
+            },
+        )
+        data = own.numpy().tobytes()
+        metadata = {
+            "format": "pt",
+            "fastckpt.version": "3",
+            "fastckpt.crc32c": _json.dumps({"own": f"{_C.crc32c(own.data_ptr(), 4, 0):08x}"}),
+            "fastckpt.xxh3_128": _json.dumps({"own": hash_tensor(own)}),
+            "fastckpt.references": format.references.references_json(refs),
+        }
+        header = encode_header(plan_layout([("own", "F32", (1,))]), metadata)
+        path.write_bytes(header + data)
+
+
+def test_a_file_reached_along_many_paths_is_opened_once(tmp_path, monkeypatch):
+    from fastckpt.checkpoint import read
+
+    _crafted_graph(tmp_path, 24)  # along every path: 46,367 opens
+    opened: list[str] = []
+    real = read.CheckpointReader.__init__
+
+    def counted(self, f, *args, **kwargs):
+        opened.append(str(f))
+        real(self, f, *args, **kwargs)
+
+    monkeypatch.setattr(read.CheckpointReader, "__init__", counted)
+    with fastckpt.open(tmp_path / "0.safetensors") as reader:
+        assert reader.get_tensor("own").item() == 0.0
+        assert torch.equal(reader.get_tensor("a"), torch.ones(4))
+        assert reader.verify() == []
+    assert len(opened) == 24 and len(set(opened)) == 24
+    back = fastckpt.load(tmp_path / "0.safetensors", verify=True)
+    assert torch.equal(back["b"], torch.zeros(4))
