@@ -188,12 +188,14 @@ class ReaderCache:
         victims = []
         with self._lock:
             spare = len(self._open) - self.limit
-            for path in list(self._open):
-                if spare <= 0:
-                    break
+            if spare <= 0:  # the common case: no walk over the open readers
+                return
+            for path in self._open:  # least recently used first
                 if self._users.get(path, 0) == 0:
-                    victims.append(self._open.pop(path))
-                    spare -= 1
+                    victims.append(path)
+                    if len(victims) == spare:
+                        break
+            victims = [self._open.pop(path) for path in victims]
         for reader in victims:  # outside the lock: close() waits for a prefetch in flight
             self._retire(reader)
 
