@@ -826,7 +826,7 @@ def write_into(
         out.reserve(plan.file_size)
         compressed_writer.write_frames(plan, out.file, progress=progress)
         return
-    if _through_page_cache(plan, out, direct_io):
+    if _buffered_save(plan, out, direct_io):
         # A small file written in order through the page cache is laid out contiguously by
         # the file system's delayed allocation: reserving its blocks first only adds a
         # metadata update to the fsync (a full disk still fails, at the write or fsync).
@@ -845,16 +845,28 @@ def write_into(
 
 
 def _through_page_cache(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
-    """Whether to write from the tensors' memory through the page cache (CPU tensors only);
-    the choice and its reason are logged (:mod:`fastckpt.io.write_mode`)."""
+    """Whether to write from the tensors' memory through the page cache (CPU tensors only):
+    when asked, where O_DIRECT is refused, or on a memory file system. Asynchronous saves
+    build their in-memory paths on this answer, so it does not depend on the state's size
+    (:func:`_buffered_save` does)."""
+    return _write_mode(plan, out, direct_io, by_size=False) == "buffered"
+
+
+def _buffered_save(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> bool:
+    """Whether :func:`save` writes from the tensors' memory through the page cache: the
+    choice of :mod:`fastckpt.io.write_mode` (small states, the tuned mode, ...), logged."""
+    return _write_mode(plan, out, direct_io, by_size=True) == "buffered"
+
+
+def _write_mode(plan: SavePlan, out: AtomicFile, direct_io: bool | None, *, by_size: bool) -> str:
     mode, _ = choose_write_mode(
         out.path,
-        plan.file_size,
+        plan.file_size if by_size else None,
         direct_available=out.file.direct_fd >= 0,
         explicit=direct_io,
         on_device=any(t.device.type != "cpu" for t in plan.tensors.values()),
     )
-    return mode == "buffered"
+    return mode
 
 
 def _write_from_tensors(plan: SavePlan, file: File, *, progress: bool | None) -> None:

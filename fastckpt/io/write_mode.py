@@ -44,7 +44,7 @@ SMALL_STATE_BYTES = 64 << 20
 
 def choose_write_mode(
     path: str,
-    nbytes: int,
+    nbytes: int | None,
     *,
     direct_available: bool,
     explicit: bool | None = None,
@@ -53,7 +53,8 @@ def choose_write_mode(
     """``("direct" | "buffered", why)`` for a save of ``nbytes`` to ``path`` (see the
     module's description for the order of the rules). ``direct_available``: the file was
     opened with O_DIRECT; ``explicit``: the call's ``direct_io``; ``on_device``: some
-    tensors are on a GPU.
+    tensors are on a GPU. ``nbytes=None`` applies rules 1-3 only (a caller whose other paths
+    are built for memory file systems: asynchronous saves), else O_DIRECT.
 
     Example:
         >>> choose_write_mode("/tmp/x", 1 << 30, direct_available=True, explicit=False)
@@ -65,7 +66,7 @@ def choose_write_mode(
 
 
 def _choose(
-    path: str, nbytes: int, direct_available: bool, explicit: bool | None, on_device: bool
+    path: str, nbytes: int | None, direct_available: bool, explicit: bool | None, on_device: bool
 ) -> tuple[str, str]:
     if on_device:  # device tensors need host staging anyway
         return "direct", "tensors on a GPU are staged through page-locked buffers"
@@ -81,6 +82,8 @@ def _choose(
     fs_type = config.filesystem_key(path).split(":", 1)[0]
     if fs_type in MEMORY_FILESYSTEMS:
         return "buffered", f"a memory file system ({fs_type})"
+    if nbytes is None:
+        return "direct", "O_DIRECT where the file system takes it (no size-based choice)"
     if nbytes <= SMALL_STATE_BYTES:
         return "buffered", (
             f"a small state ({nbytes / 2**20:.1f} MiB, at most {SMALL_STATE_BYTES >> 20} MiB): "

@@ -115,3 +115,14 @@ def test_a_small_save_stays_in_memory_for_the_next_load(tuned_file, tmp_path):
     assert torch.equal(back["w"], state["w"])
     with fastckpt.open(small) as reader:
         assert reader.read_mode == "buffered"
+
+
+def test_without_a_size_only_the_first_rules_apply(tuned_file, tmp_path):
+    # Asynchronous saves build their in-memory paths on this answer: a small state on a
+    # disk must not look like a memory file system to them, whatever was tuned.
+    target = str(tmp_path / "x")
+    config.save_tuned_write_mode(config.filesystem_key(target), "buffered", {"buffered": 1.0})
+    mode, why = choose_write_mode(target, None, direct_available=True)
+    assert mode == "direct" and "no size-based choice" in why
+    assert choose_write_mode(target, None, direct_available=False)[0] == "buffered"
+    assert choose_write_mode(target, None, direct_available=True, explicit=False)[0] == "buffered"
