@@ -14,7 +14,9 @@ rejects, or (for bit flips) a load that succeeds with different values. For mult
 sets: a load mixing two saves, a set that does not load, a lost update, a changed file
 beside the checkpoint, a planted pickle that runs, a writer that fails. For a checkpoint
 manager's fast tier (``manager-readers``): a step whose mapped bytes change under a reader
-while the tier reuses its deleted files as spares.
+while the tier reuses its deleted files as spares. For a series in a hostile tree
+(``hostile-trees``, :mod:`torture_trees`): a file outside the tiers changed, a committed step
+lost, an unreadable marker deleted.
 
 Usage::
 
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torture_mutations
+import torture_trees
 
 CLEAN = {
     "ok",
@@ -1452,6 +1455,7 @@ PARTS = [
     "bounds",
     "lazy-cuda",
     "mutation-kills",
+    "hostile-trees",
 ]
 
 
@@ -1476,6 +1480,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--set-kills", type=int, default=12, help="kill -9 per multi-file kind (default 12)"
+    )
+    parser.add_argument(
+        "--tree-rounds",
+        type=int,
+        default=3,
+        help="rounds of every hostile series tree, and a race each (default 3)",
     )
     parser.add_argument(
         "--only",
@@ -1540,6 +1550,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "mutation-kills":
                 report = torture_mutations.mutation_kills(work, args.set_kills, args.seed)
                 bad += torture_mutations.bad_outcomes(report)
+            elif part == "hostile-trees":
+                report = torture_trees.hostile_trees(work, args.tree_rounds, args.seed)
+                bad += torture_trees.bad_outcomes(report)
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]

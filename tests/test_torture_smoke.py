@@ -103,3 +103,20 @@ def test_torture_smoke_mutations_under_kills(tmp_path):
     assert '"steps restored wrong": 0' in stdout
     assert '"steps checked": 0' not in stdout
     assert "bad outcomes in total: 0" in stdout
+
+
+def test_torture_smoke_hostile_trees(tmp_path):
+    """A series in trees others wrote into (markers naming ``../`` or absolute paths, linked
+    step directories, hard links to step files, other scripts' digits, unreadable markers, a
+    ``COMMITTED`` directory, a planter racing a live manager): nothing outside the tiers
+    changes, no committed step is lost, no unreadable marker is deleted."""
+    stdout = _torture(tmp_path, "--only=hostile-trees", "--tree-rounds=1")
+    assert '"hostile cases": 9' in stdout
+    for figure in (
+        "escapes outside the tiers",
+        "committed steps lost",
+        "unreadable markers deleted",
+        "manager errors",
+    ):
+        assert f'"{figure}": 0' in stdout, stdout
+    assert "bad outcomes in total: 0" in stdout
