@@ -495,6 +495,8 @@ class CheckpointManager:
         self._check_lease()
         layout.remove_step(self._root, step)
         self._markers.pop((self._root.location, step), None)
+        if not self._root.is_url:  # made here, now: a link planted meanwhile fails this
+            os.mkdir(target)
         for name in marker["files"]:
             copied = layout.join(target, name)
             try:
@@ -833,7 +835,15 @@ def _tier(location: Any, what: str, storage_options: Mapping[str, Any] | None) -
         raise TypeError(f"{what} must be a directory or a URL, got {type(location).__name__}")
     tier = Tier(os.fspath(location), storage_options)
     if not tier.is_url:
-        os.makedirs(tier.location, exist_ok=True)
+        try:
+            os.makedirs(tier.location, exist_ok=True)
+        except FileExistsError:  # something that is not a directory holds the name
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"the {what} tier of a CheckpointManager must be a directory (or a URL), "
+                "and this is a file",
+                tier.location,
+            ) from None
     return tier
 
 

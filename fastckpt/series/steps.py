@@ -260,6 +260,13 @@ def commit(
     if tier.is_url:
         storage.write_whole(marker, data, tier.storage_options)  # one object, whole or absent
         return
+    directory = step_dir(tier, step)
+    if not _real_directory(directory):  # never a marker into a link's target
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{directory} in tier {tier} is not a step directory fastckpt made: not committed",
+            directory,
+        )
     write_atomically(marker, data)
     fsync_directory(tier.location)
 

@@ -226,3 +226,12 @@ def test_a_state_save_refuses_is_refused_in_the_call(tmp_path):
             manager.save(3, {"model": torch.nn.Linear(2, 2)})
         assert manager.steps() == []
         manager.save(3, _state()).result()  # the step number is free again
+
+
+def test_a_root_that_is_a_file_is_refused_naming_it(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match="root tier .* must be a directory") as caught:
+        fastckpt.CheckpointManager(root)
+    assert caught.value.filename == str(root)
+    assert root.read_text() == "not a directory"
