@@ -99,17 +99,19 @@ def measure(directory: str, rounds: int, calls: int) -> dict[str, dict[str, list
         state = torch.nn.Linear(n, n).state_dict()
         state = {k: v.detach().clone() for k, v in state.items()}
         figures: dict[str, list[float]] = {}
-        for name, (save, load) in named.items():  # warm-up: first-call costs are not the bench
+        for save, load in named.values():  # warm-up: first-call costs are not the bench
             save(state)
             _touch(load())
         order = list(named)
         for r in range(rounds):
             for name in order[r % len(order) :] + order[: r % len(order)]:
                 save, load = named[name]
-                figures.setdefault(f"{name} save", []).append(_timed(lambda: save(state), calls))
+                figures.setdefault(f"{name} save", []).append(
+                    _timed(lambda save=save, state=state: save(state), calls)
+                )
                 figures.setdefault(f"{name} load", []).append(_timed(load, calls))
                 figures.setdefault(f"{name} load+touch", []).append(
-                    _timed(lambda: _touch(load()), calls)
+                    _timed(lambda load=load: _touch(load()), calls)
                 )
         out[size] = figures
     return out
