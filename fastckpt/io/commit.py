@@ -104,11 +104,13 @@ def _held(path: str) -> bool:
     return False
 
 
-def abandoned(path: str, siblings: Iterable[str]) -> bool:
+def abandoned(path: str, siblings: Iterable[str], known: dict[str, bool] | None = None) -> bool:
     """Whether the temporary file ``path``, whose own lock the caller holds, belongs to no
     live writer: no other temporary of its group (same 12-hex token, among ``siblings``,
     names in its directory) is locked. A group's files other than its anchor are kept
-    alive by the anchor's lock alone (see the module).
+    alive by the anchor's lock alone (see the module). ``known`` remembers the answer per
+    group across calls of one clean-up, so a directory of many staged files is walked once
+    per group, not once per file.
 
     Example:
         >>> import tempfile
@@ -123,10 +125,15 @@ def abandoned(path: str, siblings: Iterable[str]) -> bool:
     """
     directory, name = os.path.split(path)
     token = name[-16:]  # ".<12 hex>.tmp"
-    return not any(
+    if known is not None and token in known:
+        return known[token]
+    answer = not any(
         sibling != name and sibling.endswith(token) and _held(os.path.join(directory, sibling))
         for sibling in siblings
     )
+    if known is not None:
+        known[token] = answer
+    return answer
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
@@ -149,6 +156,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
     except OSError:
         return removed
     siblings = [entry.name for entry in listing]
+    known: dict[str, bool] = {}
     candidates = [
         entry.name
         for entry in listing
@@ -167,7 +175,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
         except OSError:  # a live writer holds it
             os.close(fd)
             continue
-        if not abandoned(stale, siblings):  # its group's anchor is locked: a live writer
+        if not abandoned(stale, siblings, known):  # its group's anchor is locked: alive
             os.close(fd)
             continue
         try:

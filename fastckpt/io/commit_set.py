@@ -136,14 +136,15 @@ def fresh_name(stem: str, suffix: str, taken: Collection[str]) -> str:
             return name
 
 
-def _remove_if_abandoned(path: str, siblings: list[str]) -> bool:
+def _remove_if_abandoned(path: str, siblings: list[str], known: dict[str, bool]) -> bool:
     """Removes the temporary file ``path`` if no live writer holds its lock or its group's
-    (``siblings``: the names in its directory); whether it did."""
+    (``siblings``: the names in its directory; ``known``: the groups' answers so far);
+    whether it did."""
     fd = lock_if_free(path)
     if fd is None:
         return False
     try:
-        if not abandoned(path, siblings):
+        if not abandoned(path, siblings, known):
             return False
         os.unlink(path)
     except OSError:
@@ -173,13 +174,14 @@ def remove_unreferenced(
     with os.scandir(directory) as listing:
         entries = list(listing)
     siblings = [entry.name for entry in entries if entry.name.endswith(".tmp")]
+    known: dict[str, bool] = {}
     for entry in entries:
         name = entry.name
         if not entry.is_file(follow_symlinks=False):
             continue
         temporary = _TEMPORARY.fullmatch(name)
         if temporary is not None:
-            if belongs(temporary.group(1)) and _remove_if_abandoned(entry.path, siblings):
+            if belongs(temporary.group(1)) and _remove_if_abandoned(entry.path, siblings, known):
                 removed.append(name)
             continue
         if belongs(name) and name not in referenced:

@@ -208,3 +208,41 @@ def test_open_files_is_configured_like_every_setting(monkeypatch):
         config.open_files()
     with pytest.raises(ValueError, match="positive int"):
         config.open_files(0)
+
+
+def test_a_publish_keeps_a_concurrent_sets_closed_files(tmp_path):
+    """A set staged with its files closed survives another set's publish (whose clean-up
+    removes abandoned temporaries) and then publishes whole: the later publisher wins."""
+    import json
+
+    from fastckpt.io import commit_set
+
+    def referenced() -> set[str]:
+        try:
+            return set(json.loads((tmp_path / "MARKER").read_text()))
+        except FileNotFoundError:
+            return set()
+
+    def publish(names: list[str]) -> None:
+        commit_set.write_atomically(tmp_path / "MARKER", json.dumps(names).encode())
+
+    def belongs(name: str) -> bool:
+        return name.startswith("part")
+
+    def fresh(count: int):
+        return lambda taken: [commit_set.fresh_name("part", ".bin", taken) for _ in range(count)]
+
+    with commit_set.CommitSet(tmp_path) as slow:
+        for i in range(50):
+            out = slow.stage(f"part{i}.bin")
+            out.file.pwrite_all(b"slow%d" % i, 0)
+            out.make_durable()
+        with commit_set.CommitSet(tmp_path) as fast:
+            out = fast.stage("part0.bin")
+            out.file.pwrite_all(b"fast", 0)
+            fast.publish(fresh(1), publish, referenced, belongs)
+        assert len([n for n in os.listdir(tmp_path) if n.endswith(".tmp")]) == 50
+        names = slow.publish(fresh(50), publish, referenced, belongs)
+    assert referenced() == set(names)
+    assert sorted(os.listdir(tmp_path)) == sorted([*names, "MARKER"])
+    assert [(tmp_path / n).read_bytes() for n in names] == [b"slow%d" % i for i in range(50)]
