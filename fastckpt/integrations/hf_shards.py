@@ -838,7 +838,7 @@ class ShardedReader(RoutedReads, Reader):
         return next(iter(self._readers.values())).metadata()
 
     def _route(self, name: str) -> tuple[Reader, str]:
-        return self._reader_of(name)
+        raise NotImplementedError  # every routed read is overridden: each leases its shard
 
     def _reader_of(self, name: str) -> tuple[HeaderOnly, str]:
         if not isinstance(name, str):
@@ -957,10 +957,11 @@ class ShardedReader(RoutedReads, Reader):
     ) -> None:
         self.require_checksums(verify)
         for header, stored in self._by_shard(names).items():
-            self._cache.call(
-                header.key,
-                lambda r, stored=stored: r.prefetch(stored, pin_memory=pin_memory, verify=verify),
-            )
+
+            def start(reader: Any, stored: list[str] = stored) -> None:
+                reader.prefetch(stored, pin_memory=pin_memory, verify=verify)
+
+            self._cache.call(header.key, start)
 
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
@@ -977,9 +978,11 @@ class ShardedReader(RoutedReads, Reader):
         self.require_checksums(verify)
         merged: dict[str, torch.Tensor] = {}
         for header, stored in self._by_shard(names).items():
-            merged.update(
-                self._cache.call(header.key, lambda r, stored=stored: r.map(stored, verify=verify))
-            )
+
+            def mapped(reader: Any, stored: list[str] = stored) -> dict[str, torch.Tensor]:
+                return reader.map(stored, verify=verify)
+
+            merged.update(self._cache.call(header.key, mapped))
         return merged
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -310,14 +311,13 @@ class TemporaryGroup:
                 self.token = tmp_path[-16:-4]
                 return tmp_path, fd, False
             token = self.token
-        try:
-            fd = _create_locked(os.path.join(directory, f"{name}.{token}.tmp"))
-        except FileExistsError:
-            fd = None  # a name staged twice: that file keeps its own lock
-        if fd is None:
-            tmp_path, fd = _locked_temporary(directory, name)
-            return tmp_path, fd, False
-        return os.path.join(directory, f"{name}.{token}.tmp"), fd, True
+        tmp_path = os.path.join(directory, f"{name}.{token}.tmp")
+        member: int | None = None
+        with contextlib.suppress(FileExistsError):  # a name staged twice keeps its own lock
+            member = _create_locked(tmp_path)
+        if member is None:
+            return (*_locked_temporary(directory, name), False)
+        return tmp_path, member, True
 
 
 class AtomicFile:
