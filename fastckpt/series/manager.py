@@ -248,6 +248,7 @@ class CheckpointManager:
                 layout.remove_step(tier, step)
             if layout.abort_unfinished_uploads(tier):
                 _log.info("aborted the unfinished uploads a killed writer left in %s", tier)
+            self._set_aside_unreadable(tier)
         if self._spare is not None and spare_files.remove_stale(self._spare):
             _log.info("removed %s: a spare an earlier manager of this tier left", self._spare)
         if self._fast is not None:
@@ -586,6 +587,22 @@ class CheckpointManager:
                     sorted(users),
                 )
         return set(added)
+
+    def _set_aside_unreadable(self, tier: Tier) -> None:
+        """Sets aside (:func:`~fastckpt.series.steps.set_aside`, logged) each step of a local
+        ``tier`` whose marker cannot be read: planted or damaged, it would count as the
+        newest step and refuse every save, keep every older step through retention, and
+        fail the drain at every start. Nothing is deleted; a URL tier keeps such steps."""
+        if tier.is_url:
+            return
+        for step in layout.committed_steps(tier):
+            try:
+                layout.marker_of(tier, step)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                moved = layout.set_aside(tier, step)
+                _log.error("step %d in %s set aside as %s: %s", step, tier, moved, exc)
 
     def _unreadable_markers(self, tier: Tier, steps: set[int]) -> set[int]:
         """The steps of ``steps`` whose marker cannot be read: never removed by retention

@@ -62,6 +62,7 @@ __all__ = [
     "join",
     "marker_of",
     "quarantine_step",
+    "set_aside",
     "remove_step",
     "step_dir",
     "step_files",
@@ -279,7 +280,7 @@ def marker_of(tier: Tier | str, step: int) -> dict[str, Any]:
         raise ValueError(f"{marker}: the commit marker of step {step} is not a regular file")
     try:
         document = json.loads(storage.read_whole(marker, tier.storage_options))
-    except (UnicodeDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
         raise ValueError(f"{marker}: not the marker of step {step}: {exc}") from None
     if not isinstance(document, dict) or document.get("step") != step:
         raise ValueError(f"{marker}: not the marker of step {step}")
@@ -366,6 +367,34 @@ def quarantine_step(tier: Tier | str, step: int) -> str:
         target = f"{directory}.damaged-{stamp}-{attempt}"
     os.rename(directory, target)
     fsync_directory(tier.location)
+    return target
+
+
+def set_aside(tier: Tier | str, step: int) -> str:
+    """Moves a local step whose marker cannot be read out of the series, marker and all: its
+    directory is renamed ``step-<12 digits>.unreadable-<UTC time>`` (one atomic rename, so
+    nothing is deleted and a person can look at it, or rename it back). Such a step, planted
+    or damaged, would otherwise count as the newest step (refusing every save) and keep every
+    older step through retention. Returns the new location.
+
+    Example:
+        >>> import tempfile, os
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(step_dir(tier, 8))
+        >>> with open(os.path.join(step_dir(tier, 8), MARKER), "w") as f:
+        ...     _ = f.write("{not json")
+        >>> moved = set_aside(tier, 8)
+        >>> committed_steps(tier), sorted(os.listdir(moved))
+        ([], ['COMMITTED'])
+    """
+    directory = step_dir(_tier(tier), step)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, attempt = f"{directory}.unreadable-{stamp}", 1
+    while os.path.lexists(target):  # set aside twice within a second
+        attempt += 1
+        target = f"{directory}.unreadable-{stamp}-{attempt}"
+    os.rename(directory, target)
+    fsync_directory(_tier(tier).location)
     return target
 
 

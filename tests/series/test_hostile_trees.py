@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,12 +40,13 @@ def test_a_marker_naming_a_file_outside_its_step_is_refused_and_touches_nothing(
     fast, root = tmp_path / "fast", tmp_path / "root"
     fast.mkdir()
     _plant_step(fast, 5, {planted: 15})
-    manager = fastckpt.CheckpointManager(root, fast=fast)
-    with pytest.raises(ValueError, match="not a plain name inside its step"):
-        manager.wait()  # the drain of step 5 refuses the name
-    manager.close()
+    with fastckpt.CheckpointManager(root, fast=fast) as manager:
+        manager.wait()  # step 5 is set aside at start, never drained
+        assert manager.steps() == []
     assert victim.read_text() == "the user's file"
     assert sorted(os.listdir(tmp_path)) == ["fast", "root", "victim.txt"]
+    (aside,) = fast.glob("step-000000000005.unreadable-*")  # reported, kept, not a step
+    assert planted in (aside / MARKER).read_text()
 
 
 def test_a_step_saved_in_root_is_not_saved_again_through_the_fast_tier(tmp_path):
@@ -141,10 +143,11 @@ def test_a_marker_that_is_a_directory_stops_nothing_and_is_never_deleted(tmp_pat
     with fastckpt.CheckpointManager(root, keep_last=1) as manager:  # starts
         manager.save(8, _state()).result()
         manager.wait()
-    assert os.path.isdir(os.path.join(odd, MARKER))
+    (aside,) = root.glob("step-000000000007.unreadable-*")  # set aside, never deleted
+    assert (aside / MARKER).is_dir()
 
 
-def test_an_unreadable_marker_keeps_its_step_through_retention(tmp_path):
+def test_an_unreadable_marker_is_set_aside_never_deleted(tmp_path):
     root = tmp_path / "root"
     with fastckpt.CheckpointManager(root, keep_last=1) as manager:
         manager.save(1, _state()).result()
@@ -153,7 +156,9 @@ def test_an_unreadable_marker_keeps_its_step_through_retention(tmp_path):
     with fastckpt.CheckpointManager(root, keep_last=1) as manager:
         for step in (2, 3):
             manager.save(step, _state()).result()
-    assert os.path.exists(os.path.join(layout.step_dir(str(root), 1), MARKER))
+    (aside,) = root.glob("step-000000000001.unreadable-*")
+    assert (aside / MARKER).read_text() == "{not json"
+    assert (aside / layout.STATE_FILE).exists()
 
 
 def test_spare_file_never_consumes_a_file_fastckpt_did_not_make(tmp_path):
@@ -235,3 +240,22 @@ def test_a_root_that_is_a_file_is_refused_naming_it(tmp_path):
         fastckpt.CheckpointManager(root)
     assert caught.value.filename == str(root)
     assert root.read_text() == "not a directory"
+
+
+def test_a_planted_unreadable_marker_is_set_aside_at_start_and_blocks_nothing(tmp_path, caplog):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    planted = {}
+    for tier, text in ((root, "{not json"), (fast, '{"step": 999999999999, "files": {"/x": 1}}')):
+        directory = Path(layout.step_dir(str(tier), 999999999999))
+        directory.mkdir(parents=True)
+        (directory / layout.MARKER).write_text(text)
+        planted[tier] = text
+    with fastckpt.CheckpointManager(root, fast=fast, keep_last=1) as manager:
+        for step in (5, 6, 7):  # not "older than the newest": the planted step is no step
+            manager.save(step, _state()).result()
+    assert "set aside" in caplog.text and "999999999999" in caplog.text
+    for tier, text in planted.items():  # reported and moved aside, never deleted
+        (aside,) = tier.glob("step-999999999999.unreadable-*")
+        assert (aside / layout.MARKER).read_text() == text
+    assert layout.committed_steps(str(root)) == [7]
+    assert layout.committed_steps(str(fast)) == [7]
