@@ -152,28 +152,43 @@ class ReaderCache:
             return work(reader)
 
     def _acquire(self, path: str) -> Any:
-        # Opening happens under the lock: two threads asking for one file open it once, and
-        # opening (a header read) is short next to the reads it serves.
         with self._lock:
-            if self._closed:
-                raise ValueError(f"{path}: the reader is closed")
-            reader = self._open.get(path)
+            reader = self._take(path)
+        if reader is not None:
+            return reader
+        # Opened outside the lock, so that threads reading different files open them in
+        # parallel; two threads opening one file keep the first and close the other.
+        fresh = self._reopen(path)
+        with self._lock:
+            reader = self._take(path)
             if reader is None:
-                reader = self._reopen(path)
-                self._open[path] = reader
+                self._open[path] = reader = fresh
+                self._users[path] = self._users.get(path, 0) + 1
+                fresh = None
+        if fresh is not None:
+            fresh.close()
+        return reader
+
+    def _take(self, path: str) -> Any:
+        """The open reader of ``path``, now in use (or None); called under the lock."""
+        if self._closed:
+            raise ValueError(f"{path}: the reader is closed")
+        reader = self._open.get(path)
+        if reader is not None:
             self._open.move_to_end(path)
             self._users[path] = self._users.get(path, 0) + 1
-            return reader
+        return reader
 
     def _reopen(self, path: str) -> Any:
         """Opens ``path`` again, checking it is still the file first opened."""
         reader = self._opener(path)
         try:
             identity = _identity(reader)
+            with self._lock:
+                known = self._identity.setdefault(path, identity)
         except BaseException:
             reader.close()
             raise
-        known = self._identity.setdefault(path, identity)
         if known != identity:
             reader.close()
             raise FileNotFoundError(
