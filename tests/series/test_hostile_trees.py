@@ -259,3 +259,15 @@ def test_a_planted_unreadable_marker_is_set_aside_at_start_and_blocks_nothing(tm
         assert (aside / layout.MARKER).read_text() == text
     assert layout.committed_steps(str(root)) == [7]
     assert layout.committed_steps(str(fast)) == [7]
+
+
+def test_close_does_not_raise_again_what_result_raised(small_root):
+    import errno
+
+    manager = fastckpt.CheckpointManager(small_root)
+    future = manager.save(1, {"w": torch.ones(3 << 19)})  # 6 MiB into a 5 MiB root
+    with pytest.raises(OSError) as caught:
+        future.result()
+    assert caught.value.errno == errno.ENOSPC
+    manager.close()  # delivered already: not raised a second time
+    assert layout.committed_steps(str(small_root)) == []
