@@ -487,7 +487,12 @@ class CheckpointManager:
                 named = type(exc)(exc.errno, message, exc.filename)
             except TypeError:
                 named = OSError(exc.errno, message, exc.filename)
+            # logged now: the next save() that raises it may be a long training step away
+            _log.error("%s", named)
             raise named from exc
+        except Exception as exc:
+            _log.error("draining step %d from %s to %s: %s", step, self.fast, self.root, exc)
+            raise
 
     def _drain_step(self, step: int) -> None:
         assert self._fast is not None

@@ -190,7 +190,7 @@ def small_root(tmp_path):
 
 
 def test_a_full_root_is_raised_by_the_next_save_and_the_fast_tier_stays_bounded(
-    tmp_path, small_root, capfd
+    tmp_path, small_root, capfd, caplog
 ):
     import concurrent.futures
     import errno
@@ -211,6 +211,7 @@ def test_a_full_root_is_raised_by_the_next_save_and_the_fast_tier_stays_bounded(
         manager.save(3, big)
     assert caught.value.errno == errno.ENOSPC
     assert "draining step 2" in str(caught.value) and str(small_root) in str(caught.value)
+    assert "draining step 2" in caplog.text  # logged when it failed, not only when raised
     for step in (3, 4):
         manager.save(step, big).result()  # the error was raised once: saves go on
         drained()
