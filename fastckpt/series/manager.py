@@ -199,6 +199,7 @@ class CheckpointManager:
         # Bases of saves not committed yet: retention keeps them (tier location, step).
         self._bases_in_use: collections.Counter[tuple[str, int]] = collections.Counter()
         self._reported: set[tuple[str, int]] = set()  # steps logged as kept for others
+        self._first_reports: set[tuple[str, int, str]] = set()  # see _first_report
         self._last_commit: concurrent.futures.Future[None] | None = None
         self._ranks = Ranks(distributed)
         self._locks: list[Any] = []
@@ -574,7 +575,10 @@ class CheckpointManager:
             try:
                 return list(self._marker(tier, step).get("depends_on", []))
             except (OSError, ValueError) as exc:
-                _log.warning("keeping the steps before %d in %s: its marker: %s", step, tier, exc)
+                if self._first_report(tier, step, "needs"):
+                    _log.warning(
+                        "keeping the steps before %d in %s: its marker: %s", step, tier, exc
+                    )
                 return [s for s in committed if s < step]
 
         added = kept_bases(kept, committed, depends_on)
@@ -609,6 +613,14 @@ class CheckpointManager:
                 moved = layout.set_aside(tier, step)
                 _log.error("step %d in %s set aside as %s: %s", step, tier, moved, exc)
 
+    def _first_report(self, tier: Tier, step: int, kind: str) -> bool:
+        """Whether ``kind`` is news for ``step`` of ``tier``: retention runs at every save, and
+        the same unreadable marker logged at each would bury everything else."""
+        key = (tier.location, step, kind)
+        new = key not in self._first_reports
+        self._first_reports.add(key)
+        return new
+
     def _unreadable_markers(self, tier: Tier, steps: set[int]) -> set[int]:
         """The steps of ``steps`` whose marker cannot be read: never removed by retention
         (logged; a restore that meets one quarantines it)."""
@@ -620,9 +632,13 @@ class CheckpointManager:
                 continue  # removed meanwhile: nothing to keep
             except (OSError, ValueError) as exc:
                 unreadable.add(step)
-                _log.error(
-                    "keeping step %d in %s: its commit marker cannot be read: %s", step, tier, exc
-                )
+                if self._first_report(tier, step, "unreadable"):
+                    _log.error(
+                        "keeping step %d in %s: its commit marker cannot be read: %s",
+                        step,
+                        tier,
+                        exc,
+                    )
         return unreadable
 
     def _marker(self, tier: Tier, step: int) -> dict[str, Any]:

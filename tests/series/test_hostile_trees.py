@@ -272,3 +272,16 @@ def test_close_does_not_raise_again_what_result_raised(small_root):
     assert caught.value.errno == errno.ENOSPC
     manager.close()  # delivered already: not raised a second time
     assert layout.committed_steps(str(small_root)) == []
+
+
+def test_a_marker_made_unreadable_while_running_is_logged_once(tmp_path, caplog):
+    root = tmp_path / "root"
+    with fastckpt.CheckpointManager(root, keep_last=1) as manager:
+        manager.save(1, _state()).result()
+        planted = Path(layout.step_dir(str(root), 0))
+        planted.mkdir()  # while the manager runs: not set aside at its start
+        (planted / MARKER).write_text("{not json")
+        for step in (2, 3, 4):
+            manager.save(step, _state()).result()
+    assert caplog.text.count("commit marker cannot be read") == 1
+    assert (planted / MARKER).read_text() == "{not json"
