@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastckpt.cli._common import FAILURE, format_bytes
@@ -129,7 +130,7 @@ def _entry(step: int, held: list[StepCopy]) -> dict[str, Any]:
 
 
 def verify_copies(
-    copies: list[StepCopy], tiers: dict[str, Tier | str | None]
+    copies: list[StepCopy], tiers: Mapping[str, Tier | str | None]
 ) -> tuple[str, list[str]]:
     """The verdict over a step's committed copies, and what is wrong with each damaged one.
 

@@ -82,7 +82,7 @@ __all__ = ["CheckpointManager"]
 _log = logging.getLogger("fastckpt")
 
 
-class StepFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+class StepFuture(concurrent.futures.Future[Any]):
     """The future :meth:`CheckpointManager.save` returns: once its error is taken with
     ``result()`` or ``exception()``, :meth:`~CheckpointManager.wait` and
     :meth:`~CheckpointManager.close` do not raise it again."""
@@ -346,7 +346,7 @@ class CheckpointManager:
         if written.done() and isinstance(written.exception(), (TypeError, ValueError)):
             self._release_base(tier, base)  # refused in the call, as fastckpt.save refuses
             layout.remove_step(tier, step)
-            raise written.exception()  # type: ignore[misc]
+            raise written.exception()
         future: StepFuture = StepFuture()
         _chain(self._saves.submit(commit), future)
         self._pending.append(future)

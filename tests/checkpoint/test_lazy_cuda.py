@@ -84,7 +84,9 @@ def test_content_hashes_are_taken_after_the_copies_landed(monkeypatch, tmp_path)
     state = _tensors(12, 3 * MIB // 4)
     expected = {k: v.clone() for k, v in state.items()}
     path = tmp_path / "h.safetensors"
-    assert fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB).result() is None
+    assert (
+        fastckpt.async_save(state, path, fence=owner(state), staging_bytes=8 * MIB).result() is None
+    )
     assert device.sides and _equal(path, expected)
     hashes = fastckpt.open(path).meta.hashes
     assert hashes == {k: hash_tensor(v) for k, v in expected.items()}
@@ -122,7 +124,11 @@ def test_fence_bytes_caps_the_device_clones_and_the_rest_is_waited_for(monkeypat
     expected = {k: v.clone() for k, v in state.items()}
     device.gate.clear()
     future = fastckpt.async_save(
-        state, tmp_path / "cap.safetensors", fence=owner(state), staging_bytes=8 * MIB, fence_bytes=2 * MIB
+        state,
+        tmp_path / "cap.safetensors",
+        fence=owner(state),
+        staging_bytes=8 * MIB,
+        fence_bytes=2 * MIB,
     )
     _wait_until(lambda: _writer_waits(device))
     threading.Timer(0.5, device.gate.set).start()  # the writer goes on a little later

@@ -199,9 +199,7 @@ def test_a_fence_between_any_two_pieces_gives_the_row_major_bytes(make, piece):
     expected = tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8).clone()
     total = expected.numel()
     for fence_at in (0, piece, total // 2 // piece * piece, total):
-        guard = lazy_guard.LazyGuard(
-            {"t": tensor}, fence_bytes=None, optimizers=[owner([tensor])]
-        )
+        guard = lazy_guard.LazyGuard({"t": tensor}, fence_bytes=None, optimizers=[owner([tensor])])
         guard.begin("t")
         out, done = [], 0
         while done < total:
