@@ -249,8 +249,10 @@ def one_case(work: Path, name: str, plant: Callable[[Path, Path, Path], None]) -
     base = work / name.replace(" ", "-").replace("/", "_")
     root, fast, outside = base / "root", base / "fast", _outside(base / "outside")
     _best_step(root, fast)
+    own = _planted_bytes(root, fast)  # the manager's markers: retention may remove them
     plant(root, fast, outside)
-    before, planted = _snapshot(outside), _planted_bytes(root, fast)
+    before = _snapshot(outside)
+    planted = {p: d for p, d in _planted_bytes(root, fast).items() if p not in own}
     saved: list[int] = []
     outcomes = _run_manager(root, fast, 10, 5, 3, saved)
     from fastckpt.cli import main as cli
@@ -352,14 +354,14 @@ def _hostile_trees(work: Path, rounds: int, seed: int) -> dict[str, Any]:
             losses += result["losses"]
             markers += result["unreadable markers gone"]
             errors += result["errors"]
-            report["cases"].setdefault(name, result)
+            _add(report["cases"].setdefault(name, {}), result)
         shutil.rmtree(work / f"round-{r}", ignore_errors=True)
         raced = race(work / f"race-{r}", seed + r)
         cases += 1
         escapes += raced["escapes"]
         losses += raced["losses"]
         errors += raced["errors"]
-        report.setdefault("race", raced)
+        _add(report.setdefault("race", {}), raced)
         shutil.rmtree(work / f"race-{r}", ignore_errors=True)
     report.update(
         {
@@ -371,6 +373,15 @@ def _hostile_trees(work: Path, rounds: int, seed: int) -> dict[str, Any]:
         }
     )
     return report
+
+
+def _add(total: dict[str, Any], result: dict[str, Any]) -> None:
+    """Adds ``result``'s counts (nested: outcomes) into ``total``, round after round."""
+    for key, value in result.items():
+        if isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value
 
 
 def bad_outcomes(report: dict[str, Any]) -> int:
