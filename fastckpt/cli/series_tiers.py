@@ -168,8 +168,8 @@ def marker_fields(tier: Tier | str, step: int, name: str = "root") -> dict[str, 
         >>> try:
         ...     marker_fields(tier, 2)
         ... except MarkerError as exc:
-        ...     print(exc)
-        step 2 in root: bad commit marker: 'files' is a list, expected an object of file sizes
+        ...     print(str(exc).replace(marker, "<marker>"))
+        step 2 in root: bad commit marker: <marker>: its files are not a mapping of names to sizes
     """
     from fastckpt.series import steps as layout
 

@@ -841,6 +841,7 @@ class ShardedReader(RoutedReads, Reader):
         raise NotImplementedError  # every routed read is overridden: each leases its shard
 
     def _reader_of(self, name: str) -> tuple[HeaderOnly, str]:
+        self._live()  # a closed reader answers nothing, headers kept or not
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
         stored = self._aliases.get(name, name)
