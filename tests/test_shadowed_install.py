@@ -24,7 +24,14 @@ import pytest
 import fastckpt
 
 PACKAGE = Path(fastckpt.__file__).resolve().parent
-SITE = sysconfig.get_paths()["purelib"]
+# Every site directory this interpreter uses (a venv made with --system-site-packages finds
+# torch in the system's): the children run with -S, so no .pth file (and no editable
+# install's redirect) is read, and these are their whole path.
+SITE = os.pathsep.join(
+    dict.fromkeys(
+        [sysconfig.get_paths()["purelib"], *(p for p in sys.path if p.endswith("site-packages"))]
+    )
+)
 
 
 def _installed_extension() -> str | None:
