@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from fastckpt.io.checksums import PieceCrcs
+from fastckpt.io.parallel_io import SharedPool
 
 __all__ = [
     "BufferHasher",
@@ -189,28 +190,12 @@ def hash_beside(jobs: list[tuple[TensorDigest, int, int]]) -> concurrent.futures
         return done
 
 
-_pool_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+# The threads every :class:`BufferHasher` of the process hashes on, started once.
+_hash_pool = SharedPool("fastckpt-hash", lambda: max(1, min(8, os.cpu_count() or 1)))
 
 
 def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads every :class:`BufferHasher` of the process hashes on, started once."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                max(1, min(8, os.cpu_count() or 1)), "fastckpt-hash"
-            )
-        return _pool
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # the parent's threads do not exist here
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _hash_pool.get()
 
 
 def _host_chunks(t: torch.Tensor) -> Any:

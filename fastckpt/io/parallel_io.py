@@ -45,6 +45,7 @@ import errno
 import mmap
 import os
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 from fastckpt import _C
@@ -99,27 +100,45 @@ def worker_count() -> int:
     return max(1, min(32, cores))
 
 
-_pool_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+class SharedPool:
+    """A thread pool for the whole process, started at its first use; a forked child starts
+    its own (the parent's threads do not exist there).
 
+    Example:
+        >>> pool = SharedPool("fastckpt-doc", lambda: 2)
+        >>> pool.get().submit(lambda: 6 * 7).result()
+        42
+    """
 
-def _workers() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=worker_count(), thread_name_prefix="fastckpt-io"
-            )
-        return _pool
+    _every: weakref.WeakSet[SharedPool] = weakref.WeakSet()
 
+    def __init__(self, name: str, workers: Callable[[], int]):
+        self._name, self._workers = name, workers
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        SharedPool._every.add(self)
 
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # the parent's threads do not exist here
+    def get(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, started now if this process has none yet."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._workers(), self._name)
+            return self._pool
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        for shared in list(cls._every):
+            shared._pool, shared._lock = None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=SharedPool._after_fork_in_child)
+
+_io_pool = SharedPool("fastckpt-io", worker_count)
+
+
+def _workers() -> concurrent.futures.ThreadPoolExecutor:
+    return _io_pool.get()
 
 
 def _tasks(spans: Sequence[Span]) -> list[list[int]]:
