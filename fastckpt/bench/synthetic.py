@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MIN_NBYTES", "llm_like_state_dict", "plan_shapes", "state_dict_nbytes"]
+__all__ = ["MIN_NBYTES", "llm_like_state_dict", "plan_shapes", "random_layers", "state_dict_nbytes"]
 
 # Hidden sizes tried, largest first; the first that fits a few layers is used.
 _HIDDEN_SIZES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8)
@@ -170,3 +170,24 @@ def state_dict_nbytes(state: dict[str, Any]) -> int:
         20
     """
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def random_layers(nbytes: int) -> dict[str, Any]:
+    """About ``nbytes`` of random bf16 layers of 16 MiB each (at most 64 tensors): what
+    ``fastckpt tune`` times its saves and loads with, shaped like an LLM's weights.
+
+    Example:
+        >>> state = random_layers(32 << 20)
+        >>> len(state), state_dict_nbytes(state) == 32 << 20
+        (2, True)
+    """
+    import torch
+
+    tensors = max(1, min(64, nbytes >> 24))
+    state = {
+        f"layers.{i}.weight": torch.empty(nbytes // tensors // 2, dtype=torch.bfloat16)
+        for i in range(tensors)
+    }
+    for t in state.values():
+        t.view(torch.int16).random_()
+    return state

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from fastckpt.bench.caches import PageCache
+from fastckpt.bench.synthetic import random_layers
 from fastckpt.bench.units import median
 from fastckpt.config import READ_MODES, force_read_mode
 
@@ -76,20 +77,13 @@ def remember_read_modes(figures: Sequence[ReadModeFigures]) -> None:
 
 
 def _measure_one(directory: str, nbytes: int, cache: PageCache, loops: int) -> ReadModeFigures:
-    import torch
 
     from fastckpt.api import load, save
     from fastckpt.io.page_cache import resident_fraction
 
     figures = ReadModeFigures(directory)
     path = os.path.join(directory, f".fastckpt-tune-read-{os.getpid()}.safetensors")
-    tensors = max(1, min(64, nbytes >> 24))  # tensors of 16 MiB, as an LLM's layers
-    state = {
-        f"layers.{i}.weight": torch.empty(nbytes // tensors // 2, dtype=torch.bfloat16)
-        for i in range(tensors)
-    }
-    for t in state.values():
-        t.view(torch.int16).random_()
+    state = random_layers(nbytes)  # 16 MiB bf16 tensors, as an LLM's layers
     try:
         save(state, path)
         del state

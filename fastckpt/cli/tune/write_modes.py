@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fastckpt.bench.synthetic import random_layers
 from fastckpt.bench.units import median
 from fastckpt.config import WRITE_MODES
 
@@ -70,7 +71,6 @@ def remember_write_modes(figures: Sequence[WriteModeFigures]) -> None:
 
 
 def _measure_one(directory: str, nbytes: int, loops: int) -> WriteModeFigures:
-    import torch
 
     from fastckpt.api import save
     from fastckpt.config import resolve_io, staging_bytes
@@ -84,13 +84,7 @@ def _measure_one(directory: str, nbytes: int, loops: int) -> WriteModeFigures:
         "staging_bytes": staging_bytes(),
     }
     path = os.path.join(directory, f".fastckpt-tune-write-{os.getpid()}.safetensors")
-    tensors = max(1, min(64, nbytes >> 24))  # tensors of 16 MiB, as an LLM's layers
-    state = {
-        f"layers.{i}.weight": torch.empty(nbytes // tensors // 2, dtype=torch.bfloat16)
-        for i in range(tensors)
-    }
-    for t in state.values():
-        t.view(torch.int16).random_()
+    state = random_layers(nbytes)  # 16 MiB bf16 tensors, as an LLM's layers
     size = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[float]] = {mode: [] for mode in WRITE_MODES}
     try:
