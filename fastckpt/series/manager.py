@@ -19,7 +19,10 @@ In a multi-rank run (``torch.distributed`` initialized with more than one rank, 
 state (DTensors, or per-rank state as DCP takes it): the step directory then holds a DCP
 checkpoint (one fastckpt file per rank and ``.metadata``, :mod:`fastckpt.series.sharded`),
 committed by rank 0 only after every rank's file is durable, and :meth:`restore` loads it
-into the given ``state``, resharded to whatever world size runs now. Locks, cleanup,
+into the given ``state``, resharded to whatever world size runs now. Such a save returns
+once the rank's state is captured; the write, the agreement of the ranks and the commit run
+in the background on a gloo group of their own (:mod:`fastckpt.distributed.collective_save`),
+reusing the previous step's plans while the state's structure is the same. Locks, cleanup,
 retention and drains are rank 0's alone; the other ranks follow its decisions.
 
 With ``incremental=True`` a single-file step is saved against the previous committed step
@@ -74,7 +77,7 @@ from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
 from fastckpt.series.lease import LocalLock, UrlLease
 from fastckpt.series.retention import Retention, kept_bases
-from fastckpt.series.sharded import DCP_LAYOUT, Ranks, load_step, save_step
+from fastckpt.series.sharded import DCP_LAYOUT, Ranks, StepSaver, load_step
 from fastckpt.series.steps import Tier
 
 __all__ = ["CheckpointManager"]
@@ -202,6 +205,9 @@ class CheckpointManager:
         self._first_reports: set[tuple[str, int, str]] = set()  # see _first_report
         self._last_commit: concurrent.futures.Future[None] | None = None
         self._ranks = Ranks(distributed)
+        # the checkpoint group is made here, on every rank in the same order
+        self._steps = StepSaver(self._ranks) if self._ranks.sharded else None
+        self._last_sharded: StepFuture | None = None
         self._locks: list[Any] = []
         self._guard = threading.Lock()  # retention and drains never race on a tier
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
@@ -288,8 +294,14 @@ class CheckpointManager:
         :func:`fastckpt.save`). The manager chooses ``base=`` itself.
 
         In a multi-rank run every rank calls this with its share of the state; it returns
-        (a done future) once every rank's file is durable and rank 0 committed the step, and
-        ``save_options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter`
+        once the share is captured (copied into the writer's staging pool, or with
+        ``fence=optimizer`` lazily, as a lazy single-file save), and in the background every
+        rank writes its file on a gloo group of fastckpt's own (training collectives never
+        wait on it) and rank 0 commits the step once every rank's file is durable. A rank
+        that fails or dies leaves the step absent; the future of every rank fails, and so
+        does its next :meth:`save` (once), which first waits for the previous step. The
+        plans of the previous step are reused while the state's structure is the same.
+        Other ``save_options`` go to :class:`~fastckpt.integrations.dcp.FastCkptWriter`
         (``checksum``, ``piece_size``, engine settings).
 
         Raises:
@@ -424,25 +436,70 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None,
         options: Mapping[str, Any],
     ) -> concurrent.futures.Future[None]:
-        """Every rank saves its share through DCP; once all have returned (every rank file
-        durable, ``.metadata`` written) and met at a barrier, rank 0 commits. Returns a done
-        future: the step is committed in its first tier on every rank when this returns."""
-        self._ranks.agree(lambda: self._clear_for(tier, step))
+        """Captures this rank's share (see :meth:`save`) and returns; in the background every
+        rank writes its file on the checkpoint group and rank 0 commits once every rank's is
+        durable. The previous step's save is finished first (its error raised here, once)."""
+        self._finish_sharded()
+        self._check_step(tier, step)  # the same verdict on every rank: no collective needed
+        assert self._steps is not None  # made in __init__ for a sharded manager
         directory = layout.step_dir(tier, step)
-        save_step(directory, state, self._ranks, tier.storage_options, **options)
-        self._ranks.barrier()  # a rank that died before its file was durable stops us here
+        captured: Any
+        try:
+            captured = self._steps.capture(directory, state, tier.storage_options, options)
+        except Exception as exc:  # the other ranks hear of it at the agreement, and all
+            captured = exc  # raise it at their next call (the ranks stay in step)
+            _log.error("step %d: this rank's state could not be captured: %s", step, exc)
 
-        def commit() -> None:
+        def prepare() -> None:  # rank 0, before any rank makes the directory
+            self._check_lease()
+            layout.remove_step(tier, step)  # a save of this step cut short
+            self._markers.pop((tier.location, step), None)
+
+        def commit() -> None:  # rank 0, once every rank's file is durable
             self._check_lease()
             layout.commit(tier, step, metrics, DCP_LAYOUT)
             self._retain(tier)
             if self._fast is not None:
                 self._submit_drain(step)
 
-        self._ranks.agree(commit)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        done.set_result(None)
-        return done
+        def write() -> None:
+            assert self._steps is not None
+            self._steps.write(captured, prepare, commit)
+
+        future: StepFuture = StepFuture()
+        _chain(self._saves.submit(write), future)
+        self._pending.append(future)
+        self._last_commit = future
+        self._last_sharded = future
+        return future
+
+    def _finish_sharded(self) -> None:
+        """Waits for the previous multi-rank save and raises its error: every rank's save of
+        a step succeeds or fails together, and every rank raises at its next call, even
+        where the error was taken from the future already, so that no rank goes on to a
+        collective that another rank left (:meth:`wait` does not raise it again)."""
+        previous, self._last_sharded = self._last_sharded, None
+        if previous is None:
+            return
+        error = concurrent.futures.Future.exception(previous)  # (not marked retrieved)
+        if error is not None:
+            self._delivered.add(id(previous))
+            raise error
+
+    def _check_step(self, tier: Tier, step: int) -> None:
+        """Refuses a step already saved or older than the newest (the checks of
+        :meth:`_clear_for`, without removing anything: rank 0 does that in the background)."""
+        self._check_lease()
+        committed = layout.committed_steps(tier)
+        if tier == self._fast:
+            committed = sorted({*committed, *self._root_steps()})
+        if step in committed:
+            raise ValueError(f"step {step} is already saved in {tier}")
+        if committed and step < committed[-1]:
+            raise ValueError(
+                f"step {step} is older than the newest saved step {committed[-1]} in {tier}: "
+                "steps must increase (restore() the step to go back to, then save newer ones)"
+            )
 
     def _submit_drain(self, step: int) -> None:
         """Starts the drain of ``step`` in the background (its error: :meth:`save`, :meth:`wait`)."""
@@ -841,6 +898,8 @@ class CheckpointManager:
             self._closed = True
             self._saves.shutdown()
             self._drains.shutdown()
+            if self._steps is not None:
+                self._steps.close()
             if self._spare is not None:  # its memory goes back to the system, and the
                 spare_files.discard(self._spare)  # tier's files are unmapped (kept_mappings)
             for lock in self._locks:

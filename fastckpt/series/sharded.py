@@ -7,6 +7,12 @@ and carries rank 0's decisions to the others (:meth:`Ranks.agree`); :func:`save_
 :func:`load_step` move a step's state through ``dcp.save`` / ``dcp.load``, which shard and
 reshard it (a step saved by N ranks loads on M).
 
+:class:`StepSaver` is the asynchronous form the manager uses: :meth:`StepSaver.capture`
+takes this rank's state at the call (copied into the writer's staging pool, or lazily under
+a fence), and :meth:`StepSaver.write` then saves it collectively on the checkpoint group
+(:func:`fastckpt.distributed.collective_save.save_collectively`), from a background thread,
+reusing the previous step's plans while the state's structure stays the same.
+
 Example (one process: DCP's layout without a process group):
     >>> import os, tempfile, torch
     >>> path = os.path.join(tempfile.mkdtemp(), "step")
@@ -26,15 +32,19 @@ Example (one process: DCP's layout without a process group):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 
+from fastckpt.distributed.collective_save import save_collectively
+from fastckpt.distributed.groups import checkpoint_group
+from fastckpt.distributed.plan_cache import PlanCache, structure_hash
 from fastckpt.errors import FastCkptError
 
-__all__ = ["DCP_LAYOUT", "Ranks", "load_step", "save_step"]
+__all__ = ["DCP_LAYOUT", "Captured", "Ranks", "StepSaver", "load_step", "save_step"]
 
 #: The ``layout`` a step's marker records when the step is a DCP checkpoint.
 DCP_LAYOUT = "dcp"
@@ -173,6 +183,130 @@ def load_step(
     except CheckpointException as exc:  # a BaseException: restated so callers can catch it
         raise FastCkptError(f"{path}: loading the DCP checkpoint failed: {exc}") from exc
     return state
+
+
+@dataclasses.dataclass
+class Captured:
+    """One rank's state as :meth:`StepSaver.capture` took it: the state dict DCP plans on
+    (stand-ins over the staged copies, or over the live tensors of a lazy save) and the
+    writer that holds the copies."""
+
+    staged: Any
+    writer: Any
+    lazy: bool
+
+
+class StepSaver:
+    """Saves a manager's steps across ranks: captured in the foreground, written in the
+    background on the checkpoint group (see the module's description).
+
+    One writer is kept while the writer options stay the same, so its staging pool (as
+    large as this rank's state) is filled again at each step instead of allocated.
+
+    Example (one process):
+        >>> import os, tempfile, torch
+        >>> saver = StepSaver(Ranks(True))
+        >>> path = os.path.join(tempfile.mkdtemp(), "step")
+        >>> state = {"w": torch.zeros(4), "step": 1}
+        >>> captured = saver.capture(path, state, None, {})
+        >>> state["w"] += 1  # after the capture: not saved
+        >>> saver.write(captured)
+        'planned'
+        >>> load_step(path, None, Ranks(True), None)["w"].tolist()
+        [0.0, 0.0, 0.0, 0.0]
+        >>> saver.close()
+    """
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        # made here, in the foreground, on every rank in the same order (a collective)
+        self.group = checkpoint_group() if ranks.group else None
+        self.plans = PlanCache()
+        #: How each save's plans came about: ``"planned"`` or ``"cached"``, in order.
+        self.outcomes: list[str] = []
+        self._writer: Any = None
+        self._writer_key: Any = None
+        self._stagers: list[Any] = []
+
+    def capture(
+        self,
+        path: str,
+        state: Any,
+        storage_options: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> Captured:
+        """Takes this rank's ``state`` for a save into ``path``: with ``fence=`` (an optimizer
+        or a list) lazily, as :class:`~fastckpt.integrations.dcp.FastCkptLazyStager` (with
+        ``fence_bytes=``); else copied into the writer's staging pool. Other ``options`` go
+        to :class:`~fastckpt.integrations.dcp.FastCkptWriter`."""
+        from fastckpt.integrations.dcp import FastCkptLazyStager, FastCkptWriter
+
+        options = dict(options)
+        fence = options.pop("fence", None)
+        fence_bytes = options.pop("fence_bytes", None)
+        key = (repr(sorted(options.items())), repr(storage_options))
+        if self._writer is None or self._writer_key != key:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = FastCkptWriter(
+                path, storage_options=_options(storage_options), **options
+            )
+            self._writer_key = key
+        writer = self._writer
+        writer.reset(path)
+        self._close_stagers()  # the previous save is done: its stage was claimed or ended
+        if fence is None:
+            # a plan this save will reuse says which items are this rank's to write
+            reused = self.plans.plan if self.plans.matches(structure_hash(state)) else None
+            with _one_process(self.ranks):
+                return Captured(writer.stage(state, reuse=reused), writer, lazy=False)
+        stager = FastCkptLazyStager(
+            fence=fence, fence_bytes=fence_bytes, staging_bytes=options.get("staging_bytes")
+        )
+        self._stagers.append(stager)
+        return Captured(stager.stage(state), writer, lazy=True)
+
+    def write(
+        self,
+        captured: Captured | BaseException,
+        prepare: Callable[[], None] | None = None,
+        commit: Callable[[], None] | None = None,
+    ) -> str:
+        """Saves what :meth:`capture` took, collectively on the checkpoint group (every rank
+        calls it, from any one thread); ``prepare`` and ``commit`` run on rank 0 only, before
+        the ranks agree and once every rank's file is durable and ``.metadata`` published.
+        Returns ``"cached"`` when the previous step's plans were reused, else ``"planned"``.
+
+        ``captured`` may be the error :meth:`capture` raised on this rank: the rank then
+        takes part only to tell the others, and raises it."""
+        if isinstance(captured, BaseException):
+            outcome = save_collectively(None, None, self.plans, group=self.group, failed=captured)
+        else:
+            try:
+                with _one_process(self.ranks):
+                    outcome = save_collectively(
+                        captured.staged,
+                        captured.writer,
+                        self.plans,
+                        group=self.group,
+                        prepare=prepare,
+                        commit=commit,
+                    )
+            finally:
+                captured.staged = None  # a lazy stage ends once its stand-ins are gone
+        self.outcomes.append(outcome)
+        return outcome
+
+    def close(self) -> None:
+        """Ends lazy stages no save claimed and frees the staging pool."""
+        self._close_stagers()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _close_stagers(self) -> None:
+        while self._stagers:
+            self._stagers.pop().close()
 
 
 def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -43,11 +43,12 @@ def local_tiers(rank: int, world: int, mesh, root: str, fast: str) -> None:
     local = state["model"]["w"].to_local()
     assert local.shape == (ROWS // world, COLS)  # each rank holds only its rows
     print(f"rank {rank} restored {step}", flush=True)
-    if rank == 1:
-        dist.barrier = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:  # dies once its file of step 3 is durable, before telling rank 0
+        dist.gather_object = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    future = manager.save(3, sharded_state(mesh, 3))  # returns at once: captured
     try:
-        manager.save(3, sharded_state(mesh, 3))
-    except Exception as exc:  # the barrier fails: the peer is gone
+        future.result(timeout=120)
+    except Exception as exc:  # the gather fails: the peer is gone
         print(f"rank {rank} save 3 failed: {type(exc).__name__}", flush=True)
     manager.close()
     os._exit(0)  # the process group lost a rank; nothing left to tear down cleanly

@@ -230,8 +230,10 @@ def test_distributed_true_in_one_process_saves_dcp_steps_and_drains_them(tmp_pat
     root, fast = tmp_path / "root", tmp_path / "fast"
     with fastckpt.CheckpointManager(root, fast=fast, distributed=True, keep_last=1) as manager:
         for step in (1, 2):
-            future = manager.save(step, {"w": torch.full((4, 3), float(step)), "step": step})
-            assert future.done()  # a DCP save returns once committed in its first tier
+            w = torch.full((4, 3), float(step))
+            future = manager.save(step, {"w": w, "step": step})
+            w += 100  # a DCP save returns once the state is captured: this is not saved
+            assert future.result() is None  # committed in its first tier
         manager.wait()
     assert layout.committed_steps(str(root)) == [2]
     marker = layout.marker_of(str(root), 2)

@@ -202,10 +202,20 @@ class FastCkptWriter(StorageWriter):
         if not remote.is_url(self.path):
             self._end_save()
             self._live = LiveSave(self.path, self.save_id)
-        return [
-            dataclasses.replace(p, storage_data=rank_file(i, self.save_id))
-            for i, p in enumerate(plans)
-        ]
+        return [self.plan_for_rank(p, i) for i, p in enumerate(plans)]
+
+    def plan_for_rank(self, plan: SavePlan, rank: int) -> SavePlan:
+        """``plan`` (a plan of an earlier save, reused while the state's structure is the
+        same) with the file ``rank`` writes in this save: every rank names it without the
+        coordinator's round trip once the ranks share ``save_id``.
+
+        Example:
+            >>> writer = FastCkptWriter("/tmp/ckpt")
+            >>> writer.save_id = "00000000002a"
+            >>> writer.plan_for_rank(SavePlan([]), 3).storage_data
+            '__3_00000000002a.safetensors'
+        """
+        return dataclasses.replace(plan, storage_data=rank_file(rank, self.save_id))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Writes this rank's items into its fastckpt file; the file is durable on return."""
@@ -264,11 +274,13 @@ class FastCkptWriter(StorageWriter):
         if self._pool is not None:
             self._pool.trim()
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any], *, reuse: SavePlan | None = None) -> dict[str, Any]:
         """Copies the tensors of ``state_dict`` into page-locked staging buffers (``async_save``).
 
         Returns a state dict of the same structure for DCP to plan on; the data it saves
-        are those at the time of this call.
+        are those at the time of this call. ``reuse``: this rank's final plan of an earlier
+        save of the same structure, which the coming save reuses: only its items are
+        copied (a replicated tensor that another rank writes is not).
         """
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -281,8 +293,11 @@ class FastCkptWriter(StorageWriter):
         local = planner.create_local_plan()
         flat: dict[str, torch.Tensor] = {}
         names: dict[int, str] = {}
+        wanted = None if reuse is None else {item_name(i.index) for i in reuse.items}
         for item in local.items:
             name = item_name(item.index)
+            if wanted is not None and name not in wanted:
+                continue  # another rank writes it (a replicated item of a reused plan)
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 flat[name] = _bytes_tensor(data)
