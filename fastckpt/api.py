@@ -25,12 +25,15 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Callable
 
+import torch
+
 from fastckpt import storage
 from fastckpt.checkpoint import asynchronous, read, stream_save
 from fastckpt.checkpoint import load as local_load
 from fastckpt.checkpoint import save as local_save
 from fastckpt.checkpoint.load_into import IncompatibleKeys, read_into
 from fastckpt.checkpoint.reader import Reader, check_framework, open_with
+from fastckpt.distributed import group_reader
 from fastckpt.integrations import hf_shards, remote
 from fastckpt.storage.file_object import is_file_object
 
@@ -42,6 +45,10 @@ _STORAGE_OPTIONS = """storage_options: for a URL, passed to its fsspec file syst
 _MAX_SHARD_SIZE = """max_shard_size: write Hugging Face shards plus ``model.safetensors.index.json``
             into the directory ``f``, each at most this size (``"5GB"`` is 5 * 10**9 bytes,
             ``"5GiB"`` 5 * 2**30, or an int); the index is written last."""
+_GROUP = """group: read once across a process group: every rank calls with the same
+            checkpoint, each reads a stripe of the bytes from storage (verified there) and
+            the rest arrives over collectives (a ``ProcessGroup``, or True for fastckpt's
+            checkpoint group; default None: each rank reads alone). See docs/read-once.md."""
 _SHARDS = """``f`` may also be a Hugging Face sharded directory or its ``*.index.json`` (the
             tensors its index names, each from the shard it names; ``parallel`` shards at once)."""
 
@@ -236,8 +243,31 @@ def save(
     hf_shards.retire_sharded_set(directory)
 
 
-@_routed(local_load.load, {"shards": _SHARDS})
-def load(f: Any, map_location: Any = None, **options: Any) -> Any:
+# What load() does with the tensors once read; the rest of its options open the checkpoint.
+_READING = ("device", "pin_memory", "weights_only", "keys", "verify", "progress", "mmap")
+
+
+def _load_shared(f: Any, map_location: Any, group: Any, options: dict[str, Any]) -> Any:
+    """load() over a group: the checkpoint is opened on every rank and read once."""
+    reading = {k: options.pop(k) for k in _READING if k in options}
+    if reading.get("mmap"):
+        raise ValueError(
+            "mmap=True maps the file on each rank, group= shares one read: pass one of them"
+        )
+    target = local_load.check_target(
+        map_location, reading.get("device"), pin_memory=bool(reading.get("pin_memory"))
+    )
+    if isinstance(target, torch.device) and target.type == "cuda":
+        options["device"] = target
+    with group_reader.open_shared(lambda: open(f, **options), group) as reader:
+        return local_load.load(reader, map_location, **reading)
+
+
+@_routed(local_load.load, {"shards": _SHARDS, "group": _GROUP})
+def load(f: Any, map_location: Any = None, *, group: Any = None, **options: Any) -> Any:
+    shared = group_reader.resolve_group(group)
+    if shared is not None:
+        return _load_shared(f, map_location, shared, options)
     single = weights_file(f, storage_options=options.get("storage_options"))
     if single is not None:
         return load(single, map_location, **options)
@@ -252,11 +282,16 @@ def load(f: Any, map_location: Any = None, **options: Any) -> Any:
         return hf_shards.load_sharded(f, map_location, **options)
 
 
-@_routed(read.open_checkpoint, {"shards": _SHARDS})
-def open(f: Any, framework: str = "pt", device: Any = None, **options: Any) -> Reader:  # noqa: A001
+@_routed(read.open_checkpoint, {"shards": _SHARDS, "group": _GROUP})
+def open(  # noqa: A001
+    f: Any, framework: str = "pt", device: Any = None, *, group: Any = None, **options: Any
+) -> Reader:
     check_framework(framework)
     if device is not None:  # safe_open's device=0 is the first GPU
         options["device"] = f"cuda:{device}" if isinstance(device, int) else device
+    shared = group_reader.resolve_group(group)
+    if shared is not None:
+        return group_reader.open_shared(lambda: open(f, **options), shared)
     single = weights_file(f, storage_options=options.get("storage_options"))
     if single is not None:
         return open(single, **options)
@@ -289,6 +324,7 @@ def load_into(
     *,
     strict: bool = True,
     verify: bool | None = None,
+    group: Any = None,
     **options: Any,
 ) -> IncompatibleKeys:
     """Reads a checkpoint straight into a model's parameters and buffers, or into a state
@@ -303,6 +339,10 @@ def load_into(
         strict: raise ``RuntimeError`` when keys differ (as ``load_state_dict`` does);
             with ``strict=False`` the matching tensors are filled.
         verify: check CRC32Cs (default: when the file has them).
+        group: read once across a process group (a ``ProcessGroup``, or True for fastckpt's
+            checkpoint group; default None: each rank reads alone). Every rank calls with the
+            same checkpoint and its own model; each reads a stripe of the bytes, verified
+            there, and every rank's tensors are filled from the shared bytes.
         options: :func:`fastckpt.open`'s (``storage_options``, ``direct_io``, ...).
 
     Returns:
@@ -318,6 +358,12 @@ def load_into(
         >>> fastckpt.load_into(model, "/tmp/fastckpt-load-into.safetensors")
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
+    shared = group_reader.resolve_group(group)
+    if shared is not None:
+        with group_reader.open_shared(lambda: open(f, **options), shared) as reader:
+            return group_reader.read_into_shared(
+                model_or_state_dict, reader, shared, strict=strict, verify=verify
+            )
     with open(f, **options) as reader:
         return read_into(model_or_state_dict, reader, strict=strict, verify=verify)
 

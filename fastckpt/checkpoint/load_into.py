@@ -27,7 +27,7 @@ import torch
 
 from fastckpt.checkpoint.reader import Reader
 
-__all__ = ["IncompatibleKeys", "read_into"]
+__all__ = ["IncompatibleKeys", "match_keys", "read_into"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -60,20 +60,23 @@ def _direct(dest: torch.Tensor, dtype: torch.dtype) -> bool:
     return dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
 
 
-def read_into(
-    model_or_state_dict: Any,
-    reader: Reader,
-    *,
-    strict: bool = True,
-    verify: bool | None = None,
-) -> IncompatibleKeys:
-    """Fills the tensors of ``model_or_state_dict`` from ``reader`` (see the module's
-    description); returns the missing and unexpected keys, as ``load_state_dict`` does.
+def match_keys(
+    model_or_state_dict: Any, reader: Reader, *, strict: bool = True
+) -> tuple[dict[str, torch.Tensor], list[str], IncompatibleKeys]:
+    """The destination tensors by name, the names both sides have (to be filled), and the
+    missing and unexpected keys; raises before anything is read when ``strict`` and keys
+    differ, or when a shape differs (the checks of :func:`read_into`, also used by the
+    shared load of :mod:`fastckpt.distributed`).
 
-    Raises:
-        RuntimeError: ``strict`` and keys differ, or a shape differs (nothing is read then).
-        TypeError: ``model_or_state_dict`` is not a module or a dict of tensors.
-        ChecksumError: a tensor read does not match its checksum.
+    Example:
+        >>> import torch
+        >>> from fastckpt.checkpoint.read import open_checkpoint
+        >>> from fastckpt.checkpoint.save import save
+        >>> save({"weight": torch.ones(2, 3)}, "/tmp/fastckpt-match.safetensors")
+        >>> with open_checkpoint("/tmp/fastckpt-match.safetensors") as r:
+        ...     _, shared, keys = match_keys(torch.nn.Linear(3, 2), r, strict=False)
+        >>> shared, keys.missing_keys
+        (['weight'], ['bias'])
     """
     dest, what = _destination(model_or_state_dict)
     stored = set(reader.keys())
@@ -97,6 +100,26 @@ def read_into(
         raise RuntimeError(
             f"Error(s) in loading state_dict for {what}:\n\t" + "\n\t".join(problems)
         )
+    return dest, shared, IncompatibleKeys(missing, unexpected)
+
+
+def read_into(
+    model_or_state_dict: Any,
+    reader: Reader,
+    *,
+    strict: bool = True,
+    verify: bool | None = None,
+) -> IncompatibleKeys:
+    """Fills the tensors of ``model_or_state_dict`` from ``reader`` (see the module's
+    description); returns the missing and unexpected keys, as ``load_state_dict`` does.
+
+    Raises:
+        RuntimeError: ``strict`` and keys differ, or a shape differs (nothing is read then).
+        TypeError: ``model_or_state_dict`` is not a module or a dict of tensors.
+        ChecksumError: a tensor read does not match its checksum.
+    """
+    dest, shared, keys = match_keys(model_or_state_dict, reader, strict=strict)
+    missing, unexpected = keys
     check = reader.has_checksums if verify is None else verify
     reader.require_checksums(check)
     done: set[tuple[Any, ...]] = set()  # tied tensors: one memory, read once

@@ -1,0 +1,306 @@
+"""Read once, share: the ranks of a group read each unique byte of a checkpoint from storage
+once between them, and deliver each rank the tensors it asked for over collectives.
+
+A load on N ranks of a replicated model otherwise reads the checkpoint N times: N times the
+storage traffic, on the one resource (a shared filer, a node's link) that every rank waits
+on. Here the ranks first agree on what is wanted (one ``all_gather_object`` of each rank's
+names and a fingerprint of the header, so ranks that opened different checkpoints stop
+with an error instead of exchanging garbage). The union is cut into **stripes balanced by
+bytes**, one per rank, contiguous in file order (:func:`plan_pieces`); each stripe into
+**pieces** of a bounded size. In round ``r`` every rank reads its ``r``-th piece with the
+ordinary read path (parallel reads, checksums verified as read), then each piece goes from
+its reader to the ranks that need it: one ``broadcast`` when every rank does, point-to-point
+sends otherwise (a resharded load). Reads of round ``r + 1`` run on a background thread while
+round ``r`` is broadcast, so storage and network overlap; memory in flight is the pieces of
+two rounds.
+
+Stripes are made of whole tensors, because checksums are per tensor: every tensor is
+verified by the rank that read it, where its bytes came off storage, and the bytes that
+travel are the verified ones (gloo runs over TCP, whose own checksum guards the transfer).
+A tensor larger than a rank's share of the bytes makes the stripes uneven; it is still
+read once.
+
+Before each round's transfers the ranks agree that every read of the round succeeded
+(:func:`~fastckpt.distributed.agreement.raise_everywhere`): a damaged tensor raises
+``ChecksumError`` naming it on every rank, not only on the one that read it.
+
+Example (the plan: three ranks, tensors of 10, 10, 40 and 20 bytes):
+    >>> for p in plan_pieces([("a", 10), ("b", 10), ("c", 40), ("d", 20)], 3, piece_bytes=128):
+    ...     p.owner, p.round, p.names, p.offsets
+    (0, 0, ('a', 'b'), (0, 64))
+    (1, 0, ('c',), (0,))
+    (2, 0, ('d',), (0,))
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fastckpt.checkpoint.header_view import HeaderView
+from fastckpt.checkpoint.reader import Reader
+from fastckpt.checkpoint.tensor_runs import arena_exporter, own_bytes
+from fastckpt.config import staging_bytes
+from fastckpt.distributed.agreement import raise_everywhere
+from fastckpt.io.aligned_memory import arena_tensor
+
+__all__ = ["Piece", "plan_pieces", "share_reads", "piece_size"]
+
+#: Where a tensor starts in a piece: a multiple of this (every dtype's alignment, a cache line).
+PLACE_ALIGNMENT = 64
+#: Bounds of a piece: small ones pay a collective each, large ones hold memory in flight.
+MIN_PIECE = 4 << 20
+MAX_PIECE = 64 << 20
+
+#: ``deliver(stored name, tensor)``: a tensor this rank asked for, in a piece's memory (valid
+#: as long as the caller keeps it; the piece is freed with its last tensor).
+Deliver = Callable[[str, torch.Tensor], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Whole tensors that one rank (``owner``) reads in round ``round`` and sends on;
+    ``offsets`` are where each tensor's bytes lie in the piece's ``nbytes`` of memory."""
+
+    owner: int
+    round: int
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def piece_size(world: int) -> int:
+    """Bytes per piece: the staging budget shared by the pieces of one round, within
+    [4 MiB, 64 MiB].
+
+    Example:
+        >>> piece_size(2) <= 64 << 20, piece_size(1024) == 4 << 20
+        (True, True)
+    """
+    return max(MIN_PIECE, min(MAX_PIECE, staging_bytes() // max(world, 1)))
+
+
+def plan_pieces(
+    sizes: Sequence[tuple[str, int]], world: int, *, piece_bytes: int | None = None
+) -> list[Piece]:
+    """The pieces of tensors ``sizes`` (name, bytes; in the order to read them) over
+    ``world`` ranks: rank ``k`` reads the tensors whose middle byte falls in the ``k``-th
+    ``1/world`` of all the bytes (a contiguous stripe of about ``total / world`` bytes), cut
+    into pieces of at most ``piece_bytes`` (a larger tensor is a piece of its own). Pieces
+    are listed by round, then rank.
+
+    Example:
+        >>> [(p.owner, p.round, p.names) for p in plan_pieces([("a", 8), ("b", 8)], 1, piece_bytes=8)]
+        [(0, 0, ('a',)), (0, 1, ('b',))]
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    limit = piece_size(world) if piece_bytes is None else piece_bytes
+    total = sum(n for _, n in sizes)
+    stripes: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    start = 0
+    for index, (name, nbytes) in enumerate(sizes):
+        if total:
+            owner = min(world - 1, (2 * start + nbytes) * world // (2 * total))
+        else:  # nothing but empty tensors: spread them by count
+            owner = index * world // len(sizes)
+        stripes[owner].append((name, nbytes))
+        start += nbytes
+    pieces: list[Piece] = []
+    for owner, stripe in enumerate(stripes):
+        names: list[str] = []
+        offsets: list[int] = []
+        end = 0
+        for name, nbytes in stripe:
+            at = -(-end // PLACE_ALIGNMENT) * PLACE_ALIGNMENT
+            if names and at + nbytes > limit:
+                pieces.append(_piece(owner, pieces, names, offsets, end))
+                names, offsets, at = [], [], 0
+            names.append(name)
+            offsets.append(at)
+            end = at + nbytes
+        if names:
+            pieces.append(_piece(owner, pieces, names, offsets, end))
+    return sorted(pieces, key=lambda p: (p.round, p.owner))
+
+
+def _piece(owner: int, made: list[Piece], names: list[str], offsets: list[int], end: int) -> Piece:
+    rounds = sum(1 for p in made if p.owner == owner)
+    return Piece(owner, rounds, tuple(names), tuple(offsets), end)
+
+
+def stored_names(reader: Reader, names: Sequence[str] | None) -> list[str]:
+    """The stored tensors behind ``names`` (all when None), aliases resolved, each once."""
+    aliases = reader.aliases
+    if names is None:
+        return [n for n in reader.keys() if n not in aliases]
+    if isinstance(names, str):
+        raise TypeError("names must be a sequence of str, not a str")
+    return list(dict.fromkeys(aliases.get(n, n) for n in names))
+
+
+def _fingerprint(reader: Reader, names: Sequence[str]) -> str:
+    """What the ranks must agree on: the names, dtypes, shapes and sizes of the tensors."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        info = reader.info(name)
+        digest.update(f"{name}|{info.dtype}|{info.shape}|{info.nbytes}\n".encode())
+    return digest.hexdigest()
+
+
+def _file_order(reader: Reader, names: list[str]) -> list[str]:
+    """``names`` in the order their bytes lie in a single file, so each stripe is a few long
+    reads; a reader over several files (shards, a chain) keeps its own order of names."""
+    if not isinstance(reader, HeaderView):
+        return names
+    return sorted(names, key=lambda name: reader.info(name).offset)
+
+
+def share_reads(
+    reader: Reader,
+    names: Sequence[str] | None,
+    group: Any,
+    *,
+    deliver: Deliver,
+    verify: bool = False,
+    pin_memory: bool = False,
+    piece_bytes: int | None = None,
+) -> None:
+    """A collective over ``group`` (every rank calls it, with the same checkpoint opened in
+    ``reader``): reads this rank's stripe of the tensors that any rank asks for, verifying
+    them when ``verify``, and calls ``deliver(name, tensor)`` for every stored tensor behind
+    ``names`` (all when None), CPU tensors in memory of their own.
+
+    Raises (on every rank, whichever rank it happened on):
+        ChecksumError: a tensor read does not match its CRC32C (naming it and the file).
+        OSError: a read failed (errno and file name).
+        ValueError: the ranks opened checkpoints with different tensors.
+    """
+    dist = torch.distributed
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    wanted = stored_names(reader, names)
+    asked: list[Any] = [None] * world
+    header = _fingerprint(reader, stored_names(reader, None))
+    dist.all_gather_object(asked, (header, None if names is None else wanted), group=group)
+    if len({h for h, _ in asked}) > 1:
+        different = [r for r, (h, _) in enumerate(asked) if h != asked[0][0]]
+        raise ValueError(
+            f"{reader.path}: ranks {different} of the group opened a checkpoint whose tensors "
+            "differ from rank 0's; a shared read needs the same checkpoint on every rank"
+        )
+    everything = stored_names(reader, None)
+    needers: dict[str, set[int]] = {}
+    for rank, (_, theirs) in enumerate(asked):
+        for name in everything if theirs is None else theirs:
+            needers.setdefault(name, set()).add(rank)
+    order = _file_order(reader, [n for n in everything if n in needers])
+    pieces = plan_pieces(
+        [(n, reader.info(n).nbytes) for n in order], world, piece_bytes=piece_bytes
+    )
+    mine = set(wanted)
+    own = [p for p in pieces if p.owner == me]
+    rounds = 1 + max((p.round for p in pieces), default=-1)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-read") as pool:
+        reads: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
+        ahead = iter(own)  # in round order; this round's read and the next's are queued,
+        try:  # so storage works while the network does
+            for r in range(rounds):
+                while not reads or max(reads) < r + 1:
+                    p = next(ahead, None)
+                    if p is None:
+                        break
+                    reads[p.round] = pool.submit(_read_piece, reader, p, verify, pin_memory)
+                error: BaseException | None = None
+                buffer = None
+                if r in reads:
+                    try:
+                        buffer = reads.pop(r).result()
+                    except Exception as exc:
+                        error = exc
+                raise_everywhere(error, group, f"reading {reader.path}")
+                this_round = [p for p in pieces if p.round == r]
+                received = _exchange(this_round, buffer, needers, me, world, group, pin_memory)
+                for p, memory in received:
+                    _deliver_piece(reader, p, memory, mine, deliver)
+        finally:
+            for future in reads.values():
+                future.cancel()
+
+
+def _buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    return arena_tensor(nbytes, lock=pin_memory)
+
+
+def _read_piece(reader: Reader, piece: Piece, verify: bool, pin_memory: bool) -> torch.Tensor:
+    """Reads the piece's tensors (verified when asked) and lays their bytes out in one
+    buffer, ready to be sent."""
+    tensors = reader.read(list(piece.names), verify=verify, progress=False)
+    buffer = _buffer(piece.nbytes, pin_memory)
+    for name, at in zip(piece.names, piece.offsets):
+        t = tensors.pop(name)
+        if t.numel():
+            nbytes = t.numel() * t.element_size()
+            buffer[at : at + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def _exchange(
+    pieces: list[Piece],
+    buffer: torch.Tensor | None,
+    needers: dict[str, set[int]],
+    me: int,
+    world: int,
+    group: Any,
+    pin_memory: bool,
+) -> list[tuple[Piece, torch.Tensor]]:
+    """Sends this rank's piece of the round to those who need it and receives the pieces
+    it needs; all transfers of the round are in flight at once (one per reader)."""
+    dist = torch.distributed
+    works = []
+    received = []
+    for p in pieces:
+        wanting = set().union(*(needers[n] for n in p.names))
+        if p.owner == me:
+            assert buffer is not None
+            memory: torch.Tensor | None = buffer
+        elif me in wanting or len(wanting | {p.owner}) == world:
+            memory = _buffer(p.nbytes, pin_memory)
+        else:
+            memory = None
+        if not p.nbytes:
+            pass
+        elif len(wanting | {p.owner}) == world:  # every rank: one broadcast (a tree)
+            assert memory is not None
+            works.append(dist.broadcast(memory, group=group, group_src=p.owner, async_op=True))
+        elif p.owner == me:
+            assert memory is not None
+            for rank in sorted(wanting - {me}):
+                works.append(dist.isend(memory, group=group, group_dst=rank))
+        elif memory is not None:
+            works.append(dist.irecv(memory, group=group, group_src=p.owner))
+        if memory is not None and me in wanting:
+            received.append((p, memory))
+    for work in works:
+        work.wait()
+    return received
+
+
+def _deliver_piece(
+    reader: Reader, piece: Piece, memory: torch.Tensor, mine: set[str], deliver: Deliver
+) -> None:
+    exporter = arena_exporter(memory)
+    for name, at in zip(piece.names, piece.offsets):
+        if name not in mine:
+            continue
+        info = reader.info(name)
+        if info.nbytes == 0:
+            tensor = torch.empty(info.shape, dtype=info.dtype)
+        else:
+            tensor = own_bytes(memory, at, info.nbytes, exporter).view(info.dtype)
+            tensor = tensor.view(info.shape)
+        deliver(name, tensor)
