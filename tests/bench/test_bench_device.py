@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -45,3 +47,13 @@ def test_per_core_costs():
     for step in ("CRC32C", "XXH3-128", "copy + CRC32C, one pass", "page-cache read"):
         assert f"| {step} |" in out
     assert "cores busy" in out
+
+
+@pytest.mark.slow
+def test_ab_builds_both_commits_and_prints_every_case(tmp_path):
+    out = run(
+        "bench_ab.py", "HEAD", "HEAD", "--rounds", "1", "--size", "8M", "--dir", str(tmp_path)
+    )
+    for case in ("tmpfs-save", "tmpfs-load", "hot-load", "mmap-load"):
+        assert f"| {case} |" in out
+    assert list(tmp_path.iterdir()) == []  # its files are gone
