@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from fastckpt.distributed.collective_save import save_collectively
+from fastckpt.distributed.collective_save import timings as plan_timings
 from fastckpt.distributed.groups import checkpoint_group
 from fastckpt.distributed.plan_cache import PlanCache, structure_hash
 from fastckpt.errors import FastCkptError
@@ -224,6 +225,8 @@ class StepSaver:
         self.plans = PlanCache()
         #: How each save's plans came about: ``"planned"`` or ``"cached"``, in order.
         self.outcomes: list[str] = []
+        #: Seconds each save spent agreeing and planning before it wrote, in order.
+        self.plan_seconds: list[float] = []
         self._writer: Any = None
         self._writer_key: Any = None
         self._stagers: list[Any] = []
@@ -295,6 +298,7 @@ class StepSaver:
             finally:
                 captured.staged = None  # a lazy stage ends once its stand-ins are gone
         self.outcomes.append(outcome)
+        self.plan_seconds.append(plan_timings.get("plan", 0.0))
         return outcome
 
     def close(self) -> None:
