@@ -72,6 +72,7 @@ from typing import Any
 from fastckpt import api
 from fastckpt.errors import ChecksumError, FastCkptError
 from fastckpt.io import spare_files
+from fastckpt.series import replicas as peer_copies
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
@@ -150,6 +151,12 @@ class CheckpointManager:
             not drained, so past this many :meth:`save` refuses (naming root's error)
             rather than fill the fast tier's memory. A failed drain is raised by the next
             :meth:`save` (once), naming the step, the tiers, the file and the errno.
+        replicas: copy each committed fast step into the memory of this many other nodes
+            (:mod:`fastckpt.series.replicas`): every rank then saves its own steps to its
+            own ``root`` and node-local ``fast`` (``distributed`` defaults to False), and
+            :meth:`restore` and :meth:`close` are collective; a restore after a node is
+            lost takes the newest step that survives in any peer's memory before root.
+        replication_bytes_per_second: cap on the bytes each rank sends to its peers.
     """
 
     def __init__(
@@ -169,6 +176,8 @@ class CheckpointManager:
         incremental: bool = False,
         full_every: int = 10,
         max_undrained: int = 4,
+        replicas: int = 0,
+        replication_bytes_per_second: float | None = None,
     ):
         self._root = _tier(root, "root", storage_options)
         self._fast = None if fast is None else _tier(fast, "fast", storage_options)
@@ -204,7 +213,16 @@ class CheckpointManager:
         self._reported: set[tuple[str, int]] = set()  # steps logged as kept for others
         self._first_reports: set[tuple[str, int, str]] = set()  # see _first_report
         self._last_commit: concurrent.futures.Future[None] | None = None
-        self._ranks = Ranks(distributed)
+        self._ranks = Ranks(False if replicas and distributed is None else distributed)
+        # collective: every rank makes its replication groups here, in the same order
+        self._replicator = peer_copies.make_replicator(
+            replicas,
+            self.fast,
+            sharded=self._ranks.sharded,
+            incremental=incremental,
+            rate=replication_bytes_per_second,
+        )
+        self.recovery: peer_copies.Recovery | None = None  # the last restore from peers
         # the checkpoint group is made here, on every rank in the same order
         self._steps = StepSaver(self._ranks) if self._ranks.sharded else None
         self._last_sharded: StepFuture | None = None
@@ -351,6 +369,8 @@ class CheckpointManager:
                 layout.commit(tier, step, metrics, extra=self._chain_fields(tier, step, since_full))
             finally:
                 self._release_base(tier, base)
+            if tier == self._fast:  # opened now: retention may delete it at once
+                peer_copies.replicate(self._replicator, tier, step)
             self._retain(tier)
             if self._fast is not None:
                 self._submit_drain(step)
@@ -752,6 +772,16 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: no step (or not ``step``) is committed, or none loads.
         """
+        if self._replicator is not None and self._fast is not None:  # every rank: the same step
+            concurrent.futures.wait(list(self._pending))
+            self.recovery = peer_copies.recover(
+                self._replicator, self._fast, self._root_steps(), step
+            )
+            step = step if self.recovery.step is None else self.recovery.step
+            if step is not None and peer_copies.from_peer(self.recovery, self._replicator.rank):
+                self._submit_drain(step)  # (root may lack it: its node died before the drain)
+        if self._last_sharded is not None:  # its collectives end before the load's begin
+            concurrent.futures.wait([self._last_sharded])  # (its error stays for save())
         candidates = self._ranks.agree(lambda: self._candidates(step))
         errors: list[str] = []
         failed: list[tuple[Tier, int]] = []
@@ -869,7 +899,11 @@ class CheckpointManager:
         """Step ``step`` of ``tier``, loaded as its marker's layout says."""
         directory = layout.step_dir(tier, step)
         if layout.marker_of(tier, step).get("layout") == DCP_LAYOUT:
-            return load_step(directory, state, self._ranks, tier.storage_options, **options)
+            # with a state to load into: on the checkpoint group, the plan reused
+            saver = self._steps if state is not None else None
+            return load_step(
+                directory, state, self._ranks, tier.storage_options, saver=saver, **options
+            )
         options = dict(options)
         if tier.is_url:
             options.setdefault("storage_options", tier.storage_options)
@@ -896,6 +930,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._replicator is not None:  # replicates the newest step, then stops
+                self._replicator.close(timeout=60.0)
             self._saves.shutdown()
             self._drains.shutdown()
             if self._steps is not None:
