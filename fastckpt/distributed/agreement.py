@@ -81,5 +81,5 @@ def _rebuilt(rank: int, record: tuple[str, bytes | None, str], what: str) -> Bas
         return FastCkptError(f"{kind}: {message} ({note})")
     error: BaseException = pickle.loads(data)
     # BaseException.add_note where it exists (3.11); the same attribute tracebacks show
-    setattr(error, "__notes__", [*getattr(error, "__notes__", []), note])
+    error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined,unused-ignore]
     return error

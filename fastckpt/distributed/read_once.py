@@ -47,7 +47,7 @@ from fastckpt.checkpoint.reader import Reader
 from fastckpt.checkpoint.tensor_runs import arena_exporter, own_bytes
 from fastckpt.config import staging_bytes
 from fastckpt.distributed.agreement import raise_everywhere
-from fastckpt.io.aligned_memory import arena_tensor
+from fastckpt.io.aligned_memory import aligned_tensor
 
 __all__ = ["Piece", "plan_pieces", "share_reads", "piece_size"]
 
@@ -56,6 +56,8 @@ PLACE_ALIGNMENT = 64
 #: Bounds of a piece: small ones pay a collective each, large ones hold memory in flight.
 MIN_PIECE = 4 << 20
 MAX_PIECE = 64 << 20
+#: Tensors of this many bytes or more are read straight into a piece's memory.
+DIRECT_READ = 1 << 20
 
 #: ``deliver(stored name, tensor)``: a tensor this rank asked for, in a piece's memory (valid
 #: as long as the caller keeps it; the piece is freed with its last tensor).
@@ -233,19 +235,30 @@ def share_reads(
 
 
 def _buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    return arena_tensor(nbytes, lock=pin_memory)
+    """A piece's memory: a mapping of its own, returned to the system with its last tensor
+    (heap blocks of tens of MiB stay with the process once freed: RSS would grow by a
+    checkpoint per load)."""
+    return aligned_tensor(nbytes, lock=pin_memory)
 
 
 def _read_piece(reader: Reader, piece: Piece, verify: bool, pin_memory: bool) -> torch.Tensor:
-    """Reads the piece's tensors (verified when asked) and lays their bytes out in one
-    buffer, ready to be sent."""
-    tensors = reader.read(list(piece.names), verify=verify, progress=False)
+    """Reads the piece's tensors (verified when asked) into one buffer, ready to be sent:
+    large ones straight into their place (a ranged read of the whole tensor, checked piece
+    by piece), small ones in one batch of reads and copied (one read per tensor would cost
+    more than the copy)."""
     buffer = _buffer(piece.nbytes, pin_memory)
+    small = []
     for name, at in zip(piece.names, piece.offsets):
-        t = tensors.pop(name)
-        if t.numel():
-            nbytes = t.numel() * t.element_size()
-            buffer[at : at + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        nbytes = reader.info(name).nbytes
+        if nbytes >= DIRECT_READ:
+            reader.read_range(name, 0, nbytes, out=buffer[at : at + nbytes], verify=verify)
+        elif nbytes:
+            small.append((name, at))
+    if small:
+        tensors = reader.read([name for name, _ in small], verify=verify, progress=False)
+        for name, at in small:
+            t = tensors.pop(name).contiguous().reshape(-1).view(torch.uint8)
+            buffer[at : at + t.numel()].copy_(t)
     return buffer
 
 
