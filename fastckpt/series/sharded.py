@@ -38,7 +38,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
+from fastckpt.distributed.collective_load import load_collectively
 from fastckpt.distributed.collective_save import save_collectively
 from fastckpt.distributed.collective_save import timings as plan_timings
 from fastckpt.distributed.groups import checkpoint_group
@@ -149,12 +151,17 @@ def load_step(
     state: Any,
     ranks: Ranks,
     storage_options: Mapping[str, Any] | None,
+    saver: StepSaver | None = None,
     **options: Any,
 ) -> Any:
     """The DCP checkpoint at ``path`` loaded into ``state`` (in place, resharded to its
     tensors: DTensors or plain ones) and returned; with ``state`` None (one process only)
     every value as full tensors. ``options`` go to
     :class:`~fastckpt.integrations.dcp.FastCkptReader` (which verifies every piece read).
+    With ``saver`` the load runs on its checkpoint group and reuses the plan of its
+    previous load while the structures stay the same
+    (:func:`~fastckpt.distributed.collective_load.load_collectively`); no save of that
+    saver may be running.
 
     Raises:
         FastCkptError: DCP's load failed on some rank (its failures quoted), or a subclass
@@ -178,12 +185,32 @@ def load_step(
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = FastCkptReader(path, storage_options=_options(storage_options), **options)
+    if saver is not None:
+        plain = _state_dicts_of(state)  # Stateful values as their state dicts, as DCP does
+        saver.load_outcomes.append(
+            load_collectively(plain, reader, saver.load_plans, group=saver.group)
+        )
+        if plain is not state:  # values loaded into the copy's top level go back
+            for key, value in state.items():
+                if isinstance(value, Stateful):
+                    value.load_state_dict(plain[key])
+                else:
+                    state[key] = plain[key]
+        return state
     try:
         with _one_process(ranks):
             dcp.load(state, storage_reader=reader, no_dist=not ranks.group)
     except CheckpointException as exc:  # a BaseException: restated so callers can catch it
         raise FastCkptError(f"{path}: loading the DCP checkpoint failed: {exc}") from exc
     return state
+
+
+def _state_dicts_of(state: Any) -> Any:
+    """``state`` with each top-level Stateful value (a module, an optimizer) replaced by its
+    state dict, as ``dcp.save`` and ``dcp.load`` do."""
+    if not isinstance(state, dict):
+        return state
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
 @dataclasses.dataclass
@@ -223,6 +250,9 @@ class StepSaver:
         # made here, in the foreground, on every rank in the same order (a collective)
         self.group = checkpoint_group() if ranks.group else None
         self.plans = PlanCache()
+        self.load_plans = PlanCache()
+        #: How each load's plan came about: ``"planned"`` or ``"cached"``, in order.
+        self.load_outcomes: list[str] = []
         #: How each save's plans came about: ``"planned"`` or ``"cached"``, in order.
         self.outcomes: list[str] = []
         #: Seconds each save spent agreeing and planning before it wrote, in order.
@@ -244,6 +274,7 @@ class StepSaver:
         to :class:`~fastckpt.integrations.dcp.FastCkptWriter`."""
         from fastckpt.integrations.dcp import FastCkptLazyStager, FastCkptWriter
 
+        state = _state_dicts_of(state)
         options = dict(options)
         fence = options.pop("fence", None)
         fence_bytes = options.pop("fence_bytes", None)

@@ -72,6 +72,7 @@ def async_saves(rank: int, world: int, mesh, root: str) -> None:
         for step in range(1, 7):
             check(mesh, manager, step, step >= 5)
         report(rank, "outcomes " + " ".join(manager._steps.outcomes))
+        report(rank, "load outcomes " + " ".join(manager._steps.load_outcomes))
         report(rank, "restored every step")
     dist.barrier()
     dist.destroy_process_group()

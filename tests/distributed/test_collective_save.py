@@ -1,7 +1,8 @@
-"""Asynchronous multi-rank saves of CheckpointManager (fastckpt.distributed.collective_save):
-real rank processes over gloo on loopback save sharded and replicated DTensors; the saves
-return once captured, reuse their plans while the structure stays the same, write each
-replicated tensor once, and fail together (the step absent) when one rank fails."""
+"""Asynchronous multi-rank saves of CheckpointManager (fastckpt.distributed.collective_save,
+collective_load): real rank processes over gloo on loopback save sharded and replicated
+DTensors; the saves return once captured, saves and loads reuse their plans while the
+structure stays the same, each replicated tensor is written once, and a failing rank fails
+the step on every rank (the step absent)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_saves_return_at_capture_reuse_plans_and_restore_every_step(tmp_path):
         assert f"rank {rank}: restored every step" in out
         # steps 1-4 share a structure, 5-6 another: planned at 1 and 5, cached otherwise
         assert f"rank {rank}: outcomes planned cached cached cached planned cached" in out
+        # and so do the loads of those steps (each step's own .metadata read every time)
+        assert f"rank {rank}: load outcomes planned cached cached cached planned cached" in out
     assert layout.committed_steps(str(tmp_path)) == [1, 2, 3, 4, 5, 6]
     # every replicated tensor is in exactly one rank file, spread over the ranks
     holders: dict[str, list[str]] = {}
@@ -108,3 +111,14 @@ def test_a_failed_save_in_one_process_publishes_nothing_and_forgets_its_plans(tm
     assert save_collectively({"w": torch.ones(ROWS)}, writer, cache) == "planned"
     assert is_dcp_checkpoint(str(tmp_path / "c"))
     assert CollectiveSaveError.__mro__[1] is fastckpt.FastCkptError
+
+
+def test_stateful_values_are_saved_and_loaded_through_their_state_dicts(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with fastckpt.CheckpointManager(tmp_path, distributed=True) as manager:
+        manager.save(1, {"model": model, "step": 1}).result()
+        fresh = torch.nn.Linear(3, 2)
+        target = {"model": fresh, "step": 0}
+        assert manager.restore(1, state=target)[0] == 1
+    assert target["step"] == 1 and torch.equal(fresh.weight, model.weight)
