@@ -4,7 +4,8 @@ of a replicated model, at 2, 4 and 8 ranks (processes on this machine, gloo on l
 
 Storage is throttled so that it is the bottleneck, as on a cluster: every read of tensor
 bytes first reserves its bytes from a token bucket and sleeps until the bucket has passed
-them, then reads the file (kept in ``/dev/shm``, so the read itself costs only a copy).
+them, then reads the file through the page cache (the file is read once before timing, so
+the read itself costs only a copy).
 
 * ``--storage filer`` (default): one bucket shared by every rank (a lock and a clock in a
   file under ``/dev/shm``), the shared file system or object store that a job's ranks all
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import gc
 import os
 import resource
 import socket
@@ -153,7 +155,7 @@ def rank_main(rank: int, world: int, port: int, args: Any, out: str) -> None:
     group = checkpoint_group()
     rows = []
     for r in range(args.rounds):
-        modes = ("alone", "read-once") if r % 2 == 0 else ("read-once", "alone")
+        modes = args.modes if r % 2 == 0 else args.modes[::-1]
         for mode in modes:
             counts = {"data": 0, "header": 0}
             storage = ThrottledStorage(args.file, bucket, counts)
@@ -163,6 +165,7 @@ def rank_main(rank: int, world: int, port: int, args: Any, out: str) -> None:
             elapsed = time.perf_counter() - start
             assert len(state) == args.tensors, len(state)
             del state
+            gc.collect()  # a loaded object's tensors can sit in a reference cycle until then
             figures = torch.tensor([elapsed, counts["data"], counts["header"]], dtype=torch.float64)
             slowest = figures[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -194,8 +197,14 @@ def main() -> None:
     parser.add_argument("--storage", choices=("filer", "link"), default="filer")
     parser.add_argument("--ranks", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where the file lives (its pages stay cached)"
+    )
+    parser.add_argument(
+        "--modes", default="alone,read-once", help="what to time (a memory check: one)"
+    )
     args = parser.parse_args()
+    args.modes = tuple(args.modes.split(","))
     worlds = [int(w) for w in args.ranks.split(",")]
     rate = parse_size(args.bandwidth)
     commit = subprocess.run(
@@ -231,12 +240,12 @@ def main() -> None:
             with open(out) as f:
                 rows, peak = eval(f.read())  # noqa: S307 - written by this benchmark's rank 0
             medians = {}
-            for mode in ("alone", "read-once"):
+            for mode in args.modes:
                 times = [t for m, t, _, _ in rows if m == mode]
                 data = [d for m, _, d, _ in rows if m == mode]
                 headers = [h for m, _, _, h in rows if m == mode]
                 medians[mode] = statistics.median(times)
-                ratio = medians[mode] / medians["alone"]
+                ratio = medians[mode] / medians.get("alone", medians[mode])
                 print(
                     f"{world:>5} {mode:>10} {medians[mode]:>9.2f} "
                     f"{min(times):>6.2f}-{max(times):<6.2f} {max(data) / unique:>11.2f} "

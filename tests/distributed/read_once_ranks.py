@@ -197,6 +197,69 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
         raise AssertionError("different checkpoints were not noticed")
 
 
+def dcp_cases(rank: int, world: int, base: str) -> None:
+    """FastCkptReader(group=True): a replicated tensor and a row-sharded one saved by every
+    rank, loaded back column-sharded (every stored shard is wanted in part by every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fastckpt.dcp import FastCkptReader, FastCkptWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    full = {
+        "wide": torch.randn(96, 1 << 12, generator=g),
+        "repl": torch.randn(1 << 16, generator=g),
+    }
+    state = {
+        "wide": distribute_tensor(full["wide"], mesh, [Shard(0)]),
+        "repl": full["repl"].clone(),
+        "step": 5,
+    }
+    path = f"{base}/dcp-{world}"
+    dcp.save(state, storage_writer=FastCkptWriter(path))
+
+    def fresh() -> dict:
+        wide = distribute_tensor(torch.zeros_like(full["wide"]), mesh, [Shard(1)])
+        return {"wide": wide, "repl": torch.zeros_like(full["repl"]), "step": 0}
+
+    shared, alone = fresh(), fresh()
+    reader, alone_reader = FastCkptReader(path, group=True), FastCkptReader(path)
+    dcp.load(shared, storage_reader=reader)
+    dcp.load(alone, storage_reader=alone_reader)
+    same(shared["wide"].to_local(), alone["wide"].to_local())
+    same(shared["wide"].full_tensor(), full["wide"])
+    same(shared["repl"], full["repl"])
+    assert shared["step"] == 5
+    # every stored tensor byte once; the pickled "step" (a few hundred bytes) each rank reads
+    stored = full["wide"].nbytes + full["repl"].nbytes
+    assert stored <= total(reader.bytes_read) < stored + world * 4096, total(reader.bytes_read)
+    # alone, every rank reads the replicated tensor
+    assert total(alone_reader.bytes_read) >= stored + (world - 1) * full["repl"].nbytes
+
+    # a damaged stored shard: ChecksumError naming it on every rank
+    if rank == 0:
+        from fastckpt.integrations.dcp import read_dcp_metadata
+
+        metadata = read_dcp_metadata(path)
+        file_name, name = next(v for k, v in metadata.storage_data.items() if k.fqn == "wide")
+        with fastckpt.open(f"{path}/{file_name}") as r:
+            offset = r.info(name).offset + 77
+        with open(f"{path}/{file_name}", "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    try:
+        dcp.load(fresh(), storage_reader=FastCkptReader(path, group=True))
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps it
+        assert "ChecksumError" in str(e) and "'wide'" in str(e), str(e)
+    else:
+        raise AssertionError("the damaged shard was not noticed")
+
+
 # -- running ranks ------------------------------------------------------------------------------
 
 

@@ -17,7 +17,12 @@ import uuid
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -26,6 +31,9 @@ from fastckpt.checkpoint.header_view import TensorInfo
 from fastckpt.checkpoint.open_readers import ReaderCache
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.config import open_files
+from fastckpt.distributed import file_set
+from fastckpt.distributed.group_reader import resolve_group
+from fastckpt.distributed.read_once import share_reads
 from fastckpt.errors import ChecksumError, FastCkptError, HeaderError
 from fastckpt.integrations import remote
 from fastckpt.integrations.dcp._io_options import engine_options
@@ -69,6 +77,12 @@ class FastCkptReader(StorageReader):
             ``direct_io`` for ``fastckpt.open``; at a URL, ``part_size`` (bytes per ranged
             read) and ``parallel`` (ranged reads in flight per request).
 
+        group: read once across a process group: each stored tensor that any rank's plan
+            needs is read whole by one rank (stripes balanced by bytes, verified there) and
+            sent to the ranks that need part of it (a ``ProcessGroup``, or True for
+            fastckpt's checkpoint group; default None: each rank reads its own ranges).
+            Pickled values (``BytesIO`` items) are read by each rank itself.
+
     Attributes:
         bytes_read: data bytes this reader asked of the rank files since the last
             ``reset`` (this rank's share of the load, checksummed pieces included).
@@ -98,10 +112,13 @@ class FastCkptReader(StorageReader):
         verify: bool = True,
         allow_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        group: Any = None,
         _metadata: Metadata | None = None,
         **io_options: Any,
     ):
         super().__init__()
+        self.group = group
+        self._metadata: Metadata | None = None
         # The metadata a caller already planned from (fastckpt's own conversions): read once,
         # so the plan and the data come from one save even while the directory is re-saved.
         self._planned_metadata = _metadata
@@ -151,6 +168,7 @@ class FastCkptReader(StorageReader):
     ) -> None:
         """Keeps the item -> (file, tensor) map of the metadata."""
         self.storage_data = metadata.storage_data or {}
+        self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -171,6 +189,12 @@ class FastCkptReader(StorageReader):
         return future
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        group = resolve_group(self.group)
+        if group is not None and self._metadata is not None:
+            return self._read_shared(plan, planner, group)
+        self._read_alone(plan, planner)
+
+    def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             file_name, _ = self.storage_data[req.storage_index]
@@ -194,6 +218,38 @@ class FastCkptReader(StorageReader):
         if ranged:
             self._read_ranges(ranged, planner)
         direct.verify_and_commit(planner)
+
+    def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, group: Any) -> None:
+        """Every rank calls it (``dcp.load`` does): the stored tensors any plan needs are
+        read once across the group and each rank copies its regions out of them."""
+        assert self._metadata is not None
+        tensors = _stored_tensors(self._metadata)
+        wanted: dict[str, list[ReadItem]] = {}
+        pickled = []
+        for req in plan.items:
+            file_name, name = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                pickled.append(req)
+            else:
+                wanted.setdefault(file_set.key(file_name, name), []).append(req)
+        files = file_set.FileSet(self.path, tensors, self._open, join=remote.join)
+
+        def deliver(k: str, stored: torch.Tensor) -> None:
+            for req in wanted[k]:
+                target = planner.resolve_tensor(req).detach()
+                region = stored
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    region = region.narrow(dim, start, length)
+                target.copy_(region)
+                planner.commit_tensor(req, target)
+
+        try:
+            share_reads(files, list(wanted), group, deliver=deliver, verify=self.verify)
+        finally:
+            files.close()
+            self._count(files.bytes_read)
+        if pickled:
+            self._read_alone(LoadPlan(pickled), planner)
 
     def _read_ranges(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         """Reads every request's range of its stored tensor, all requests in parallel, and
@@ -281,6 +337,21 @@ class FastCkptReader(StorageReader):
             return is_dcp_checkpoint(path) and is_ours(read_dcp_metadata(path))
         except (TypeError, ValueError, OSError, FastCkptError):
             return False
+
+
+def _stored_tensors(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every stored tensor of the checkpoint (key -> dtype and shape), from its metadata:
+    the same on every rank, known without opening a rank file."""
+    tensors = {}
+    for index, (file_name, name) in (metadata.storage_data or {}).items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        offsets = tuple(index.offset or ())
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+        if chunk is not None:
+            tensors[file_set.key(file_name, name)] = (md.properties.dtype, tuple(chunk.sizes))
+    return tensors
 
 
 def _byte_span(info: TensorInfo, offsets: Any, lengths: Any) -> tuple[int, int]:
