@@ -6,8 +6,9 @@ multi-rank save, in one run.
 For each world size (``--ranks``) that many ranks (spawned processes, gloo on loopback) hold
 an FSDP2-like state: ``--per-rank`` bytes of parameters sharded along dim 0 (DTensors over
 each rank's shard, ``Shard(0)``) plus Adam's ``exp_avg`` and ``exp_avg_sq`` (three times
-``--per-rank`` in all). A real training loop runs ``--steps`` steps (a gradient, an
-all-reduce on the default group, ``Adam.step()``) and checkpoints every ``--every`` steps;
+``--per-rank`` in all). A real training loop runs ``--steps`` steps (``--compute-ms`` of
+matrix products standing for the forward and backward passes, a gradient, an all-reduce
+on the default group, ``Adam.step()``) and checkpoints every ``--every`` steps;
 each method runs its own loop, the methods in a rotating order over ``--repeat`` rounds:
 
 - ``fastckpt-async``: ``CheckpointManager.save(step, state)``: the state is copied into the
@@ -129,8 +130,16 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
     grads = [torch.randn(rows, COLS, generator=gen) * 1e-3 for _ in range(count)]
     optimizer = torch.optim.Adam(params, lr=1e-4)
     chatter = torch.zeros(1 << 18)  # a training collective at every step (1 MiB)
+    a, b = torch.randn(512, 512, generator=gen), torch.randn(512, 512, generator=gen)
+    start = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, b)
+    per_mm = (time.perf_counter() - start) / 20
+    products = max(0, round(options["compute_ms"] / 1000 / per_mm))
 
     def train_step() -> float:
+        for _ in range(products):  # the forward and backward passes
+            torch.mm(a, b)
         for p, g in zip(params, grads):
             p.grad = g
         dist.all_reduce(chatter)
@@ -325,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--every", type=int, default=4)
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=500.0,
+        help="forward and backward work per step before Adam.step() (matrix products)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -338,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = os.path.join(base, f"w{world}")
             os.makedirs(folder)
             options = {
+                "compute_ms": args.compute_ms,
                 "per_rank": per_rank,
                 "steps": args.steps,
                 "every": args.every,

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torture_collective
 import torture_mutations
 import torture_trees
 
@@ -1456,6 +1457,7 @@ PARTS = [
     "lazy-cuda",
     "mutation-kills",
     "hostile-trees",
+    "collective-kills",
 ]
 
 
@@ -1478,6 +1480,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="concurrency run length")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--collective-kills",
+        type=int,
+        default=50,
+        help="runs of asynchronous multi-rank saves, one rank killed in each (default 50)",
+    )
     parser.add_argument(
         "--set-kills", type=int, default=12, help="kill -9 per multi-file kind (default 12)"
     )
@@ -1550,6 +1558,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "mutation-kills":
                 report = torture_mutations.mutation_kills(work, args.set_kills, args.seed)
                 bad += torture_mutations.bad_outcomes(report)
+            elif part == "collective-kills":
+                report = torture_collective.collective_kills(work, args.collective_kills, args.seed)
+                bad += torture_collective.bad_outcomes(report)
             elif part == "hostile-trees":
                 report = torture_trees.hostile_trees(work, args.tree_rounds, args.seed)
                 bad += torture_trees.bad_outcomes(report)

@@ -120,3 +120,13 @@ def test_torture_smoke_hostile_trees(tmp_path):
     ):
         assert f'"{figure}": 0' in stdout, stdout
     assert "bad outcomes in total: 0" in stdout
+
+
+@pytest.mark.slow
+def test_torture_smoke_collective_kills(tmp_path):
+    """Asynchronous multi-rank saves (3 gloo ranks, sharded, replicated and lazy) with one
+    rank killed at a random moment: no committed step restores other bytes or is lost, and
+    the next run resumes from the newest committed step."""
+    stdout = _torture(tmp_path, "--only=collective-kills", "--collective-kills=2", timeout=600)
+    assert '"kills": 2' in stdout and '"steps checked": 0' not in stdout
+    assert "bad outcomes in total: 0" in stdout

@@ -92,15 +92,16 @@ def save_collectively(
     world = dist.get_world_size(group) if group is not None else 1
     coordinator = rank == 0
     planner = planner if planner is not None else DefaultSavePlanner()
-    started = time.perf_counter()
     error: BaseException | None = failed
     structure = 0
     missed = True
+    started = time.perf_counter()
     try:
         if error is not None:
             raise error
         if coordinator and prepare is not None:
             prepare()
+        started = time.perf_counter()  # planning from here (prepare is the caller's)
         writer.reset()
         writer.set_up_storage_writer(coordinator, rank=rank)
         planner.set_up_planner(state, writer.storage_meta(), coordinator)
