@@ -125,25 +125,30 @@ def save_collectively(
 
     metadata = None
     plans: list[Any] | None = None
+    plan: Any = None
     if not any_missed:
-        plan = writer.plan_for_rank(cache.plan, rank)
-        writer.prepare_local_plan(plan)  # (the directory)
-        if coordinator:
-            assert cache.plans is not None
-            plans = writer.prepare_global_plan(list(cache.plans))  # (marks the save live)
-            metadata = cache.metadata
         outcome = "cached"
-    else:
-        plan, plans, metadata = _plan(planner, writer, group, rank, world)
+        try:  # a failure here is told at the gather below, which every rank reaches
+            plan = writer.plan_for_rank(cache.plan, rank)
+            writer.prepare_local_plan(plan)  # (the directory)
+            if coordinator:
+                assert cache.plans is not None
+                plans = writer.prepare_global_plan(list(cache.plans))  # (marks the save live)
+                metadata = cache.metadata
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+            error = exc
+    else:  # raises on every rank alike when a rank failed
         outcome = "planned"
+        plan, plans, metadata = _plan(planner, writer, group, rank, world)
     timings["plan"] = time.perf_counter() - started
 
     results: list[Any] = []
     try:
-        final = planner.finish_plan(plan)
-        written = writer.write_data(final, planner)
-        written.wait()
-        results = written.value()
+        if error is None:
+            final = planner.finish_plan(plan)
+            written = writer.write_data(final, planner)
+            written.wait()
+            results = written.value()
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, whatever it is
         error = exc
     mine = (f"{type(error).__name__}: {error}" if error is not None else None, results)
