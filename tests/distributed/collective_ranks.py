@@ -67,6 +67,12 @@ def async_saves(rank: int, world: int, mesh, root: str) -> None:
             for part in ("model", "optim", "replicated"):  # after the call: not saved
                 for value in state[part].values():
                     value.to_local().add_(1000)
+            # training collectives on the default group while the save runs in the
+            # background (on the checkpoint group: the two never mix)
+            for _ in range(3):
+                total = torch.ones(1)
+                dist.all_reduce(total)
+                assert total.item() == world
         for future in futures:
             assert future.result() is None
         for step in range(1, 7):
