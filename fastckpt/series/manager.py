@@ -901,6 +901,8 @@ class CheckpointManager:
         if layout.marker_of(tier, step).get("layout") == DCP_LAYOUT:
             # with a state to load into: on the checkpoint group, the plan reused
             saver = self._steps if state is not None else None
+            if self._ranks.group and tier is self._root:  # shared by every node (a fast
+                options = {"group": True, **options}  # tier may be a node's own): read once
             return load_step(
                 directory, state, self._ranks, tier.storage_options, saver=saver, **options
             )

@@ -260,6 +260,45 @@ def dcp_cases(rank: int, world: int, base: str) -> None:
         raise AssertionError("the damaged shard was not noticed")
 
 
+def manager_case(rank: int, world: int, root: str) -> None:
+    """A multi-rank restore from the root reads once across the ranks by default: the
+    restored state is what was saved, and the ranks' file reads (counted by the kernel) hold
+    one copy of the replicated tensor where reading alone takes one per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # reads by pread, which the kernel counts in rchar (io_uring's are not counted there)
+    os.environ.update(FASTCKPT_ENGINE="threads", FASTCKPT_DIRECT_IO="0")
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(5)
+    full = {"rows": torch.randn(64, 1024, generator=g), "repl": torch.randn(1 << 20, generator=g)}
+
+    def state(values: dict) -> dict:
+        return {"rows": distribute_tensor(values["rows"], mesh, [Shard(0)]), "repl": values["repl"]}
+
+    with fastckpt.CheckpointManager(root) as manager:
+        manager.save(1, state(full))
+        manager.wait()
+        reads = {}
+        for way, options in (("default", {}), ("alone", {"group": None})):
+            target = state({k: torch.zeros_like(v) for k, v in full.items()})
+            before = _read_chars()
+            step, restored = manager.restore(state=target, **options)
+            reads[way] = total(_read_chars() - before)
+            assert step == 1
+            same(restored["rows"].full_tensor(), full["rows"])
+            same(restored["repl"], full["repl"])
+    # alone, every rank reads the replicated tensor; by default one rank does
+    assert reads["alone"] >= (world - 1) * full["repl"].nbytes, reads
+    assert reads["alone"] - reads["default"] >= (world - 1) * full["repl"].nbytes * 0.9, reads
+
+
+def _read_chars() -> int:
+    """Bytes this process has passed through read()/pread() (the kernel's count)."""
+    with open("/proc/self/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+
+
 # -- running ranks ------------------------------------------------------------------------------
 
 

@@ -5,7 +5,13 @@ count the bytes they read from storage together (see read_once_ranks.read_once_c
 from __future__ import annotations
 
 import pytest
-from read_once_ranks import dcp_cases, read_once_cases, run_ranks, write_checkpoints
+from read_once_ranks import (
+    dcp_cases,
+    manager_case,
+    read_once_cases,
+    run_ranks,
+    write_checkpoints,
+)
 
 from fastckpt.distributed.read_once import plan_pieces
 
@@ -25,6 +31,10 @@ def test_read_once_matches_reading_alone(checkpoints, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_dcp_reader_reads_every_stored_byte_once(tmp_path, world):
     run_ranks(world, dcp_cases, str(tmp_path))
+
+
+def test_manager_restore_reads_once_across_ranks(tmp_path):
+    run_ranks(2, manager_case, str(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
