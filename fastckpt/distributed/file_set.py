@@ -173,7 +173,11 @@ class FileSet(Reader):
         damaged = []
         for k in self.keys() if names is None else names:
             path, tensor = self._file(k)
-            if self._readers.call(path, lambda r, t=tensor: r.verify([t], progress=False)):
+
+            def check(reader: Any, tensor: str = tensor) -> list[str]:
+                return reader.verify([tensor], progress=False)
+
+            if self._readers.call(path, check):
                 damaged.append(k)
         return damaged
 
