@@ -16,7 +16,9 @@ beside the checkpoint, a planted pickle that runs, a writer that fails. For a ch
 manager's fast tier (``manager-readers``): a step whose mapped bytes change under a reader
 while the tier reuses its deleted files as spares. For a series in a hostile tree
 (``hostile-trees``, :mod:`torture_trees`): a file outside the tiers changed, a committed step
-lost, an unreadable marker deleted.
+lost, an unreadable marker deleted. For simulated nodes lost with ``replicas=1``
+(``node-kills``, :mod:`torture_nodes`): a committed step lost while a copy survives, a
+state restored that is not the saved one, ranks restoring different steps.
 
 Usage::
 
@@ -49,6 +51,7 @@ from typing import Any
 
 import torture_collective
 import torture_mutations
+import torture_nodes
 import torture_trees
 
 CLEAN = {
@@ -1458,6 +1461,7 @@ PARTS = [
     "mutation-kills",
     "hostile-trees",
     "collective-kills",
+    "node-kills",
 ]
 
 
@@ -1494,6 +1498,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=3,
         help="rounds of every hostile series tree, and a race each (default 3)",
+    )
+    parser.add_argument(
+        "--node-rounds",
+        type=int,
+        default=4,
+        help="simulated nodes lost at random points, replicas=1 (default 4)",
     )
     parser.add_argument(
         "--only",
@@ -1564,6 +1574,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "hostile-trees":
                 report = torture_trees.hostile_trees(work, args.tree_rounds, args.seed)
                 bad += torture_trees.bad_outcomes(report)
+            elif part == "node-kills":
+                report = torture_nodes.node_kills(work, args.node_rounds, args.seed)
+                bad += torture_nodes.bad_outcomes(report)
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]

@@ -65,6 +65,8 @@ _log = logging.getLogger("fastckpt")
 
 #: Bytes per point-to-point message (one per peer in flight at a time).
 CHUNK = 4 << 20
+#: The file in the store that names this rank's newest step its peers hold.
+REPLICATED = "REPLICATED"
 #: Steps queued beyond the one in flight; older ones are dropped (replication follows the newest).
 QUEUED = 2
 
@@ -146,6 +148,8 @@ class Replicator:
         self.targets: list[int] = peers[self.rank]
         self.sources: list[int] = [r for r, mine in enumerate(peers) if self.rank in mine]
         self.store = ReplicaStore(store)
+        #: Called (on the replication thread) with each step this rank's peers now hold.
+        self.on_replicated: Callable[[int], None] | None = None
         self.bytes_sent = 0
         self.seconds_sending = 0.0
         self._queue: collections.deque[tuple[int, _Share, concurrent.futures.Future[Any]]] = (
@@ -235,8 +239,27 @@ class Replicator:
             self.seconds_sending += time.perf_counter() - started
             if share is not None:
                 share.close()
+                self._record_replicated(step)
             if future is not None:
                 future.set_result(sent)
+
+    def last_replicated(self) -> int | None:
+        """The newest step of this rank whose replication round completed (kept across
+        runs in the store: the owner keeps that step, which its peers can also give back)."""
+        try:
+            with open(os.path.join(self.store.directory, REPLICATED)) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def _record_replicated(self, step: int) -> None:
+        path = os.path.join(self.store.directory, REPLICATED)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            f.write(str(step))
+        os.rename(temporary, path)
+        if self.on_replicated is not None:
+            self.on_replicated(step)
 
     def _receive(self, source: int, header: dict[str, Any]) -> _Sink:
         return _Sink(self.store.incoming(), header)

@@ -214,6 +214,11 @@ class CheckpointManager:
         self._first_reports: set[tuple[str, int, str]] = set()  # see _first_report
         self._last_commit: concurrent.futures.Future[None] | None = None
         self._ranks = Ranks(False if replicas and distributed is None else distributed)
+        # the checkpoint group is made here, on every rank in the same order
+        self._steps = StepSaver(self._ranks) if self._ranks.sharded else None
+        self._last_sharded: StepFuture | None = None
+        self._locks: list[Any] = []
+        self._guard = threading.Lock()  # retention and drains never race on a tier
         # collective: every rank makes its replication groups here, in the same order
         self._replicator = peer_copies.make_replicator(
             replicas,
@@ -223,11 +228,10 @@ class CheckpointManager:
             rate=replication_bytes_per_second,
         )
         self.recovery: peer_copies.Recovery | None = None  # the last restore from peers
-        # the checkpoint group is made here, on every rank in the same order
-        self._steps = StepSaver(self._ranks) if self._ranks.sharded else None
-        self._last_sharded: StepFuture | None = None
-        self._locks: list[Any] = []
-        self._guard = threading.Lock()  # retention and drains never race on a tier
+        self._kept_for_peers: list[tuple[str, int]] = []  # see _keep_replicated
+        if self._replicator is not None:  # the newest step peers hold stays in the fast tier
+            self._replicator.on_replicated = self._keep_replicated
+            self._keep_replicated(self._replicator.last_replicated())
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
         self._drains = concurrent.futures.ThreadPoolExecutor(
             1,
@@ -384,6 +388,20 @@ class CheckpointManager:
         self._pending.append(future)
         self._last_commit = future
         return future
+
+    def _keep_replicated(self, step: int | None) -> None:
+        """Keeps ``step`` in both tiers (the newest step peers hold a copy of, which a
+        restore after a node's loss may agree on), instead of the step kept before."""
+        if step is None:
+            return
+        with self._guard:  # held in root too: a drain's retention may push it out there
+            for key in self._kept_for_peers:
+                self._bases_in_use[key] -= 1
+                if self._bases_in_use[key] <= 0:
+                    del self._bases_in_use[key]
+            self._kept_for_peers = [(tier.location, step) for tier in self._tiers()]
+            for key in self._kept_for_peers:
+                self._bases_in_use[key] += 1
 
     def _choose_base(self, tier: Tier, step: int) -> tuple[int | None, int]:
         """The step to save ``step`` against (the previous committed single-file step of
@@ -777,9 +795,12 @@ class CheckpointManager:
             self.recovery = peer_copies.recover(
                 self._replicator, self._fast, self._root_steps(), step
             )
-            step = step if self.recovery.step is None else self.recovery.step
-            if step is not None and peer_copies.from_peer(self.recovery, self._replicator.rank):
-                self._submit_drain(step)  # (root may lack it: its node died before the drain)
+            if self.recovery.step is None:  # every rank raises: none restores alone
+                raise FileNotFoundError(f"no step is available to every rank ({self.fast})")
+            step = self.recovery.step
+            self._keep_replicated(step)  # (no drain's retention removes it before the load)
+            if step not in self._root_steps():  # its node died before the drain
+                self._submit_drain(step)
         if self._last_sharded is not None:  # its collectives end before the load's begin
             concurrent.futures.wait([self._last_sharded])  # (its error stays for save())
         candidates = self._ranks.agree(lambda: self._candidates(step))
