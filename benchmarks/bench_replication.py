@@ -131,7 +131,10 @@ def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
             manager.save(step, state)
     loop = time.perf_counter() - started
     manager.close()
-    return {"loop": loop}
+    replicator = manager._replicator  # the bench reads its counters
+    cpu = replicator.cpu_seconds if replicator is not None else 0.0
+    sent = replicator.bytes_sent if replicator is not None else 0
+    return {"loop": loop, "replication_cpu_s": cpu, "bytes_sent": sent}
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -248,17 +251,27 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.train:
                 loops: dict[str, list[float]] = {"off": [], "on": []}
+                cpu, sent = [], []
                 for _ in range(args.rounds):
                     for mode in ("off", "on"):
                         runs = _run(world, mode, args, shm, disk)
                         loops[mode].append(max(r["loop"] for r in runs))
+                        if mode == "on":
+                            cpu += [r["replication_cpu_s"] for r in runs]
+                            sent += [r["bytes_sent"] for r in runs]
                 off, on = _median(loops["off"]), _median(loops["on"])
-                figures[f"train_{world}"] = {"off_s": off, "on_s": on}
+                per_gib = sum(cpu) / max(sum(sent), 1) * 2**30
+                figures[f"train_{world}"] = {"off_s": off, "on_s": on, "cpu_s_per_gib": per_gib}
                 print(
                     f"{world} ranks: training loop {off:.2f} s without replication "
                     f"({[round(x, 2) for x in loops['off']]}), {on:.2f} s with replicas=1 "
                     f"({[round(x, 2) for x in loops['on']]}): {100 * (on / off - 1):+.1f} %; "
                     f"load average {os.getloadavg()[0]:.2f}"
+                )
+                print(
+                    f"{world} ranks: replication thread CPU {per_gib:.2f} s per GiB sent (and "
+                    f"as much received); {sum(sent) / len(sent) / 2**20:.0f} MiB sent per rank "
+                    "per run"
                 )
         finally:
             shutil.rmtree(shm, ignore_errors=True)

@@ -150,8 +150,11 @@ class Replicator:
         self.store = ReplicaStore(store)
         #: Called (on the replication thread) with each step this rank's peers now hold.
         self.on_replicated: Callable[[int], None] | None = None
+        #: Bytes this rank sent to its peers, the rounds' wall time and the replication
+        #: thread's CPU time (sending, receiving, writing what it received).
         self.bytes_sent = 0
         self.seconds_sending = 0.0
+        self.cpu_seconds = 0.0
         self._queue: collections.deque[tuple[int, _Share, concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
@@ -219,7 +222,7 @@ class Replicator:
                     else:
                         opened.close()
                         waiting.set_result(None)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 outgoing: dict[int, _Share | None] = dict.fromkeys(self.targets, share)
                 received = _exchange(self._group, outgoing, self.sources, self._receive, self.rate)
@@ -237,6 +240,7 @@ class Replicator:
             sent = share.size * len(self.targets) if share is not None else 0
             self.bytes_sent += sent
             self.seconds_sending += time.perf_counter() - started
+            self.cpu_seconds += time.thread_time() - cpu
             if share is not None:
                 share.close()
                 self._record_replicated(step)
