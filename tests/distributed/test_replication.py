@@ -78,6 +78,7 @@ def test_a_lost_nodes_newest_step_is_restored_from_a_peer_bit_identical(tmp_path
         assert (tmp_path / "root" / f"rank-{rank:05d}" / "step-000000000003" / "COMMITTED").exists()
 
 
+@pytest.mark.slow
 def test_a_replica_cut_mid_transfer_is_never_restored(tmp_path):
     nodes = [0, 1]
     # step 2's replication is paced to take ~4 s; node 1 is killed 1 s into it
