@@ -46,7 +46,7 @@ from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.checkpoint.tensor_runs import arena_exporter, own_bytes
 from fastckpt.config import staging_bytes
-from fastckpt.distributed.agreement import raise_everywhere
+from fastckpt.distributed.agreement import agree, raise_everywhere
 from fastckpt.io.aligned_memory import aligned_tensor
 
 __all__ = ["Piece", "plan_pieces", "share_reads", "piece_size"]
@@ -182,10 +182,13 @@ def share_reads(
         ChecksumError: a tensor read does not match its CRC32C (naming it and the file).
         OSError: a read failed (errno and file name).
         ValueError: the ranks opened checkpoints with different tensors.
+        KeyError: a name is not in the checkpoint.
     """
     dist = torch.distributed
     me, world = dist.get_rank(group), dist.get_world_size(group)
     wanted = stored_names(reader, names)
+    # an unknown name raises here, on every rank, before any rank starts reading
+    agree(lambda: [reader.info(n) for n in wanted], group, f"looking up tensors of {reader.path}")
     asked: list[Any] = [None] * world
     header = _fingerprint(reader, stored_names(reader, None))
     dist.all_gather_object(asked, (header, None if names is None else wanted), group=group)

@@ -188,6 +188,14 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
     else:
         raise AssertionError("the missing file was not noticed")
 
+    # a name one rank asks for that the checkpoint lacks: KeyError on every rank
+    try:
+        fastckpt.load(flat, keys=["no.such.tensor"] if rank == 0 else ["scalar"], group=True)
+    except KeyError as e:
+        assert "no.such.tensor" in str(e), e
+    else:
+        raise AssertionError("the unknown name was not noticed")
+
     # ranks that opened different checkpoints stop, all of them
     try:
         fastckpt.load(f"{base}/other.safetensors" if rank == 0 else flat, group=True)
