@@ -66,6 +66,9 @@ def write_checkpoints(base: str) -> None:
     with open(f"{base}/damaged.safetensors", "wb") as f:
         f.write(data)
     fastckpt.save({"other": torch.zeros(3)}, f"{base}/other.safetensors")
+    changed = flat_values()
+    changed["layers.5.weight"] += 1  # the rest refer to flat.safetensors
+    fastckpt.save(changed, f"{base}/incremental.safetensors", base=f"{base}/flat.safetensors")
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -157,6 +160,13 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
     # a Hugging Face sharded directory
     same(fastckpt.load(f"{base}/sharded", group=True), fastckpt.load(f"{base}/sharded"))
     with fastckpt.open(f"{base}/sharded", group=True) as r:
+        r.read()
+        assert total(r.bytes_read) == sum(v.nbytes for v in values.values())
+
+    # an incremental checkpoint: its own tensors and its base's, each read once
+    incremental = f"{base}/incremental.safetensors"
+    same(fastckpt.load(incremental, group=True), fastckpt.load(incremental))
+    with fastckpt.open(incremental, group=True) as r:
         r.read()
         assert total(r.bytes_read) == sum(v.nbytes for v in values.values())
 
