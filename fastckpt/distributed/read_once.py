@@ -213,25 +213,31 @@ def share_reads(
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-read") as pool:
         reads: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
         ahead = iter(own)  # in round order; this round's read and the next's are queued,
-        try:  # so storage works while the network does
+        failed: BaseException | None = None  # so storage works while the network does
+        try:
             for r in range(rounds):
                 while not reads or max(reads) < r + 1:
                     p = next(ahead, None)
                     if p is None:
                         break
                     reads[p.round] = pool.submit(_read_piece, reader, p, verify, pin_memory)
-                error: BaseException | None = None
                 buffer = None
-                if r in reads:
+                if r in reads and failed is None:
                     try:
                         buffer = reads.pop(r).result()
                     except Exception as exc:
-                        error = exc
-                raise_everywhere(error, group, f"reading {reader.path}")
+                        failed = exc
+                # a failed read, or a failed delivery of the previous round: told to every
+                # rank before any goes on to the next transfers
+                raise_everywhere(failed, group, f"reading {reader.path}")
                 this_round = [p for p in pieces if p.round == r]
                 received = _exchange(this_round, buffer, needers, me, world, group, pin_memory)
-                for p, memory in received:
-                    _deliver_piece(reader, p, memory, mine, deliver)
+                try:
+                    for p, memory in received:
+                        _deliver_piece(reader, p, memory, mine, deliver)
+                except Exception as exc:
+                    failed = exc
+            raise_everywhere(failed, group, f"delivering the tensors of {reader.path}")
         finally:
             for future in reads.values():
                 future.cancel()

@@ -198,6 +198,15 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
     else:
         raise AssertionError("the missing file was not noticed")
 
+    # a destination one rank cannot fill (its elements share memory): raised on every rank
+    bad = torch.zeros(1).expand(4095) if rank == 0 else torch.zeros(4095)
+    try:
+        fastckpt.load_into({"f32.4095": bad}, flat, strict=False, group=True)
+    except RuntimeError as e:
+        assert "memory location" in str(e), e
+    else:
+        raise AssertionError("the failed copy was not noticed")
+
     # a name one rank asks for that the checkpoint lacks: KeyError on every rank
     try:
         fastckpt.load(flat, keys=["no.such.tensor"] if rank == 0 else ["scalar"], group=True)
