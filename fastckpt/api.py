@@ -257,6 +257,8 @@ def _load_shared(f: Any, map_location: Any, group: Any, options: dict[str, Any])
     target = local_load.check_target(
         map_location, reading.get("device"), pin_memory=bool(reading.get("pin_memory"))
     )
+    if isinstance(f, Reader):  # opened by the caller on every rank, and left open
+        return local_load.load(group_reader.GroupReader(f, group), map_location, **reading)
     if isinstance(target, torch.device) and target.type == "cuda":
         options["device"] = target
     with group_reader.open_shared(lambda: open(f, **options), group) as reader:

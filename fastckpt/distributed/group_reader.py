@@ -42,6 +42,12 @@ def resolve_group(group: Any) -> Any:
         raise ValueError("group= needs torch.distributed to be initialized")
     if isinstance(group, bool) or not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, True or None, got {type(group).__name__}")
+    if "gloo" not in str(dist.get_backend(group)).lower():
+        # the bytes travel from host memory: an NCCL-only group cannot carry them
+        raise ValueError(
+            f"group= needs a group with the gloo backend (host memory), got "
+            f"{dist.get_backend(group)!r}; group=True uses fastckpt's own gloo group"
+        )
     return group if dist.get_world_size(group) > 1 else None
 
 

@@ -121,6 +121,10 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
     assert shared["tied_a"] is shared["tied_b"]
     assert shared["model"]["f32.4097"].storage_offset() == 0  # a storage of its own
 
+    with fastckpt.open(nested) as r:  # a reader opened by the caller, left open
+        same(fastckpt.load(r, group=True), alone)
+        assert r.keys()
+
     # every unique byte read from storage once across the group; N times without a group
     with fastckpt.open(flat, group=True) as r:
         same(r.read(), fastckpt.open(flat).read())
