@@ -4,8 +4,8 @@ of a replicated model, at 2, 4 and 8 ranks (processes on this machine, gloo on l
 
 Storage is throttled so that it is the bottleneck, as on a cluster: every read of tensor
 bytes first reserves its bytes from a token bucket and sleeps until the bucket has passed
-them, then reads the file through the page cache (the file is read once before timing, so
-the read itself costs only a copy).
+them, then reads the file through the page cache (the benchmark has just written it, so its
+pages are in memory and the read itself costs only a copy).
 
 * ``--storage filer`` (default): one bucket shared by every rank (a lock and a clock in a
   file under ``/dev/shm``), the shared file system or object store that a job's ranks all
