@@ -122,7 +122,7 @@ def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
     state = _state(rank, args.size)
     a = torch.randn(256, 256)
     torch.distributed.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, args.steps + 1):
         for _ in range(args.work):
             a = torch.tanh(a @ a) * 0.5
@@ -130,11 +130,19 @@ def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         if step % args.every == 0:
             manager.save(step, state)
     loop = time.perf_counter() - started
-    manager.close()
+    manager.close()  # (the last step's replication and drain end here)
+    process_cpu = time.process_time() - cpu_started
     replicator = manager._replicator  # the bench reads its counters
     cpu = replicator.cpu_seconds if replicator is not None else 0.0
     sent = replicator.bytes_sent if replicator is not None else 0
-    return {"loop": loop, "replication_cpu_s": cpu, "bytes_sent": sent}
+    seconds = replicator.seconds_sending if replicator is not None else 0.0
+    return {
+        "loop": loop,
+        "process_cpu_s": process_cpu,
+        "replication_cpu_s": cpu,
+        "bytes_sent": sent,
+        "replication_s": seconds,
+    }
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -251,17 +259,29 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.train:
                 loops: dict[str, list[float]] = {"off": [], "on": []}
-                cpu, sent = [], []
+                cpus: dict[str, list[float]] = {"off": [], "on": []}
+                cpu, sent, busy = [], [], []
                 for _ in range(args.rounds):
                     for mode in ("off", "on"):
                         runs = _run(world, mode, args, shm, disk)
                         loops[mode].append(max(r["loop"] for r in runs))
+                        cpus[mode].append(sum(r["process_cpu_s"] for r in runs) / len(runs))
                         if mode == "on":
                             cpu += [r["replication_cpu_s"] for r in runs]
                             sent += [r["bytes_sent"] for r in runs]
+                            busy += [r["replication_s"] for r in runs]
                 off, on = _median(loops["off"]), _median(loops["on"])
                 per_gib = sum(cpu) / max(sum(sent), 1) * 2**30
-                figures[f"train_{world}"] = {"off_s": off, "on_s": on, "cpu_s_per_gib": per_gib}
+                cpu_off, cpu_on = _median(cpus["off"]), _median(cpus["on"])
+                rate = sum(sent) / max(sum(busy), 1e-9)
+                figures[f"train_{world}"] = {
+                    "off_s": off,
+                    "on_s": on,
+                    "cpu_off_s": cpu_off,
+                    "cpu_on_s": cpu_on,
+                    "cpu_s_per_gib": per_gib,
+                    "replication_bytes_per_s": rate,
+                }
                 print(
                     f"{world} ranks: training loop {off:.2f} s without replication "
                     f"({[round(x, 2) for x in loops['off']]}), {on:.2f} s with replicas=1 "
@@ -269,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"load average {os.getloadavg()[0]:.2f}"
                 )
                 print(
+                    f"{world} ranks: CPU time per rank (loop and close) {cpu_off:.2f} s without, "
+                    f"{cpu_on:.2f} s with replication ({[round(x, 2) for x in cpus['off']]}, "
+                    f"{[round(x, 2) for x in cpus['on']]}): {100 * (cpu_on / cpu_off - 1):+.1f} %"
+                )
+                cap = args.replication_bandwidth
+                print(
                     f"{world} ranks: replication thread CPU {per_gib:.2f} s per GiB sent (and "
                     f"as much received); {sum(sent) / len(sent) / 2**20:.0f} MiB sent per rank "
-                    "per run"
+                    f"per run at {rate / 1e6:.0f} MB/s while sending"
+                    + (f" (cap {cap / 1e6:.0f} MB/s)" if cap else "")
                 )
         finally:
             shutil.rmtree(shm, ignore_errors=True)
