@@ -77,7 +77,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -508,23 +508,6 @@ class _Unflattener:
         self.weights_only = weights_only
         self.unpickle = unpickle  # False: check pickled nodes' form, never run pickle
         self._built: dict[str, torch.Tensor] = {}  # stored name -> returned object
-        self._decoders: dict[str, Callable[[dict, Path, int], Any]] = {
-            "none": self.none,
-            "tuple": self.tuple_,
-            "dict": self.mapping,
-            "odict": self.mapping,
-            "tensor": self.tensor,
-            "float": self.float_,
-            "int": self.int_,
-            "dtype": self.dtype,
-            "size": self.size,
-            "device": self.device,
-            "bytes": self.bytes_,
-            "pickle": self.pickled,
-            "object": self.config_object,
-            "class": self.config_class,
-            "flat": self.flat,
-        }
 
     def node(self, node: Any, path: Path, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -536,9 +519,9 @@ class _Unflattener:
             return [self.node(child, (*path, index), depth + 1) for index, child in enumerate(node)]
         if kind is dict:
             tag = node.get("t")
-            decoder = self._decoders.get(tag) if type(tag) is str else None
+            decoder = _DECODERS.get(tag) if type(tag) is str else None
             if decoder is not None:
-                return decoder(node, path, depth)
+                return getattr(self, decoder)(node, path, depth)
         raise HeaderError(f"malformed tree node {_safe_repr(node)} at {_format_path(path)}")
 
     # Each decoder gets a dict whose "t" it handles.
@@ -717,6 +700,28 @@ class _Unflattener:
             raise HeaderError(
                 f"cannot unpickle the {_safe_repr(kind)} at {_format_path(path)}: {exc}"
             ) from exc
+
+
+# Tag -> the _Unflattener method that decodes it. Names, not bound methods: a table of
+# bound methods in the instance would be a reference cycle holding every loaded tensor
+# until the garbage collector runs.
+_DECODERS: dict[str, str] = {
+    "none": "none",
+    "tuple": "tuple_",
+    "dict": "mapping",
+    "odict": "mapping",
+    "tensor": "tensor",
+    "float": "float_",
+    "int": "int_",
+    "dtype": "dtype",
+    "size": "size",
+    "device": "device",
+    "bytes": "bytes_",
+    "pickle": "pickled",
+    "object": "config_object",
+    "class": "config_class",
+    "flat": "flat",
+}
 
 
 def _hashable(value: Any) -> bool:
