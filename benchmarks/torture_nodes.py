@@ -13,7 +13,8 @@ is on disk, bit-identical to what was saved.
 
 Counted as bad: a rank restoring an older step than survives (a committed step lost while a
 copy of it survives), a rank restoring a state that is not the saved one (a partial or mixed
-step), a rank whose restore fails while a step survives, and ranks restoring different steps.
+step), a rank whose restore fails while a step survives, ranks restoring different steps, and a
+save of the next step refused after the restore (training goes on from the step restored).
 
 Run alone: python benchmarks/torture_nodes.py [--rounds 4]
 """
@@ -88,6 +89,11 @@ def _child(rank: int, world: int, port: int, base: str, mode: str) -> None:
             result["step"] = step
             result["identical"] = all(torch.equal(state[k], expected[k]) for k in expected)
             result["source"] = manager.recovery.sources[rank]  # type: ignore[union-attr]
+            try:  # training goes on from the step restored
+                manager.save(step + 1, _state(rank, step + 1)).result()
+                result["resumed"] = True
+            except Exception as exc:
+                result["resumed"] = f"{type(exc).__name__}: {exc}"
         except FileNotFoundError as exc:
             result["step"], result["error"] = None, str(exc)
         print("RESULT " + json.dumps(result), flush=True)
@@ -176,6 +182,7 @@ def node_kills(work: Path, rounds: int, seed: int) -> dict[str, Any]:
         "states not the saved one": 0,
         "restores failed while a step survived": 0,
         "ranks disagreeing on the step": 0,
+        "saves refused after the restore": 0,
         "newest committed step not surviving (in flight when killed)": 0,
     }
     for index in range(rounds):
@@ -226,6 +233,9 @@ def node_kills(work: Path, rounds: int, seed: int) -> dict[str, Any]:
                 report["committed steps lost while a copy survived"] += 1
             if not result.get("identical"):
                 report["states not the saved one"] += 1
+            if result.get("resumed") is not True:
+                report["saves refused after the restore"] += 1
+                report.setdefault("first refusal", str(result.get("resumed"))[-600:])
             source = result.get("source") or ""
             report[
                 "steps restored from peers"
@@ -248,6 +258,7 @@ def bad_outcomes(report: dict[str, Any]) -> int:
             "states not the saved one",
             "restores failed while a step survived",
             "ranks disagreeing on the step",
+            "saves refused after the restore",
         )
     )
 

@@ -11,8 +11,8 @@ A replica is received into ``.incoming-<random>``; its ``REPLICA`` marker is wri
 (temporary name, then rename), and only then is the directory renamed to its final name.
 So a replica cut short (its sender or this node killed mid-transfer) is never listed: it
 has no final name, and a final name without a marker whose sizes match the files is
-ignored too. The store keeps each source rank's newest complete replica and removes the
-older ones once a newer one is complete. Leftover ``.incoming-``/``.landing-`` directories
+ignored too. The store keeps each source rank's last complete replica and removes the
+others once a new one is complete. Leftover ``.incoming-``/``.landing-`` directories
 of a killed process are removed when a store is opened.
 
 Example:
@@ -54,12 +54,10 @@ class ReplicaStore:
     Args:
         directory: the store's directory (created if missing), normally inside the node's
             fast tier so that losing the node loses it too.
-        keep: complete replicas kept per source rank (the newest).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 1):
+    def __init__(self, directory: str | os.PathLike[str]):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.keep = keep
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):
             if name.startswith((".incoming-", ".landing-")):
@@ -77,7 +75,7 @@ class ReplicaStore:
     def commit(self, incoming: str, info: dict[str, Any]) -> None:
         """Marks the replica received in ``incoming`` complete (``info``: step, rank, node,
         files as ``[name, size]``): its marker last, then the rename to its final name;
-        then drops the source's older replicas beyond :attr:`keep`."""
+        then drops the source's other replicas."""
         step, rank = int(info["step"]), int(info["rank"])
         _write_atomically(os.path.join(incoming, MARKER), json.dumps(info).encode())
         source = os.path.join(self.directory, f"from-rank-{rank:05d}")
@@ -86,8 +84,9 @@ class ReplicaStore:
         if os.path.lexists(final):  # the same step replicated again (a restarted run)
             remove_own_dir(final)
         os.rename(incoming, final)
-        for old in self._steps_of(source)[: -self.keep or None]:
-            remove_own_dir(os.path.join(source, f"step-{old:012d}"))
+        for old in self._steps_of(source):  # the last received is the run's newest, even
+            if old != step:  # when a restore went back to an older step number
+                remove_own_dir(os.path.join(source, f"step-{old:012d}"))
 
     def held(self) -> dict[int, list[int]]:
         """The complete replicas held: source rank -> steps, ascending."""

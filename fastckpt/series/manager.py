@@ -229,9 +229,10 @@ class CheckpointManager:
         )
         self.recovery: peer_copies.Recovery | None = None  # the last restore from peers
         self._kept_for_peers: list[tuple[str, int]] = []  # see _keep_replicated
-        if self._replicator is not None:  # the newest step peers hold stays in the fast tier
+        if self._replicator is not None:  # the newest step peers hold stays in both tiers
             self._replicator.on_replicated = self._keep_replicated
-            self._keep_replicated(self._replicator.last_replicated())
+            # until the ranks agree (a restore) or replicate: any step may be the one to agree on
+            self._keep_replicated(*(s for t in self._tiers() for s in layout.committed_steps(t)))
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
         self._drains = concurrent.futures.ThreadPoolExecutor(
             1,
@@ -389,17 +390,15 @@ class CheckpointManager:
         self._last_commit = future
         return future
 
-    def _keep_replicated(self, step: int | None) -> None:
-        """Keeps ``step`` in both tiers (the newest step peers hold a copy of, which a
-        restore after a node's loss may agree on), instead of the step kept before."""
-        if step is None:
-            return
+    def _keep_replicated(self, *steps: int) -> None:
+        """Keeps ``steps`` in both tiers (the newest step peers hold a copy of, which a
+        restore after a node's loss may agree on), instead of the steps kept before."""
         with self._guard:  # held in root too: a drain's retention may push it out there
             for key in self._kept_for_peers:
                 self._bases_in_use[key] -= 1
                 if self._bases_in_use[key] <= 0:
                     del self._bases_in_use[key]
-            self._kept_for_peers = [(tier.location, step) for tier in self._tiers()]
+            self._kept_for_peers = [(t.location, s) for t in self._tiers() for s in steps]
             for key in self._kept_for_peers:
                 self._bases_in_use[key] += 1
 
@@ -792,9 +791,7 @@ class CheckpointManager:
         """
         if self._replicator is not None and self._fast is not None:  # every rank: the same step
             concurrent.futures.wait(list(self._pending))
-            self.recovery = peer_copies.recover(
-                self._replicator, self._fast, self._root_steps(), step
-            )
+            self.recovery = peer_copies.recover(self._replicator, self._fast, self._root, step)
             if self.recovery.step is None:  # every rank raises: none restores alone
                 raise FileNotFoundError(f"no step is available to every rank ({self.fast})")
             step = self.recovery.step

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from fastckpt.distributed.replication import Recovery, Replicator
 from fastckpt.series import steps as layout
@@ -77,17 +78,25 @@ def replicate(replicator: Replicator | None, tier: Tier, step: int) -> None:
         _log.error("step %d in %s is not replicated: %s", step, tier, exc)
 
 
-def recover(
-    replicator: Replicator, fast: Tier, root_steps: list[int], step: int | None
-) -> Recovery:
+def recover(replicator: Replicator, fast: Tier, root: Tier, step: int | None) -> Recovery:
     """Agrees with every rank on the step to restore and brings it into ``fast`` from a
-    peer where this rank's fast tier lacks it (a collective: see :class:`Replicator`)."""
+    peer where this rank's fast tier lacks it (a collective: see :class:`Replicator`).
+
+    When the newest step was asked for, this rank's steps newer than the one agreed on (saved
+    here, but lost with another node) are set aside in both tiers, renamed
+    ``step-<12 digits>.abandoned-<UTC time>`` (nothing is deleted): the run goes on from the
+    step agreed on, and its next saves must not be refused as older than them."""
+    root_steps = layout.committed_steps(root)
     recovery = replicator.recover(
         layout.committed_steps(fast),
         root_steps,
         lambda s: layout.step_dir(fast, s),
         step=step,
     )
+    if step is None and recovery.step is not None:
+        for tier in (fast, root):
+            for newer in [s for s in layout.committed_steps(tier) if s > recovery.step]:
+                _abandon(tier, newer, recovery.step)
     mine = recovery.sources[replicator.rank] if recovery.sources else None
     if mine is not None and mine.startswith("peer"):
         _log.info(
@@ -104,3 +113,24 @@ def recover(
 def from_peer(recovery: Recovery, rank: int) -> bool:
     """Whether ``rank`` got the recovered step from a peer's replica."""
     return bool(recovery.sources) and recovery.sources[rank].startswith("peer")
+
+
+def _abandon(tier: Tier, step: int, agreed: int) -> None:
+    """Sets ``step`` of ``tier`` aside (one rename; a URL tier keeps it, logged)."""
+    if tier.is_url:
+        _log.warning("step %d in %s is newer than step %d the ranks restored", step, tier, agreed)
+        return
+    directory = layout.step_dir(tier, step)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, attempt = f"{directory}.abandoned-{stamp}", 1
+    while os.path.lexists(target):
+        attempt += 1
+        target = f"{directory}.abandoned-{stamp}-{attempt}"
+    os.rename(directory, target)
+    _log.warning(
+        "step %d in %s set aside as %s: the ranks restored step %d (the others lack it)",
+        step,
+        tier,
+        target,
+        agreed,
+    )
