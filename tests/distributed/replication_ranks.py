@@ -7,7 +7,8 @@ root ``BASE/root/rank-<r>``. Each rank prints one JSON line of results (prefixed
 
 Modes:
     manager-save STEPS NUMEL [RATE]: a CheckpointManager(replicas=1) saves steps 1..STEPS.
-    manager-restore: a fresh manager restores; checks the state bit-identical to the saved.
+    manager-restore [resume]: a fresh manager restores; checks the state bit-identical to
+        the saved; with ``resume``, then saves the next step.
     replicator-save STEPS NBYTES RATE [KILL_AFTER]: a Replicator replicates steps 1..STEPS;
         with KILL_AFTER, ranks of the node ``FASTCKPT_VICTIM`` SIGKILL themselves that many
         seconds after queuing the last step (mid-replication).
@@ -77,6 +78,9 @@ def main() -> None:
         result["identical"] = all(torch.equal(state[k], expected[k]) for k in expected)
         result["step"] = step
         result["source"] = manager.recovery.sources[rank_]  # type: ignore[union-attr]
+        if args and args[0] == "resume":  # training goes on: the next step is saved
+            manager.save(step + 1, state_of(rank_, step + 1, state["w"].numel())).result()
+            result["resumed"] = step + 1
         manager.close()
     elif mode == "replicator-save":
         from fastckpt.distributed.replication import Replicator

@@ -150,3 +150,22 @@ def test_a_replica_store_lists_only_complete_replicas(tmp_path):
         from fastckpt.distributed.replica_store import plain_name
 
         plain_name("../x")
+
+
+@pytest.mark.slow
+def test_a_step_the_lost_node_lacks_everywhere_is_set_aside_and_the_run_resumes(tmp_path):
+    nodes = [0, 0, 1, 1]
+    saved = run_ranks(tmp_path, nodes, "manager-save", "3", "4096")
+    assert all("bytes_sent" in r for r in saved), saved
+    lose_node(tmp_path, 1)
+    for rank in (2, 3):  # step 3 of node 1's ranks survives nowhere: not in root, no replica
+        shutil.rmtree(tmp_path / "root" / f"rank-{rank:05d}" / "step-000000000003")
+        store = tmp_path / "node-0" / f"rank-{rank - 2:05d}" / ".replicas"
+        shutil.rmtree(store / f"from-rank-{rank:05d}" / "step-000000000003")
+    restored = run_ranks(tmp_path, nodes, "manager-restore", "resume")
+    assert [r.get("step") for r in restored] == [2, 2, 2, 2], restored
+    assert all(r["identical"] for r in restored)
+    assert [r["resumed"] for r in restored] == [3, 3, 3, 3]
+    # node 0's own step 3 was set aside (renamed, kept), not deleted
+    fast = tmp_path / "node-0" / "rank-00000"
+    assert [n for n in os.listdir(fast) if n.startswith("step-000000000003.abandoned-")]
