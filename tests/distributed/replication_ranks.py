@@ -13,6 +13,7 @@ Modes:
         with KILL_AFTER, ranks of the node ``FASTCKPT_VICTIM`` SIGKILL themselves that many
         seconds after queuing the last step (mid-replication).
     replicator-recover: a Replicator recovers the newest step every rank can get.
+    peers K: a Replicator with replicas=K says its targets and sources.
 """
 
 from __future__ import annotations
@@ -140,6 +141,12 @@ def main() -> None:
         with open(os.path.join(fast, f"step-{recovery.step:012d}", "data.bin"), "rb") as f:
             data = f.read()
         result["identical"] = data == bytes_of(rank_, recovery.step, len(data))
+        replicator.close()
+    elif mode == "peers":
+        from fastckpt.distributed.replication import Replicator
+
+        replicator = Replicator(os.path.join(fast, ".replicas"), replicas=int(args[0]))
+        result["targets"], result["sources"] = replicator.targets, replicator.sources
         replicator.close()
     else:
         raise SystemExit(f"unknown mode {mode}")

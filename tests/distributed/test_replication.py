@@ -169,3 +169,30 @@ def test_a_step_the_lost_node_lacks_everywhere_is_set_aside_and_the_run_resumes(
     # node 0's own step 3 was set aside (renamed, kept), not deleted
     fast = tmp_path / "node-0" / "rank-00000"
     assert [n for n in os.listdir(fast) if n.startswith("step-000000000003.abandoned-")]
+
+
+def test_ranks_choose_peers_in_other_failure_domains_from_their_environment(tmp_path):
+    # 4 nodes of 1 rank; FASTCKPT_FAILURE_DOMAIN per rank: nodes 0 and 1 in rack a, 2 and 3 in b
+    port = str(_free_port())
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS), str(rank), "4", port, str(tmp_path), "peers", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "FASTCKPT_NODE": str(rank),
+                "FASTCKPT_FAILURE_DOMAIN": "ab"[rank // 2],
+            },
+        )
+        for rank in range(4)
+    ]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-3000:]
+        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    targets = [r["targets"] for r in results]
+    assert targets == [[2], [3], [1], [0]]  # the ring 0, 2, 1, 3: every copy in the other rack
+    assert [r["sources"] for r in results] == [[3], [2], [0], [1]]
