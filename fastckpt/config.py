@@ -289,6 +289,28 @@ def open_files(explicit: int | None = None) -> int:
     return value
 
 
+def group_timeout_seconds() -> float | None:
+    """``FASTCKPT_GROUP_TIMEOUT``: seconds a checkpoint collective waits for a rank before
+    failing (a rank that hangs rather than dies), or None for torch's default (30 minutes).
+
+    Example:
+        >>> group_timeout_seconds() is None
+        True
+    """
+    text = environment("GROUP_TIMEOUT")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"environment variable FASTCKPT_GROUP_TIMEOUT={text!r} is not a number of seconds"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"FASTCKPT_GROUP_TIMEOUT must be positive, got {text!r}")
+    return value
+
+
 def _from_environment() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key in IO_KEYS:

@@ -20,12 +20,15 @@ Example (one process: no group, node 0):
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from fastckpt import config
 
 __all__ = ["checkpoint_group", "in_group", "node_rank", "nodes_of_ranks"]
 
@@ -54,7 +57,11 @@ def checkpoint_group() -> Any:
     with _lock:
         group = _groups.get(id(default))
         if group is None:
-            group = dist.new_group(backend="gloo")
+            # A rank that hangs (rather than dies) holds the others' checkpoint collectives
+            # for this long; FASTCKPT_GROUP_TIMEOUT shortens it (torch's default: 30 min).
+            seconds = config.group_timeout_seconds()
+            timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+            group = dist.new_group(backend="gloo", timeout=timeout)
             _groups[id(default)] = group
         return group
 
