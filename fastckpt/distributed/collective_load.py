@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from fastckpt.distributed.plan_cache import HASH_BITS, PlanCache, structure_hash
+from fastckpt.distributed.plan_exchange import all_max, exchange_plans
 from fastckpt.errors import FastCkptError
 
 __all__ = ["CollectiveLoadError", "load_collectively", "metadata_hash"]
@@ -95,7 +96,7 @@ def load_collectively(
         missed = not cache.matches(key)
     except Exception as exc:
         error = exc
-    failed_rank, any_missed = _all_max(group, [rank + 1 if error else 0, int(missed)])
+    failed_rank, any_missed = all_max(group, [rank + 1 if error else 0, int(missed)])
     if failed_rank:
         _raise(error, f"rank {failed_rank - 1} failed reading the checkpoint's metadata")
     if not any_missed:
@@ -107,7 +108,7 @@ def load_collectively(
         reader.read_data(final, planner).wait()
     except Exception as exc:
         error = exc
-    (failed_rank,) = _all_max(group, [rank + 1 if error else 0])
+    (failed_rank,) = all_max(group, [rank + 1 if error else 0])
     if failed_rank:
         cache.forget()
         _raise(error, f"rank {failed_rank - 1} failed reading its part of the checkpoint")
@@ -116,45 +117,21 @@ def load_collectively(
 
 
 def _plan(planner: Any, reader: Any, group: Any, rank: int, world: int) -> Any:
-    dist = torch.distributed
-    local: Any
-    try:
-        local = reader.prepare_local_plan(planner.create_local_plan())
-    except Exception as exc:
-        local = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
-    every: list[Any] | None = [None] * world if rank == 0 else None
-    if group is None:
-        every = [local]
-    else:
-        dist.gather_object(local, every, group=group, group_dst=0)
-    out: list[Any] = [None] * world
-    if rank == 0:
-        assert every is not None
-        failures = [p[1] for p in every if isinstance(p, tuple)]
-        if failures:
-            out = [("error", "; ".join(failures))] * world
-        else:
-            try:
-                out = list(reader.prepare_global_plan(planner.create_global_plan(every)))
-            except Exception as exc:
-                out = [("error", f"rank 0 planning: {type(exc).__name__}: {exc}")] * world
-    if group is None:
-        mine = out[0]
-    else:
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, out if rank == 0 else None, group=group, group_src=0)
-        mine = received[0]
-    if isinstance(mine, tuple):
-        raise CollectiveLoadError(f"planning the load failed: {mine[1]}")
-    return mine
-
-
-def _all_max(group: Any, values: list[int]) -> list[int]:
-    if group is None:
-        return values
-    flags = torch.tensor(values, dtype=torch.int64)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    return [int(v) for v in flags.tolist()]
+    """DCP's planning round trip for a load; this rank's read plan (every rank raises when
+    one failed)."""
+    exchanged = exchange_plans(
+        lambda: reader.prepare_local_plan(planner.create_local_plan()),
+        lambda every: (
+            reader.prepare_global_plan(planner.create_global_plan(every)),
+            None,
+        ),
+        group,
+        rank,
+        world,
+    )
+    if exchanged.error is not None:
+        raise CollectiveLoadError(f"planning the load failed: {exchanged.error}")
+    return exchanged.plan
 
 
 def _raise(own: BaseException | None, others: str) -> None:

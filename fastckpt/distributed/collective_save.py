@@ -51,6 +51,11 @@ from typing import Any
 import torch
 
 from fastckpt.distributed.plan_cache import PlanCache, structure_hash
+from fastckpt.distributed.plan_exchange import (
+    all_max,
+    exchange_plans,
+    gather_to_coordinator,
+)
 from fastckpt.errors import FastCkptError
 
 __all__ = ["CollectiveSaveError", "save_collectively", "timings"]
@@ -110,7 +115,7 @@ def save_collectively(
     except BaseException as exc:  # noqa: BLE001 - the others must hear of it
         error = exc
     save_id = _save_id(writer) if coordinator and error is None else 0
-    failed_rank, any_missed, agreed_id = _all_max(
+    failed_rank, any_missed, agreed_id = all_max(
         group, [rank + 1 if error else 0, int(missed), save_id]
     )
     if failed_rank:
@@ -152,7 +157,7 @@ def save_collectively(
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, whatever it is
         error = exc
     mine = (f"{type(error).__name__}: {error}" if error is not None else None, results)
-    gathered = _gather(group, mine, coordinator, world)
+    gathered = gather_to_coordinator(group, mine, coordinator, world)
     verdict: list[Any] = [None]
     if coordinator:
         assert gathered is not None
@@ -184,53 +189,22 @@ def _plan(
 ) -> tuple[Any, list[Any] | None, Any]:
     """DCP's planning round trip; this rank's plan, and on the coordinator every plan and
     the metadata. Every rank raises when one failed."""
-    dist = torch.distributed
-    local: Any = None
-    try:
-        local = writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as exc:
-        local = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
-    every = _gather(group, local, rank == 0, world)
-    out: list[Any] = [None] * world
-    plans = metadata = None
-    if rank == 0:
-        assert every is not None
-        failures = [p[1] for p in every if isinstance(p, tuple)]
-        if failures:
-            out = [("error", "; ".join(failures))] * world
-        else:
-            try:
-                plans, metadata = planner.create_global_plan(every)
-                plans = writer.prepare_global_plan(plans)
-                out = list(plans)
-            except Exception as exc:
-                out = [("error", f"rank 0 planning: {type(exc).__name__}: {exc}")] * world
-    if group is None:
-        mine = out[0]
-    else:
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, out if rank == 0 else None, group=group, group_src=0)
-        mine = received[0]
-    if isinstance(mine, tuple):
+
+    def make_global(every: list[Any]) -> tuple[list[Any], Any]:
+        plans, metadata = planner.create_global_plan(every)
+        return writer.prepare_global_plan(plans), metadata
+
+    exchanged = exchange_plans(
+        lambda: writer.prepare_local_plan(planner.create_local_plan()),
+        make_global,
+        group,
+        rank,
+        world,
+    )
+    if exchanged.error is not None:
         _end(writer, rank == 0)
-        raise CollectiveSaveError(f"planning the save failed, nothing saved: {mine[1]}")
-    return mine, plans, metadata
-
-
-def _gather(group: Any, value: Any, coordinator: bool, world: int) -> list[Any] | None:
-    if group is None:
-        return [value]
-    every: list[Any] | None = [None] * world if coordinator else None
-    torch.distributed.gather_object(value, every, group=group, group_dst=0)
-    return every
-
-
-def _all_max(group: Any, values: list[int]) -> list[int]:
-    if group is None:
-        return values
-    flags = torch.tensor(values, dtype=torch.int64)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    return [int(v) for v in flags.tolist()]
+        raise CollectiveSaveError(f"planning the save failed, nothing saved: {exchanged.error}")
+    return exchanged.plan, exchanged.plans, exchanged.extra
 
 
 def _save_id(writer: Any) -> int:
