@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fastckpt import _C
-from fastckpt.io import kept_mappings, spare_files
+from fastckpt.io import kept_mappings, released_files, spare_files
 from fastckpt.io.files import File
 
 __all__ = [
@@ -425,7 +425,11 @@ class AtomicFile:
             check_writable(target, overwrite_readonly=self.overwrite_readonly)
             self.make_durable()
             self._carry_attributes(target)
-            os.replace(self.tmp_path, target)
+            replaced = released_files.hold_replaced(target)  # its blocks freed off this path
+            try:
+                os.replace(self.tmp_path, target)
+            finally:
+                released_files.release_later(replaced)
         except BaseException:
             self.abort()
             raise
