@@ -178,6 +178,9 @@ _DRAIN_ONLY = textwrap.dedent(
     # a small copy first: everything a drain imports and sets up is in memory before
     crc = transfer.copy_file(small, root + "-warm-up", target_options=options)
     transfer.verify_copy(root + "-warm-up", crc, options)
+    import tempfile  # and a manager's own imports (its series, groups, replication modules)
+    with fastckpt.CheckpointManager(tempfile.mkdtemp(), fast=tempfile.mkdtemp()):
+        pass
     def kib(field):  # VmHWM: this process's peak RSS (ru_maxrss counts the parent's at fork)
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) << 10
