@@ -281,11 +281,14 @@ def retire_sharded_set(directory: str) -> list[str]:
     return removed
 
 
-def _written_by_fastckpt(path: str) -> bool:
+def _written_by_fastckpt(path: str) -> bool | None:
     """Whether ``path`` is a checkpoint fastckpt wrote: a safetensors file whose header
-    carries fastckpt's version key (every fastckpt save writes it; other tools do not)."""
+    carries fastckpt's version key (every fastckpt save writes it; other tools do not);
+    None when it is gone (another save of the directory removed it since it was listed)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
     except OSError:
         return False
     try:
@@ -334,15 +337,23 @@ def foreign_files(directory: str) -> list[str]:
             )
     except (FileNotFoundError, NotADirectoryError):
         return []
-    ours = {
-        n for n in names if n != INDEX_NAME and _written_by_fastckpt(os.path.join(directory, n))
+    verdicts = {
+        n: _written_by_fastckpt(os.path.join(directory, n)) for n in names if n != INDEX_NAME
     }
+    # a file gone since the listing (a concurrent save's cleanup) is nothing to replace
+    names = [n for n in names if verdicts.get(n, True) is not None]
+    ours = {n for n, verdict in verdicts.items() if verdict}
     foreign = [n for n in names if n != INDEX_NAME and n not in ours]
-    if INDEX_NAME in names:
+    if INDEX_NAME in names and os.path.lexists(os.path.join(directory, INDEX_NAME)):
         shards = _index_shards(os.path.join(directory, INDEX_NAME))
-        existing = set() if shards is None else shards & set(names)
-        if not existing or not existing <= ours:  # unreadable, or naming no shard of ours
-            foreign.insert(0, INDEX_NAME)
+        # An index published by a concurrent save since the listing names shards the
+        # listing missed: those are looked at now (names of this directory's shards only).
+        for late in (shards or set()) - set(verdicts):
+            if _belongs(late) and os.path.basename(late) == late:
+                verdicts[late] = _written_by_fastckpt(os.path.join(directory, late))
+        existing = {n for n in shards or () if verdicts.get(n) is not None}
+        if not existing or not all(verdicts[n] for n in existing):
+            foreign.insert(0, INDEX_NAME)  # unreadable, or naming no shard of ours
     return foreign
 
 
