@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import select
 import socket
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from torture_mutations import _lines_until_saved  # the same harness reads ranks' progress
 
 RANKS = 3
 
@@ -247,23 +248,6 @@ def collective_kills(work: Path, count: int, seed: int) -> dict[str, Any]:
         newest = max(result["steps"]) if result["steps"] else newest
     report["examples"] = report["examples"][:10]
     return report
-
-
-def _lines_until_saved(child: subprocess.Popen, saves: int, timeout: float = 300.0) -> str:
-    """The child's output up to its ``saves``-th "saved" line (or its end, or ``timeout``)."""
-    assert child.stdout is not None
-    seen, lines = 0, []
-    deadline = time.monotonic() + timeout
-    while seen < saves and time.monotonic() < deadline:
-        ready, _, _ = select.select([child.stdout], [], [], 1.0)
-        if not ready:
-            continue
-        line = child.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        seen += line.startswith("saved ")
-    return "".join(lines)
 
 
 def bad_outcomes(report: dict[str, Any]) -> int:
