@@ -41,6 +41,13 @@ class Engine {
   virtual void flush() = 0;
   // Blocks until at least `min_complete` requests have completed; appends them to `out`.
   virtual void reap(size_t min_complete, std::vector<Completion>& out) = 0;
+  // Requests moving [p, p + len) come next: an engine that can register memory with the
+  // kernel registers the reused buffer holding it (RegisteredMemory, memory.h), if any and
+  // not yet done. Never throws: unregistered memory works as before.
+  virtual void use_memory(char* p, uint64_t len) noexcept {
+    (void)p;
+    (void)len;
+  }
 };
 
 // `failing` is for tests only: the threads engine whose reap() always fails, as a kernel

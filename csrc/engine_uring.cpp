@@ -9,6 +9,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "engine.h"
 #include "io_error.h"
@@ -19,6 +23,10 @@ namespace {
 
 int sys_setup(unsigned entries, io_uring_params* p) {
   return static_cast<int>(syscall(__NR_io_uring_setup, entries, p));
+}
+
+int sys_register(int fd, unsigned opcode, const void* arg, unsigned nr_args) {
+  return static_cast<int>(syscall(__NR_io_uring_register, fd, opcode, arg, nr_args));
 }
 
 int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags) {
@@ -35,7 +43,7 @@ void store_release(T* p, T v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
 
-class UringEngine final : public Engine {
+class UringEngine final : public Engine, private RegisteredMemory::Holder {
  public:
   explicit UringEngine(unsigned depth) {
     io_uring_params p;
@@ -69,7 +77,10 @@ class UringEngine final : public Engine {
     ready_.reserve(depth);
   }
 
-  ~UringEngine() override { release(); }
+  ~UringEngine() override {
+    if (table_ == Table::made) RegisteredMemory::remove_holder(this);
+    release();
+  }
 
   void release() {
     if (sqes_) unmap_or_report(sqes_, sqes_len_, "io_uring submission entries");
@@ -86,13 +97,23 @@ class UringEngine final : public Engine {
     unsigned index = local_tail_ & sq_mask_;
     io_uring_sqe* sqe = &sqes_[index];
     std::memset(sqe, 0, sizeof(*sqe));
-    r->iov.iov_base = r->buf;
-    r->iov.iov_len = r->len;
-    sqe->opcode = r->write ? IORING_OP_WRITEV : IORING_OP_READV;
+    const int slot = registered_slot(r->buf, r->len);
+    if (slot >= 0) {
+      // Registered memory: its pages were pinned once, not for every request (fio's
+      // fixedbufs: 2.9 against 2.5 GB/s of 1 MiB O_DIRECT writes on our VM).
+      sqe->opcode = r->write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+      sqe->addr = reinterpret_cast<uint64_t>(r->buf);
+      sqe->len = static_cast<uint32_t>(r->len);
+      sqe->buf_index = static_cast<uint16_t>(slot);
+    } else {
+      r->iov.iov_base = r->buf;
+      r->iov.iov_len = r->len;
+      sqe->opcode = r->write ? IORING_OP_WRITEV : IORING_OP_READV;
+      sqe->addr = reinterpret_cast<uint64_t>(&r->iov);
+      sqe->len = 1;
+    }
     sqe->fd = r->fd;
     sqe->off = r->offset;
-    sqe->addr = reinterpret_cast<uint64_t>(&r->iov);
-    sqe->len = 1;
     sqe->user_data = reinterpret_cast<uint64_t>(r);
     sq_array_[index] = index;
     ++local_tail_;
@@ -131,8 +152,98 @@ class UringEngine final : public Engine {
     ready_.clear();
   }
 
+  void use_memory(char* p, uint64_t len) noexcept override {
+#ifdef IORING_RSRC_REGISTER_SPARSE
+    const auto [begin, end] = RegisteredMemory::find(p, len);
+    if (!begin) return;
+    std::lock_guard<std::mutex> g(registered_mu_);
+    if (registered_.count(begin) || !make_table()) return;
+    // One slot per piece of at most kMaxPieceBytes; a request across two pieces pins as
+    // before. Refused (the locked-memory limit of an unprivileged user, no slot left): the
+    // pieces registered so far stay, the others pin per request.
+    for (char* at = begin; at < end;) {
+      char* const stop = at + std::min<uint64_t>(kMaxPieceBytes, static_cast<uint64_t>(end - at));
+      const auto free_slot = std::find(slots_.begin(), slots_.end(), nullptr);
+      if (free_slot == slots_.end()) return;
+      const auto slot = static_cast<unsigned>(free_slot - slots_.begin());
+      iovec iov{at, static_cast<size_t>(stop - at)};
+      if (!update_slot(slot, &iov)) return;
+      *free_slot = at;
+      registered_[at] = {stop, slot, begin};
+      RegisteredMemory::count(1);
+      at = stop;
+    }
+#else
+    (void)p;
+    (void)len;
+#endif
+  }
+
  private:
   static constexpr unsigned kMaxBusyRounds = 1000;
+  // Registration slots of a ring (32 MiB staging buffers: 128 GiB), and io_uring's largest
+  // registered buffer.
+  static constexpr unsigned kSlots = 4096;
+  static constexpr uint64_t kMaxPieceBytes = uint64_t{1} << 30;
+  enum class Table { none, made, refused };
+
+  // The slot of the registered buffer holding [buf, buf + len), or -1.
+  int registered_slot(const char* buf, uint64_t len) {
+    std::lock_guard<std::mutex> g(registered_mu_);
+    if (registered_.empty() || len > UINT32_MAX) return -1;
+    auto it = registered_.upper_bound(const_cast<char*>(buf));
+    if (it == registered_.begin()) return -1;
+    --it;
+    const char* end = it->second.end;
+    if (buf >= end || static_cast<uint64_t>(end - buf) < len) return -1;
+    return static_cast<int>(it->second.slot);
+  }
+
+  void forget(char* begin) noexcept override {
+    std::lock_guard<std::mutex> g(registered_mu_);
+    auto it = registered_.lower_bound(begin);
+    while (it != registered_.end() && it->second.buffer == begin) {
+      iovec empty{nullptr, 0};
+      // Emptying a slot only fails for a bad slot number; then the kernel keeps its pages
+      // until the ring closes, and the slot is not handed out again.
+      if (update_slot(it->second.slot, &empty)) slots_[it->second.slot] = nullptr;
+      it = registered_.erase(it);
+      RegisteredMemory::count(-1);
+    }
+  }
+
+#ifdef IORING_RSRC_REGISTER_SPARSE
+  // An empty table of kSlots buffers for this ring (once); false where the kernel has none.
+  bool make_table() {
+    if (table_ != Table::none) return table_ == Table::made;
+    io_uring_rsrc_register table;
+    std::memset(&table, 0, sizeof(table));
+    table.nr = kSlots;
+    table.flags = IORING_RSRC_REGISTER_SPARSE;
+    const bool made = sys_register(fd_, IORING_REGISTER_BUFFERS2, &table, sizeof(table)) == 0;
+    table_ = made ? Table::made : Table::refused;
+    if (made) {
+      slots_.assign(kSlots, nullptr);
+      RegisteredMemory::add_holder(this);
+    }
+    return made;
+  }
+#endif
+
+  bool update_slot(unsigned slot, iovec* iov) {
+#ifdef IORING_RSRC_REGISTER_SPARSE
+    io_uring_rsrc_update2 update;
+    std::memset(&update, 0, sizeof(update));
+    update.offset = slot;
+    update.data = reinterpret_cast<uint64_t>(iov);
+    update.nr = 1;
+    return sys_register(fd_, IORING_REGISTER_BUFFERS_UPDATE, &update, sizeof(update)) == 1;
+#else
+    (void)slot;
+    (void)iov;
+    return false;
+#endif
+  }
 
   // Moves completions from the ring to ready_ until `want` have arrived (0: only those there).
   void collect(size_t want) {
@@ -187,6 +298,18 @@ class UringEngine final : public Engine {
   unsigned unsubmitted_ = 0;
   unsigned in_kernel_ = 0;         // submitted and not yet collected
   std::vector<Completion> ready_;  // collected, not yet handed out by reap()
+  // Pieces of reused buffers registered with the ring, by start, and each slot's piece
+  // (nullptr: free). Used by this engine's thread and by threads freeing buffers (forget()),
+  // hence the lock.
+  struct Piece {
+    char* end;
+    unsigned slot;
+    char* buffer;  // the start of the buffer it is part of
+  };
+  std::mutex registered_mu_;
+  std::map<char*, Piece> registered_;
+  std::vector<char*> slots_;
+  Table table_ = Table::none;
 };
 
 }  // namespace

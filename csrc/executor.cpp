@@ -273,6 +273,7 @@ void Executor::worker_main(unsigned index) {
     bool engine_lost = false;
     try {
       if (broken) throw IoError(broken, "the I/O engine of this worker failed earlier");
+      engines_[index]->use_memory(task.op->spec.ptr + task.begin, task.end - task.begin);
       run_task(*engines_[index], task, engine_lost);
     } catch (const IoError& e) {
       err = e.err();

@@ -1,6 +1,7 @@
 #include "memory.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -24,6 +26,21 @@
 
 namespace fastckpt {
 namespace {
+
+// Reused buffers (start -> end) and the engines holding registrations of them. Locked
+// before any engine's own lock, never after.
+std::mutex g_reused_mu;
+std::map<uintptr_t, uintptr_t>& reused_ranges() {
+  static std::map<uintptr_t, uintptr_t> ranges;
+  return ranges;
+}
+std::vector<RegisteredMemory::Holder*>& holders() {
+  static std::vector<RegisteredMemory::Holder*> list;
+  return list;
+}
+// A forked child has none of its parent's engines (their rings are the parent's): forget them.
+void forget_holders_in_child() { holders().clear(); }
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, forget_holders_in_child);
 
 std::mutex g_locked_mu;
 std::map<uintptr_t, size_t>& locked_ranges() {  // start -> length, of locked buffers
@@ -40,7 +57,8 @@ size_t page_size() {
 
 }  // namespace
 
-AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbytes) {
+AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict, bool reused)
+    : size_(nbytes) {
   if (nbytes == 0) return;
   mapped_ = (nbytes + page_size() - 1) / page_size() * page_size();
   // Large buffers start on a huge-page boundary, so a system whose transparent huge pages are
@@ -69,11 +87,26 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
     start = aligned;
   }
   data_ = start;
+  // A reused buffer is backed by huge pages where the system has them: physically contiguous
+  // memory makes each direct-I/O request a few large DMA segments instead of one per 4 KiB
+  // page. On our VM's virtio disk, 32 MiB staging buffers allocated once memory was
+  // fragmented (8,192 runs each) wrote at 1.9 GB/s against 2.3 in huge pages (16 runs), and
+  // 1 MiB requests of scattered pages exceed its 254 segments and are split. The first touch
+  // may compact memory (300 ms for 224 MiB here), paid once, when a pool first grows.
+  if (reused && huge) (void)madvise(data_, mapped_, MADV_HUGEPAGE);
   if (!lock) return;
   if (mlock(data_, mapped_) == 0) {
     locked_ = true;
-    std::lock_guard<std::mutex> g(g_locked_mu);
-    locked_ranges()[reinterpret_cast<uintptr_t>(data_)] = mapped_;
+    {
+      std::lock_guard<std::mutex> g(g_locked_mu);
+      locked_ranges()[reinterpret_cast<uintptr_t>(data_)] = mapped_;
+    }
+    if (reused) {
+      std::lock_guard<std::mutex> g(g_reused_mu);
+      const auto start = reinterpret_cast<uintptr_t>(data_);
+      reused_ranges()[start] = start + mapped_;
+      reused_ = true;
+    }
   } else if (strict) {
     int err = errno;
     unmap_or_report(data_, mapped_, "an aligned buffer");
@@ -85,6 +118,11 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict) : size_(nbyt
 
 AlignedBuffer::~AlignedBuffer() {
   if (!data_) return;
+  if (reused_) {  // out of every engine's registration before the memory goes
+    std::lock_guard<std::mutex> g(g_reused_mu);
+    reused_ranges().erase(reinterpret_cast<uintptr_t>(data_));
+    for (auto* h : holders()) h->forget(data_);
+  }
   if (locked_) {
     std::lock_guard<std::mutex> g(g_locked_mu);
     locked_ranges().erase(reinterpret_cast<uintptr_t>(data_));
@@ -99,6 +137,36 @@ void unmap_or_report(void* addr, size_t len, const char* what) {
   const int err = errno;
   std::fprintf(stderr, "fastckpt: munmap of %s (%zu bytes at %p) failed: %s; it stays mapped\n",
                what, len, addr, std::strerror(err));
+}
+
+std::pair<char*, char*> RegisteredMemory::find(const char* p, uint64_t len) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> g(g_reused_mu);
+  auto& ranges = reused_ranges();
+  auto it = ranges.upper_bound(at);
+  if (it == ranges.begin()) return {nullptr, nullptr};
+  --it;
+  if (at >= it->second || it->second - at < len) return {nullptr, nullptr};
+  return {reinterpret_cast<char*>(it->first), reinterpret_cast<char*>(it->second)};
+}
+
+namespace {
+std::atomic<long> g_registrations{0};
+}  // namespace
+
+void RegisteredMemory::count(long delta) { g_registrations += delta; }
+
+long RegisteredMemory::registrations() { return g_registrations.load(); }
+
+void RegisteredMemory::add_holder(Holder* h) {
+  std::lock_guard<std::mutex> g(g_reused_mu);
+  holders().push_back(h);
+}
+
+void RegisteredMemory::remove_holder(Holder* h) {
+  std::lock_guard<std::mutex> g(g_reused_mu);
+  auto& list = holders();
+  list.erase(std::remove(list.begin(), list.end(), h), list.end());
 }
 
 bool is_locked(const void* ptr) {

@@ -13,7 +13,9 @@ namespace fastckpt {
 class AlignedBuffer {
  public:
   // lock: try mlock(); strict: a failed mlock() throws IoError instead of leaving it unlocked.
-  AlignedBuffer(size_t nbytes, bool lock, bool strict);
+  // reused: the buffer serves many transfers (a staging buffer, a locked tensor), so an I/O
+  // engine may register it with the kernel once (see RegisteredMemory); only if locked.
+  AlignedBuffer(size_t nbytes, bool lock, bool strict, bool reused = false);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
@@ -27,6 +29,34 @@ class AlignedBuffer {
   size_t size_ = 0;
   size_t mapped_ = 0;
   bool locked_ = false;
+  bool reused_ = false;  // listed in RegisteredMemory
+};
+
+// Page-locked buffers made to be reused (AlignedBuffer's `reused`) and the I/O engines that
+// register them with the kernel, so that the kernel pins their pages once instead of for
+// every request (io_uring's fixed buffers).
+//
+// Engines register a buffer lazily, when a transfer first uses it; a buffer that goes is
+// taken out of every engine's registration before its memory is unmapped, so a registration
+// never outlives its buffer (its pages would stay pinned, and a new buffer at the same
+// address would be mistaken for it). Thread-safe.
+class RegisteredMemory {
+ public:
+  class Holder {  // an engine that registers buffers
+   public:
+    // Drops the registration of the buffer starting at `begin`, if it has one.
+    virtual void forget(char* begin) noexcept = 0;
+
+   protected:
+    ~Holder() = default;
+  };
+  // The reused buffer holding [p, p + len) as (begin, end), or (nullptr, nullptr).
+  static std::pair<char*, char*> find(const char* p, uint64_t len);
+  static void add_holder(Holder* h);
+  static void remove_holder(Holder* h);  // a holder not listed (a forked child's) is ignored
+  // Registrations alive in all engines (one per engine and buffer piece): what tests see.
+  static void count(long delta);
+  static long registrations();
 };
 
 // munmap() for callers that cannot throw; a failure (a leak, not a corruption) is reported on

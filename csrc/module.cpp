@@ -104,11 +104,12 @@ PYBIND11_MODULE(_C, m) {
       .def("pending", &Executor::pending);
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init([](size_t nbytes, bool lock, bool strict) {
+      .def(py::init([](size_t nbytes, bool lock, bool strict, bool reused) {
              py::gil_scoped_release release;  // mlock of a large buffer faults every page in
-             return new AlignedBuffer(nbytes, lock, strict);
+             return new AlignedBuffer(nbytes, lock, strict, reused);
            }),
-           py::arg("nbytes"), py::arg("lock") = false, py::arg("strict") = false)
+           py::arg("nbytes"), py::arg("lock") = false, py::arg("strict") = false,
+           py::arg("reused") = false)
       .def_property_readonly(
           "address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::size)
@@ -118,6 +119,8 @@ PYBIND11_MODULE(_C, m) {
                                {static_cast<py::ssize_t>(b.size())}, {1});
       });
 
+  m.def("registered_memory_count", &RegisteredMemory::registrations,
+        "Reused buffers' pieces registered with I/O engines, over all engines (for tests).");
   m.def(
       "is_locked", [](uintptr_t address) { return is_locked(as_ptr(address)); },
       py::arg("address"));

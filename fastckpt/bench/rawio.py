@@ -80,7 +80,7 @@ def make_buffer(nbytes: int, *, gpu: bool = False, seed: int = 0) -> Any:
     if gpu:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     else:
-        buffer = aligned_tensor(nbytes, lock=True)
+        buffer = aligned_tensor(nbytes, lock=True, reused=True)
     _fill(buffer, pattern_block(seed).to(buffer.device))
     return buffer
 

@@ -165,6 +165,7 @@ class CheckpointReader(HeaderView, Reader):
             >>> fastckpt.save({"x": torch.ones(4)}, "/dev/shm/fastckpt-mode.safetensors")
             >>> fastckpt.open("/dev/shm/fastckpt-mode.safetensors").read_mode
             'buffered'
+            >>> import os; os.remove("/dev/shm/fastckpt-mode.safetensors")
         """
         with self._reading():
             mode, _ = self._storage.choose_mode((self.header.data_offset, self.header.data_size))

@@ -55,7 +55,7 @@ def allocate(num_elem: int, dtype: Any) -> Any:
     import torch
 
     nbytes = num_elem * torch.empty(0, dtype=dtype).element_size()
-    tensor = aligned_tensor(nbytes, dtype, lock=True, strict=True)
+    tensor = aligned_tensor(nbytes, dtype, lock=True, strict=True, reused=True)
     if nbytes:
         allocation = _Allocation(tensor)
         _allocations[allocation.start] = allocation

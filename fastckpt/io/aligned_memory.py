@@ -88,20 +88,26 @@ def buffer_ref(
     return BufferRef(array.__array_interface__["data"][0], view.nbytes, (view, array))
 
 
-def aligned_array(nbytes: int, *, lock: bool = False, strict: bool = False) -> np.ndarray:
-    """A page-aligned uint8 numpy array of ``nbytes`` (mlock()ed with ``lock``)."""
+def aligned_array(
+    nbytes: int, *, lock: bool = False, strict: bool = False, reused: bool = False
+) -> np.ndarray:
+    """A page-aligned uint8 numpy array of ``nbytes`` (mlock()ed with ``lock``). ``reused``
+    (with ``lock``): memory that many transfers go through, which the io_uring engine
+    registers with the kernel on first use, so its pages are pinned once instead of for
+    every request."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     # numpy's stub lists concrete buffer types before Python 3.12, and _C.pyi cannot declare
     # AlignedBuffer's buffer protocol (__buffer__) on the Pythons it must import on
-    buffer = _C.AlignedBuffer(nbytes, lock=lock, strict=strict)
+    buffer = _C.AlignedBuffer(nbytes, lock=lock, strict=strict, reused=reused)
     return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
 
 
 def aligned_tensor(
-    nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False
+    nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False, reused: bool = False
 ) -> Any:
-    """A page-aligned 1-D torch tensor of ``nbytes`` bytes viewed as ``dtype`` (uint8 by default).
+    """A page-aligned 1-D torch tensor of ``nbytes`` bytes viewed as ``dtype`` (uint8 by default);
+    ``lock``, ``strict`` and ``reused`` as for :func:`aligned_array`.
 
     The memory is freed when the last tensor viewing it is garbage collected.
 
@@ -115,7 +121,8 @@ def aligned_tensor(
     dtype = dtype or torch.uint8
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    raw = torch.frombuffer(_C.AlignedBuffer(nbytes, lock=lock, strict=strict), dtype=torch.uint8)
+    buffer = _C.AlignedBuffer(nbytes, lock=lock, strict=strict, reused=reused)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
     return raw.view(dtype) if dtype != torch.uint8 else raw
 
 

@@ -39,7 +39,7 @@ class StagingBuffer:
     __slots__ = ("array", "address", "nbytes", "_tensor", "cuda_registered")
 
     def __init__(self, nbytes: int):
-        self.array = aligned_array(nbytes, lock=True, strict=False)
+        self.array = aligned_array(nbytes, lock=True, strict=False, reused=True)
         self.address = self.array.__array_interface__["data"][0]
         self.nbytes = nbytes
         self._tensor = None

@@ -1,0 +1,109 @@
+"""Reused page-locked buffers registered with io_uring (fixed buffers).
+
+A registration pins the buffer's pages for the ring; it must go with the buffer, or a new
+buffer mapped at the same address would be written from the old pages.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from fastckpt import _C
+from fastckpt.deepnvme import aio_handle
+from fastckpt.io.engines import engines
+
+pytestmark = pytest.mark.skipif(
+    not engines()["io_uring"].available, reason="io_uring is not available here"
+)
+
+MIB = 1 << 20
+
+
+def _handle() -> aio_handle:
+    # two worker threads: two rings, each registering what it moves
+    return aio_handle(MIB, 8, False, True, 2, engine="io_uring")
+
+
+def _locked(handle: aio_handle, nbytes: int, fill: int) -> torch.Tensor:
+    t = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    t.fill_(fill)
+    return t
+
+
+def test_a_reused_buffer_is_registered_on_first_use_and_released_with_it(tmp_path):
+    handle = _handle()
+    before = _C.registered_memory_count()
+    buf = _locked(handle, 8 * MIB, 0x5A)
+    assert _C.registered_memory_count() == before  # registered lazily, by the I/O
+    path = str(tmp_path / "w.bin")
+    assert handle.sync_pwrite(buf, path) == 1
+    assert _C.registered_memory_count() > before
+    with open(path, "rb") as f:
+        assert f.read() == bytes([0x5A]) * (8 * MIB)
+    handle.free_cpu_locked_tensor(buf)
+    del buf
+    gc.collect()
+    assert _C.registered_memory_count() == before
+
+
+def test_a_new_buffer_at_a_freed_buffers_address_writes_its_own_bytes(tmp_path):
+    # Freed and allocated again, a mapping of the same size usually comes back at the same
+    # address: a registration left behind would write the old pages' bytes.
+    handle = _handle()
+    path = str(tmp_path / "w.bin")
+    addresses = []
+    for i in range(6):
+        buf = _locked(handle, 4 * MIB, i + 1)
+        addresses.append(buf.data_ptr())
+        assert handle.sync_pwrite(buf, path, file_offset=i * 4 * MIB) == 1
+        handle.free_cpu_locked_tensor(buf)
+        del buf
+        gc.collect()
+    assert len(set(addresses)) < len(addresses), "no address was reused: the test proves nothing"
+    with open(path, "rb") as f:
+        for i in range(6):
+            assert f.read(4 * MIB) == bytes([i + 1]) * (4 * MIB), f"region {i}"
+
+
+def test_reads_into_registered_memory_and_parts_of_it(tmp_path):
+    handle = _handle()
+    path = str(tmp_path / "r.bin")
+    data = os.urandom(8 * MIB)
+    with open(path, "wb") as f:
+        f.write(data)
+    buf = _locked(handle, 16 * MIB, 0)
+    assert handle.sync_pwrite(buf[: 4 * MIB], str(tmp_path / "warm.bin")) == 1
+    assert _C.registered_memory_count() > 0
+    # the whole file into the middle of the buffer: a part of registered memory
+    assert handle.sync_pread(buf[4 * MIB : 12 * MIB], path) == 1
+    assert bytes(buf[4 * MIB : 12 * MIB].numpy()) == data
+    assert not buf[: 4 * MIB].any() and not buf[12 * MIB :].any()
+
+
+def test_a_forked_child_freeing_a_buffer_leaves_the_parents_registration(tmp_path):
+    handle = _handle()
+    buf = _locked(handle, 4 * MIB, 7)
+    assert handle.sync_pwrite(buf, str(tmp_path / "a.bin")) == 1
+    registered = _C.registered_memory_count()
+    pid = os.fork()
+    if pid == 0:  # the child frees its copy of the buffer; the rings are the parent's
+        code = 1
+        try:
+            address = buf.data_ptr()
+            handle.free_cpu_locked_tensor(buf)
+            del buf
+            gc.collect()
+            code = 0 if not _C.is_locked(address) else 3  # 3: the buffer was not freed
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _C.registered_memory_count() == registered
+    buf.fill_(9)
+    assert handle.sync_pwrite(buf, str(tmp_path / "b.bin")) == 1
+    with open(tmp_path / "b.bin", "rb") as f:
+        assert f.read() == bytes([9]) * (4 * MIB)
