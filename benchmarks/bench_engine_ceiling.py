@@ -50,7 +50,7 @@ def _steps(directory: str, nbytes: int) -> dict[str, Callable[[], float]]:
     from fastckpt.bench.fio import FIO_LOCKED, fio_path, fio_sequential
     from fastckpt.bench.rawio import make_buffer, make_handle, timed_read, timed_write
     from fastckpt.bench.synthetic import llm_like_state_dict
-    from fastckpt.config import force_read_mode, resolve_io
+    from fastckpt.config import READ_MODES, force_read_mode, resolve_io
 
     cache = PageCache()
     state = llm_like_state_dict(nbytes)
@@ -115,9 +115,7 @@ def _steps(directory: str, nbytes: int) -> dict[str, Callable[[], float]]:
         ),
         "fastckpt.save, default": lambda: clock(lambda: fastckpt.save(state, path["fc"])),
         "safetensors save_file + fsync": lambda: clock(st_save),
-        "fastckpt.load, direct": fc_load("direct"),
-        "fastckpt.load, buffered": fc_load("buffered"),
-        "fastckpt.load, mapped": fc_load("mapped"),
+        **{f"fastckpt.load, {mode}": fc_load(mode) for mode in READ_MODES},
         "fastckpt.load, default": lambda: cold(
             path["fc"], lambda: touch(fastckpt.load(path["fc"]))
         ),

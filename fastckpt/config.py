@@ -186,7 +186,7 @@ def gds_choice() -> bool | None:
 
 
 #: The ways a local file's cold bytes can come in (see :mod:`fastckpt.storage.local`).
-READ_MODES = ("direct", "buffered", "mapped")
+READ_MODES = ("direct", "staged", "buffered", "mapped")
 
 
 def direct_io() -> bool | None:

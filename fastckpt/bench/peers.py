@@ -37,6 +37,7 @@ from fastckpt.bench.ceilings import (
     pwrite_file,
 )
 from fastckpt.bench.fio import FIO_LOCKED, fio_path, fio_sequential
+from fastckpt.config import READ_MODES
 
 __all__ = ["LOADERS", "SAVERS", "Loader", "Saver", "Skip", "Timed", "install_hint"]
 
@@ -359,7 +360,7 @@ LOADERS: dict[str, Loader] = {
         f"fastckpt-{mode}": Loader(
             f"fastckpt.load, {mode} reads", "fastckpt", _load_fastckpt_in(mode)
         )
-        for mode in ("direct", "buffered", "mapped")
+        for mode in READ_MODES
     },
     "safetensors": Loader("safetensors load_file (mmap)", "safetensors", _load_safetensors),
     "safetensors-pread": Loader(

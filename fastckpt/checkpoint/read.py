@@ -12,7 +12,8 @@ aligned.
 
 How the bytes come in is chosen per read by the storage (see :attr:`CheckpointReader.read_mode`):
 ``"buffered"`` (the page cache: the bytes are resident, or the file system refuses O_DIRECT),
-``"direct"`` (O_DIRECT, the native engine) or ``"ranged"`` (parallel ranged reads of a URL).
+``"staged"`` or ``"direct"`` (O_DIRECT with the native engine, through the staging pool or
+straight into the tensors), ``"mapped"``, or ``"ranged"`` (parallel ranged reads of a URL).
 Local files never go through fsspec.
 
 Checksums of spans are joined per tensor (:mod:`fastckpt.checkpoint.tensor_crcs`), so even one
@@ -155,7 +156,8 @@ class CheckpointReader(HeaderView, Reader):
     def read_mode(self) -> str:
         """How the data section is read now: ``"buffered"`` (through the page cache: the
         bytes are resident, the file system is memory-backed or refuses O_DIRECT, or
-        ``direct_io=False``), ``"direct"`` (O_DIRECT) or ``"ranged"`` (parallel ranged
+        ``direct_io=False``), ``"staged"`` or ``"direct"`` (O_DIRECT, through the staging
+        pool or straight into the tensors), ``"mapped"``, or ``"ranged"`` (parallel ranged
         reads of a URL). Decided again at each read, since the page cache changes;
         ``direct_io=True``/``False`` (or ``FASTCKPT_DIRECT_IO``) forces it where the file
         system allows.
@@ -453,7 +455,7 @@ class CheckpointReader(HeaderView, Reader):
         executor = self._storage.executor  # type: ignore[attr-defined]
         # The staging reads follow the CPU loads' policy (forced, tuned, or resident);
         # a mapped read has nothing to map into here, so it stages through the page cache.
-        direct = self._mode((base, self.header.data_size)) == "direct"
+        direct = self._mode((base, self.header.data_size)) in ("direct", "staged")
         with progress_bar(sum(r.end - r.begin for r in runs), "loading", enabled=progress) as bar:
             for run in runs:
 

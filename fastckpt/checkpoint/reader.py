@@ -218,8 +218,10 @@ class Reader(abc.ABC, metaclass=_ReaderType):
     @property
     @abc.abstractmethod
     def read_mode(self) -> str:
-        """How tensors are read now: ``"direct"`` (O_DIRECT), ``"buffered"`` (the page cache)
-        or ``"ranged"`` (ranged reads of a URL); ``"mixed"`` for shards read differently."""
+        """How tensors are read now: ``"staged"`` or ``"direct"`` (O_DIRECT, through the
+        staging pool or straight into the tensors), ``"buffered"`` (the page cache),
+        ``"mapped"``, or ``"ranged"`` (ranged reads of a URL); ``"mixed"`` for shards read
+        differently."""
 
     @property
     @abc.abstractmethod

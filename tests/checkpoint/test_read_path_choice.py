@@ -17,7 +17,7 @@ import torch
 from _page_cache import drop_from_page_cache
 
 import fastckpt
-from fastckpt.config import filesystem_key, save_tuned_read_mode, tuned_read_mode
+from fastckpt.config import READ_MODES, filesystem_key, save_tuned_read_mode, tuned_read_mode
 from fastckpt.io.files import File
 from fastckpt.io.parallel_io import Span, read_buffered, read_mapped
 
@@ -61,7 +61,7 @@ def test_a_mapped_read_past_the_end_names_the_file(tmp_path):
     assert caught.value.errno == errno.ENODATA and caught.value.filename == str(path)
 
 
-@pytest.mark.parametrize("mode", ["direct", "buffered", "mapped"])
+@pytest.mark.parametrize("mode", list(READ_MODES))
 def test_every_forced_read_mode_loads_and_verifies(tmp_path, monkeypatch, mode):
     path = tmp_path / "ckpt.safetensors"
     state = _state()
@@ -98,7 +98,7 @@ def test_a_bad_read_mode_variable_is_named(tmp_path, monkeypatch):
     fastckpt.save({"w": torch.ones(4)}, path)
     drop_from_page_cache(path)
     monkeypatch.setenv("FASTCKPT_READ_MODE", "fast")
-    with pytest.raises(ValueError, match="FASTCKPT_READ_MODE must be one of direct, buffered"):
+    with pytest.raises(ValueError, match="FASTCKPT_READ_MODE must be one of direct, staged, buffered"):
         fastckpt.load(path)
 
 
@@ -155,7 +155,7 @@ def test_tune_measures_every_read_mode_and_remembers_the_winner(tmp_path):
     if "read" not in entry:  # the cache could not be emptied here: the output says so
         assert "read modes not measured" in done.stdout
         return
-    assert set(entry["read"]["gbps"]) == {"direct", "buffered", "mapped"}
+    assert set(entry["read"]["gbps"]) == set(READ_MODES)
     best = max(entry["read"]["gbps"], key=entry["read"]["gbps"].get)
     assert entry["read"]["mode"] == best
     assert f"-> {best}" in done.stdout

@@ -56,6 +56,7 @@ from fastckpt.cli._common import (
 )
 from fastckpt.cli.tune.plot import plot_results, require_matplotlib
 from fastckpt.cli.tune.read_modes import measure_read_modes, remember_read_modes
+from fastckpt.config import READ_MODES
 from fastckpt.cli.tune.sweep import (
     QUICK_BUDGET,
     QUICK_DESCRIPTION,
@@ -323,7 +324,7 @@ def _outcome_per_dir(dirs: Sequence[str], outcomes: Sequence[Outcome]) -> list[O
 def _tune_read_modes(dirs: Sequence[str], args: argparse.Namespace, cache: PageCache) -> None:
     """Times cold checkpoint loads in each read mode and remembers the fastest per file
     system (see :mod:`fastckpt.cli.tune.read_modes`)."""
-    print("Measuring cold checkpoint loads per read mode (direct, buffered, mapped)...", flush=True)
+    print(f"Measuring cold checkpoint loads per read mode ({', '.join(READ_MODES)})...", flush=True)
     figures = measure_read_modes(dirs, args.io_size, cache, max(3, args.loops))
     for one in figures:
         print(f"  {one.describe()}")

@@ -1,0 +1,133 @@
+"""Cold reads through the staging pool (read mode "staged")."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from _page_cache import drop_from_page_cache
+
+import fastckpt
+from fastckpt.config import IOConfig, force_read_mode
+from fastckpt.io.executor import Executor
+from fastckpt.io.files import File
+from fastckpt.io.parallel_io import Span, read_buffered
+from fastckpt.io.staged_reads import read_staged
+from fastckpt.io.staging_pool import StagingPool
+
+KIB = 1 << 10
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    return str(path), data
+
+
+def _random_spans(rng: random.Random, memory: np.ndarray, size: int) -> list[Span]:
+    spans, at = [], rng.randrange(0, 5000)
+    while at < size - 1:
+        n = min(size - at, rng.randrange(1, 700 * KIB))
+        cuts = sorted({rng.randrange(1, n) for _ in range(rng.randrange(0, 4)) if n > 1})
+        spans.append(Span(at, memory.ctypes.data + at, n, tuple(cuts)))
+        at += n + rng.randrange(0, 3 * KIB)
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bytes_and_checksums_match_a_buffered_read(data_file, seed):
+    path, data = data_file
+    rng = random.Random(seed)
+    staged, buffered = np.zeros_like(data), np.zeros_like(data)
+    spans = _random_spans(rng, staged, data.size)
+    twins = [Span(s.file_offset, buffered.ctypes.data + s.file_offset, s.nbytes, s.cuts) for s in spans]
+    # small buffers: most spans cross several, and pieces start off page boundaries
+    pool = StagingPool(256 * KIB, piece=64 * KIB)
+    with File(path) as f:
+        crcs = read_staged(Executor(IOConfig()), f, spans, pool=pool)
+        expected = read_buffered(f, twins)
+    assert crcs == expected
+    assert np.array_equal(staged, buffered)
+    covered = np.zeros(data.size, dtype=bool)
+    for s in spans:
+        covered[s.file_offset : s.file_offset + s.nbytes] = True
+    assert np.array_equal(staged[covered], data[covered])
+    assert not staged[~covered].any()  # nothing written outside the spans
+    assert pool.in_use() == 0
+
+
+def test_without_checksums_returns_empty_lists(data_file):
+    path, data = data_file
+    back = np.zeros_like(data)
+    spans = [Span(0, back.ctypes.data, 1 << 20), Span(1 << 20, back.ctypes.data + (1 << 20), 4096)]
+    with File(path) as f:
+        crcs = read_staged(
+            Executor(IOConfig()), f, spans, pool=StagingPool(1 << 20, piece=256 * KIB), checksum=False
+        )
+    assert crcs == [[], []]
+    assert np.array_equal(back[: (1 << 20) + 4096], data[: (1 << 20) + 4096])
+
+
+def test_a_failed_read_returns_every_buffer(data_file):
+    path, data = data_file
+    back = np.zeros(data.size + (1 << 20), dtype=np.uint8)
+    pool = StagingPool(512 * KIB, piece=128 * KIB)
+    past_the_end = [Span(0, back.ctypes.data, back.size)]  # the file is 1 MiB shorter
+    executor = Executor(IOConfig())
+    with File(path) as f, pytest.raises(OSError) as info:
+        read_staged(executor, f, past_the_end, pool=pool)
+    assert path in str(info.value)
+    assert pool.in_use() == 0 and executor.pending() == 0
+
+
+def test_an_interrupt_waits_for_the_reads_and_returns_every_buffer(data_file):
+    path, data = data_file
+    back = np.zeros_like(data)
+    pool = StagingPool(512 * KIB, piece=128 * KIB)
+    executor = Executor(IOConfig())
+
+    def interrupted(nbytes: int) -> None:
+        raise KeyboardInterrupt
+
+    with File(path) as f, pytest.raises(KeyboardInterrupt):
+        read_staged(executor, f, [Span(0, back.ctypes.data, back.size)], pool=pool,
+                    on_progress=interrupted)
+    assert pool.in_use() == 0 and executor.pending() == 0
+
+
+def test_load_in_staged_mode_verifies_and_says_so(tmp_path):
+    state = {"a": torch.randn(1000, 300), "b": torch.arange(77, dtype=torch.int16), "c": torch.ones(0)}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save(state, path)
+    drop_from_page_cache(path)  # a forced mode is for cold bytes: resident ones are copied
+    force_read_mode("staged")
+    try:
+        assert fastckpt.open(path).read_mode == "staged"
+        loaded = fastckpt.load(path, verify=True)
+    finally:
+        force_read_mode(None)
+    assert set(loaded) == set(state)
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def test_a_damaged_file_read_staged_fails_verification(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save({"w": torch.randn(1 << 18)}, path)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    drop_from_page_cache(path)
+    force_read_mode("staged")
+    try:
+        with pytest.raises(Exception, match="w"):
+            fastckpt.load(path, verify=True)
+    finally:
+        force_read_mode(None)
