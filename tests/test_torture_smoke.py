@@ -47,6 +47,15 @@ def test_torture_smoke_fast_tier_readers(tmp_path):
     assert "bad outcomes in total: 0" in stdout
 
 
+def test_torture_smoke_concurrent_savers_and_cold_readers(tmp_path):
+    """Two processes save over one file while two read it cold (staged and direct reads):
+    every load is one whole save's file."""
+    stdout = _torture(tmp_path, "--only=concurrency", "--seconds=3")
+    assert '"torn or mixed loads": 0' in stdout and '"temp files left": 0' in stdout
+    assert '"good loads": 0' not in stdout
+    assert "bad outcomes in total: 0" in stdout
+
+
 def test_torture_full_disk(tmp_path):
     """Every saver (plain, eager and lazy async, a manager's step, a fast tier's step over its
     spare file) meets a full file system: each fails with ENOSPC, leaves nothing behind, and

@@ -55,6 +55,27 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIRECT_IO_ALIGNMENT: int = _C.DIRECT_IO_ALIGNMENT
 
 
+def _open_twin(fd: int, path: str, flags: int) -> int:
+    """A second descriptor of ``fd``'s own file with ``flags`` (O_DIRECT), or -1.
+
+    Opening ``path`` again could open another file: one renamed over it since ``fd`` was
+    opened (an atomic save by another process), and a reader would take the header from one
+    file and the data from the other. So the open file is reopened through
+    ``/proc/self/fd``; where that is missing, ``path`` is opened and kept only if it is
+    still the same file.
+    """
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags)
+    except FileNotFoundError:  # no /proc here
+        pass
+    twin = os.open(path, flags)
+    mine, theirs = os.fstat(fd), os.fstat(twin)
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        os.close(twin)
+        return -1  # replaced meanwhile: buffered reads of the file opened
+    return twin
+
+
 class File:
     """An open file with a buffered descriptor ``fd`` and, where allowed, an O_DIRECT ``direct_fd``.
 
@@ -98,8 +119,8 @@ class File:
         self._owns_fd = True
         if direct and _O_DIRECT:
             try:
-                self.direct_fd = os.open(
-                    self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT
+                self.direct_fd = _open_twin(
+                    self.fd, self.path, (flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)) | _O_DIRECT
                 )
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):

@@ -4,6 +4,7 @@ beside ``fastckpt ls --verify``, for one)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,3 +49,36 @@ def test_a_failed_open_does_not_close_another_descriptor_later(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "intact", out.stderr[-2000:]
+
+
+def test_the_direct_twin_is_the_file_opened_even_once_another_is_renamed_over_it(
+    tmp_path, monkeypatch
+):
+    # A reader opening a checkpoint while another process saves a new one over it must read
+    # header and data from one file (the torture's concurrent readers once got a header from
+    # one save and data from the next).
+    from fastckpt.io import files
+
+    path, other = tmp_path / "ckpt.bin", tmp_path / "new.bin"
+    path.write_bytes(b"a" * 8192)
+    other.write_bytes(b"b" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.rename(other, path)  # the atomic replace, between the two opens
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+        twin = files._open_twin(fd, str(path), flags)
+        try:
+            assert os.fstat(twin).st_ino == os.fstat(fd).st_ino
+        finally:
+            os.close(twin)
+        real_open = os.open
+
+        def no_proc(p, *args, **kwargs):
+            if str(p).startswith("/proc/self/fd/"):
+                raise FileNotFoundError(p)
+            return real_open(p, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", no_proc)
+        assert files._open_twin(fd, str(path), flags) == -1  # replaced: no twin at all
+    finally:
+        os.close(fd)

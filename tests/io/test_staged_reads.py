@@ -131,3 +131,33 @@ def test_a_damaged_file_read_staged_fails_verification(tmp_path):
             fastckpt.load(path, verify=True)
     finally:
         force_read_mode(None)
+
+
+def test_staged_loads_and_saves_share_the_pool_without_waiting_on_each_other(tmp_path):
+    import concurrent.futures
+
+    from fastckpt.config import set_defaults
+
+    states = [{f"t{i}": torch.randn(256, 1024) for i in range(6)} for _ in range(3)]
+    paths = [str(tmp_path / f"s{i}.safetensors") for i in range(3)]
+    set_defaults(staging_bytes=4 << 20)  # two buffers for everyone
+    try:
+        for state, path in zip(states[:2], paths[:2]):
+            fastckpt.save(state, path)
+            drop_from_page_cache(path)
+        force_read_mode("staged")
+
+        def load(i: int) -> dict:
+            return fastckpt.load(paths[i], verify=True)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            loads = [pool.submit(load, i) for i in (0, 1, 0, 1)]
+            saving = pool.submit(fastckpt.save, states[2], paths[2])
+            results = [f.result(timeout=120) for f in loads]
+            saving.result(timeout=120)
+    finally:
+        force_read_mode(None)
+        set_defaults(staging_bytes=None)
+    for i, back in zip((0, 1, 0, 1), results):
+        assert all(torch.equal(back[k], v) for k, v in states[i].items())
+    assert all(torch.equal(v, states[2][k]) for k, v in fastckpt.load(paths[2]).items())
