@@ -199,6 +199,15 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
     return static_cast<int>(it->second.slot);
   }
 
+  long pieces_of(char* begin) noexcept override {
+    std::lock_guard<std::mutex> g(registered_mu_);
+    long n = 0;
+    for (auto it = registered_.lower_bound(begin);
+         it != registered_.end() && it->second.buffer == begin; ++it)
+      ++n;
+    return n;
+  }
+
   void forget(char* begin) noexcept override {
     std::lock_guard<std::mutex> g(registered_mu_);
     auto it = registered_.lower_bound(begin);

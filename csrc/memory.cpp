@@ -57,8 +57,7 @@ size_t page_size() {
 
 }  // namespace
 
-AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict, bool reused)
-    : size_(nbytes) {
+AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool strict, bool reused) : size_(nbytes) {
   if (nbytes == 0) return;
   mapped_ = (nbytes + page_size() - 1) / page_size() * page_size();
   // Large buffers start on a huge-page boundary, so a system whose transparent huge pages are
@@ -157,6 +156,13 @@ std::atomic<long> g_registrations{0};
 void RegisteredMemory::count(long delta) { g_registrations += delta; }
 
 long RegisteredMemory::registrations() { return g_registrations.load(); }
+
+long RegisteredMemory::registrations_of(char* begin) {
+  std::lock_guard<std::mutex> g(g_reused_mu);
+  long n = 0;
+  for (auto* h : holders()) n += h->pieces_of(begin);
+  return n;
+}
 
 void RegisteredMemory::add_holder(Holder* h) {
   std::lock_guard<std::mutex> g(g_reused_mu);

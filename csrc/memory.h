@@ -46,6 +46,8 @@ class RegisteredMemory {
    public:
     // Drops the registration of the buffer starting at `begin`, if it has one.
     virtual void forget(char* begin) noexcept = 0;
+    // How many pieces of the buffer starting at `begin` it has registered.
+    virtual long pieces_of(char* begin) noexcept = 0;
 
    protected:
     ~Holder() = default;
@@ -54,9 +56,11 @@ class RegisteredMemory {
   static std::pair<char*, char*> find(const char* p, uint64_t len);
   static void add_holder(Holder* h);
   static void remove_holder(Holder* h);  // a holder not listed (a forked child's) is ignored
-  // Registrations alive in all engines (one per engine and buffer piece): what tests see.
+  // Registrations alive in all engines (one per engine and buffer piece), or those of the
+  // buffer starting at `begin`: what tests see.
   static void count(long delta);
   static long registrations();
+  static long registrations_of(char* begin);
 };
 
 // munmap() for callers that cannot throw; a failure (a leak, not a corruption) is reported on

@@ -119,8 +119,15 @@ PYBIND11_MODULE(_C, m) {
                                {static_cast<py::ssize_t>(b.size())}, {1});
       });
 
-  m.def("registered_memory_count", &RegisteredMemory::registrations,
-        "Reused buffers' pieces registered with I/O engines, over all engines (for tests).");
+  m.def(
+      "registered_memory_count",
+      [](uintptr_t address) {
+        return address ? RegisteredMemory::registrations_of(as_ptr(address))
+                       : RegisteredMemory::registrations();
+      },
+      py::arg("address") = 0,
+      "Pieces of reused buffers registered with I/O engines, over all engines; of the buffer "
+      "starting at `address` alone when given (for tests).");
   m.def(
       "is_locked", [](uintptr_t address) { return is_locked(as_ptr(address)); },
       py::arg("address"));

@@ -104,7 +104,12 @@ def aligned_array(
 
 
 def aligned_tensor(
-    nbytes: int, dtype: Any = None, *, lock: bool = False, strict: bool = False, reused: bool = False
+    nbytes: int,
+    dtype: Any = None,
+    *,
+    lock: bool = False,
+    strict: bool = False,
+    reused: bool = False,
 ) -> Any:
     """A page-aligned 1-D torch tensor of ``nbytes`` bytes viewed as ``dtype`` (uint8 by default);
     ``lock``, ``strict`` and ``reused`` as for :func:`aligned_array`.

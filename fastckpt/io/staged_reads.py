@@ -146,12 +146,14 @@ def read_staged(
             inflight.append((op, buf, p))
         while inflight:
             finish_oldest(release=True)
-    except BaseException:
+    except BaseException as failure:
+        # Reads a failure or an interrupt left running are collected before their buffers
+        # go back: none may land in a buffer another transfer holds.
         interrupt = executor.drain([op for op, _, _ in inflight], cancel=True)
         for _, buf, _ in inflight:
             pool.release(buf)
         inflight.clear()
         if interrupt is not None:
-            raise interrupt
+            raise interrupt from failure
         raise
     return sums.crcs if sums is not None else [[] for _ in spans]

@@ -98,7 +98,9 @@ def test_a_bad_read_mode_variable_is_named(tmp_path, monkeypatch):
     fastckpt.save({"w": torch.ones(4)}, path)
     drop_from_page_cache(path)
     monkeypatch.setenv("FASTCKPT_READ_MODE", "fast")
-    with pytest.raises(ValueError, match="FASTCKPT_READ_MODE must be one of direct, staged, buffered"):
+    with pytest.raises(
+        ValueError, match="FASTCKPT_READ_MODE must be one of direct, staged, buffered"
+    ):
         fastckpt.load(path)
 
 

@@ -1,4 +1,5 @@
-"""Cold reads through the staging pool (read mode "staged")."""
+"""Cold reads through the staging pool (read mode "staged"; that every read mode loads,
+verifies and finds damage is tests/checkpoint/test_read_path_choice.py's)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def test_bytes_and_checksums_match_a_buffered_read(data_file, seed):
     rng = random.Random(seed)
     staged, buffered = np.zeros_like(data), np.zeros_like(data)
     spans = _random_spans(rng, staged, data.size)
-    twins = [Span(s.file_offset, buffered.ctypes.data + s.file_offset, s.nbytes, s.cuts) for s in spans]
+    twins = [
+        Span(s.file_offset, buffered.ctypes.data + s.file_offset, s.nbytes, s.cuts) for s in spans
+    ]
     # small buffers: most spans cross several, and pieces start off page boundaries
     pool = StagingPool(256 * KIB, piece=64 * KIB)
     with File(path) as f:
@@ -67,7 +70,11 @@ def test_without_checksums_returns_empty_lists(data_file):
     spans = [Span(0, back.ctypes.data, 1 << 20), Span(1 << 20, back.ctypes.data + (1 << 20), 4096)]
     with File(path) as f:
         crcs = read_staged(
-            Executor(IOConfig()), f, spans, pool=StagingPool(1 << 20, piece=256 * KIB), checksum=False
+            Executor(IOConfig()),
+            f,
+            spans,
+            pool=StagingPool(1 << 20, piece=256 * KIB),
+            checksum=False,
         )
     assert crcs == [[], []]
     assert np.array_equal(back[: (1 << 20) + 4096], data[: (1 << 20) + 4096])
@@ -95,42 +102,10 @@ def test_an_interrupt_waits_for_the_reads_and_returns_every_buffer(data_file):
         raise KeyboardInterrupt
 
     with File(path) as f, pytest.raises(KeyboardInterrupt):
-        read_staged(executor, f, [Span(0, back.ctypes.data, back.size)], pool=pool,
-                    on_progress=interrupted)
+        read_staged(
+            executor, f, [Span(0, back.ctypes.data, back.size)], pool=pool, on_progress=interrupted
+        )
     assert pool.in_use() == 0 and executor.pending() == 0
-
-
-def test_load_in_staged_mode_verifies_and_says_so(tmp_path):
-    state = {"a": torch.randn(1000, 300), "b": torch.arange(77, dtype=torch.int16), "c": torch.ones(0)}
-    path = str(tmp_path / "m.safetensors")
-    fastckpt.save(state, path)
-    drop_from_page_cache(path)  # a forced mode is for cold bytes: resident ones are copied
-    force_read_mode("staged")
-    try:
-        assert fastckpt.open(path).read_mode == "staged"
-        loaded = fastckpt.load(path, verify=True)
-    finally:
-        force_read_mode(None)
-    assert set(loaded) == set(state)
-    for name, t in state.items():
-        assert torch.equal(loaded[name], t), name
-
-
-def test_a_damaged_file_read_staged_fails_verification(tmp_path):
-    path = str(tmp_path / "m.safetensors")
-    fastckpt.save({"w": torch.randn(1 << 18)}, path)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 10)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    drop_from_page_cache(path)
-    force_read_mode("staged")
-    try:
-        with pytest.raises(Exception, match="w"):
-            fastckpt.load(path, verify=True)
-    finally:
-        force_read_mode(None)
 
 
 def test_staged_loads_and_saves_share_the_pool_without_waiting_on_each_other(tmp_path):

@@ -56,7 +56,6 @@ from fastckpt.cli._common import (
 )
 from fastckpt.cli.tune.plot import plot_results, require_matplotlib
 from fastckpt.cli.tune.read_modes import measure_read_modes, remember_read_modes
-from fastckpt.config import READ_MODES
 from fastckpt.cli.tune.sweep import (
     QUICK_BUDGET,
     QUICK_DESCRIPTION,
@@ -73,6 +72,7 @@ from fastckpt.cli.tune.sweep import (
 from fastckpt.cli.tune.sweep_log import SweepLog
 from fastckpt.cli.tune.tuned_file import Coverage, Outcome, forget, save_gds_winner, save_winner
 from fastckpt.cli.tune.write_modes import measure_write_modes, remember_write_modes
+from fastckpt.config import READ_MODES
 from fastckpt.progress import progress_bar
 
 __all__ = ["add_parser", "run", "why_winner"]
