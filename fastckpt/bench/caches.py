@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from fastckpt.bench.units import MiB
+from fastckpt.io import released_files
 
 __all__ = ["PageCache", "drop_page_cache", "fsync_path", "make_durable", "warm_page_cache"]
 
@@ -58,7 +59,13 @@ class PageCache:
             return False
 
     def drop(self, paths: Iterable[str | os.PathLike[str]] = ()) -> None:
-        """Makes the next read of ``paths`` come from the device (as far as permitted)."""
+        """Makes the next read of ``paths`` come from the device (as far as permitted).
+
+        A save over an existing file frees the old file's blocks after it returns
+        (:mod:`fastckpt.io.released_files`); that is waited for first, with the discards a
+        ``discard``-mounted file system then sends: a load timed right after a save
+        otherwise shared the disk with them (2 GiB: 1.60 GB/s against 2.14 here)."""
+        released_files.wait()
         for path in paths:
             try:
                 fd = os.open(path, os.O_RDONLY)
