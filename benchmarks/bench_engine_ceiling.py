@@ -126,6 +126,16 @@ def _steps(directory: str, nbytes: int) -> dict[str, Callable[[], float]]:
     return steps
 
 
+def _settle() -> None:
+    """Each step starts on a quiet disk: the blocks of files earlier steps replaced or removed
+    are freed (and, on a ``discard`` mount, discarded) and written-back before the clock
+    starts, not during the next step."""
+    from fastckpt.io import released_files
+
+    released_files.wait()
+    os.sync()
+
+
 def main(argv: list[str] | None = None) -> int:
     from fastckpt.bench.filesystems import filesystem_of
     from fastckpt.bench.units import format_bytes
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             for group in groups[r % len(groups) :] + groups[: r % len(groups)]:
                 for name in group:
                     print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
+                    _settle()
                     figures.setdefault(name, []).append(nbytes / steps[name]() / 1e9)
     finally:
         for name in os.listdir(directory):
