@@ -44,6 +44,14 @@ void store_release(T* p, T v) {
 }
 
 class UringEngine final : public Engine, private RegisteredMemory::Holder {
+  // A piece of a reused buffer registered with the ring: where it ends, its slot, and where
+  // the buffer it is part of starts.
+  struct Piece {
+    char* end;
+    unsigned slot;
+    char* buffer;  // the start of the buffer it is part of
+  };
+
  public:
   explicit UringEngine(unsigned depth) {
     io_uring_params p;
@@ -208,10 +216,23 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
     return n;
   }
 
+  void forget_all() noexcept override {
+    std::lock_guard<std::mutex> g(registered_mu_);
+    forget_locked(registered_.begin(), registered_.end());
+  }
+
   void forget(char* begin) noexcept override {
     std::lock_guard<std::mutex> g(registered_mu_);
-    auto it = registered_.lower_bound(begin);
-    while (it != registered_.end() && it->second.buffer == begin) {
+    auto first = registered_.lower_bound(begin), last = first;
+    while (last != registered_.end() && last->second.buffer == begin) ++last;
+    forget_locked(first, last);
+  }
+
+  // Empties the slots of the pieces [first, last) of registered_ and forgets them; the
+  // caller holds registered_mu_.
+  void forget_locked(std::map<char*, Piece>::iterator first,
+                     std::map<char*, Piece>::iterator last) noexcept {
+    for (auto it = first; it != last;) {
       iovec empty{nullptr, 0};
       // Emptying a slot only fails for a bad slot number; then the kernel keeps its pages
       // until the ring closes, and the slot is not handed out again.
@@ -310,11 +331,6 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
   // Pieces of reused buffers registered with the ring, by start, and each slot's piece
   // (nullptr: free). Used by this engine's thread and by threads freeing buffers (forget()),
   // hence the lock.
-  struct Piece {
-    char* end;
-    unsigned slot;
-    char* buffer;  // the start of the buffer it is part of
-  };
   std::mutex registered_mu_;
   std::map<char*, Piece> registered_;
   std::vector<char*> slots_;

@@ -48,6 +48,8 @@ class RegisteredMemory {
     virtual void forget(char* begin) noexcept = 0;
     // How many pieces of the buffer starting at `begin` it has registered.
     virtual long pieces_of(char* begin) noexcept = 0;
+    // Drops every registration (before a fork; made again at the buffers' next use).
+    virtual void forget_all() noexcept = 0;
 
    protected:
     ~Holder() = default;
