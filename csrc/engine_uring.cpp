@@ -164,8 +164,9 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
 #ifdef IORING_RSRC_REGISTER_SPARSE
     const auto [begin, end] = RegisteredMemory::find(p, len);
     if (!begin) return;
+    if (!make_table()) return;
     std::lock_guard<std::mutex> g(registered_mu_);
-    if (registered_.count(begin) || !make_table()) return;
+    if (registered_.count(begin)) return;
     // One slot per piece of at most kMaxPieceBytes; a request across two pieces pins as
     // before. Refused (the locked-memory limit of an unprivileged user, no slot left): the
     // pieces registered so far stay, the others pin per request.
@@ -244,19 +245,23 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
 
 #ifdef IORING_RSRC_REGISTER_SPARSE
   // An empty table of kSlots buffers for this ring (once); false where the kernel has none.
+  // Only this engine's thread calls it. The engine is listed as a holder outside
+  // registered_mu_: RegisteredMemory's lock is always taken before an engine's.
   bool make_table() {
     if (table_ != Table::none) return table_ == Table::made;
     io_uring_rsrc_register table;
     std::memset(&table, 0, sizeof(table));
     table.nr = kSlots;
     table.flags = IORING_RSRC_REGISTER_SPARSE;
-    const bool made = sys_register(fd_, IORING_REGISTER_BUFFERS2, &table, sizeof(table)) == 0;
-    table_ = made ? Table::made : Table::refused;
-    if (made) {
-      slots_.assign(kSlots, nullptr);
-      RegisteredMemory::add_holder(this);
+    {
+      std::lock_guard<std::mutex> g(registered_mu_);
+      const bool made = sys_register(fd_, IORING_REGISTER_BUFFERS2, &table, sizeof(table)) == 0;
+      if (made) slots_.assign(kSlots, nullptr);
+      table_ = made ? Table::made : Table::refused;
     }
-    return made;
+    if (table_ != Table::made) return false;
+    RegisteredMemory::add_holder(this);  // before anything is registered in the table
+    return true;
   }
 #endif
 
