@@ -24,6 +24,7 @@ struct Request {
   uint64_t offset = 0;  // file offset of buf[0]
   bool write = false;
   struct iovec iov{};     // scratch for engines that submit vectored requests
+  bool fixed = false;     // scratch: submitted from memory registered with the engine
   void* owner = nullptr;  // the executor's bookkeeping
 };
 

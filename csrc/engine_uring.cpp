@@ -83,6 +83,7 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
     cqes_ = reinterpret_cast<io_uring_cqe*>(cq + p.cq_off.cqes);
     local_tail_ = *sq_tail_;
     ready_.reserve(depth);
+    retry_.reserve(depth);
   }
 
   ~UringEngine() override {
@@ -100,12 +101,16 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
     fd_ = -1;
   }
 
-  void prepare(Request* r) override {
+  void prepare(Request* r) override { prepare_sqe(r, true); }
+
+  // `allow_fixed`: a request from registered memory names its slot (WRITE_FIXED, READ_FIXED).
+  void prepare_sqe(Request* r, bool allow_fixed) {
     // The executor never has more than `depth` requests in flight, so a slot is free.
     unsigned index = local_tail_ & sq_mask_;
     io_uring_sqe* sqe = &sqes_[index];
     std::memset(sqe, 0, sizeof(*sqe));
-    const int slot = registered_slot(r->buf, r->len);
+    const int slot = allow_fixed ? registered_slot(r->buf, r->len) : -1;
+    r->fixed = slot >= 0;
     if (slot >= 0) {
       // Registered memory: its pages were pinned once, not for every request (fio's
       // fixedbufs: 2.9 against 2.5 GB/s of 1 MiB O_DIRECT writes on our VM).
@@ -155,7 +160,11 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
 
   void reap(size_t min_complete, std::vector<Completion>& out) override {
     // Collected into ready_ first: if waiting throws, nothing is lost, the next reap() has it.
-    if (ready_.size() < min_complete) collect(min_complete - ready_.size());
+    for (;;) {
+      if (ready_.size() < min_complete) collect(min_complete - ready_.size());
+      if (retry_.empty()) break;
+      resubmit_unfixed();
+    }
     out.insert(out.end(), ready_.begin(), ready_.end());
     ready_.clear();
   }
@@ -289,7 +298,15 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
       ready_.reserve(ready_.size() + (tail - head));
       while (head != tail) {
         const io_uring_cqe& cqe = cqes_[head & cq_mask_];
-        ready_.push_back({reinterpret_cast<Request*>(cqe.user_data), cqe.res});
+        auto* req = reinterpret_cast<Request*>(cqe.user_data);
+        // A registered request fails with EFAULT when its slot was emptied between its
+        // preparation and its issue (a fork drops every registration): it goes again,
+        // pinning its pages itself, instead of failing.
+        if (cqe.res == -EFAULT && req->fixed) {
+          retry_.push_back(req);
+        } else {
+          ready_.push_back({req, cqe.res});
+        }
         ++head;
         ++got;
         --in_kernel_;
@@ -300,6 +317,14 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
       if (n < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY)
         throw IoError(errno, "io_uring_enter (wait)");
     }
+  }
+
+  // Submits again, without registered memory, the requests collect() set aside for it.
+  void resubmit_unfixed() {
+    std::vector<Request*> again;
+    again.swap(retry_);
+    for (Request* r : again) prepare_sqe(r, false);
+    flush();
   }
 
   // Takes the requests the kernel has not consumed back out of the submission queue (only
@@ -333,6 +358,7 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
   unsigned unsubmitted_ = 0;
   unsigned in_kernel_ = 0;         // submitted and not yet collected
   std::vector<Completion> ready_;  // collected, not yet handed out by reap()
+  std::vector<Request*> retry_;    // collected, to be submitted again unregistered
   // Pieces of reused buffers registered with the ring, by start, and each slot's piece
   // (nullptr: free). Used by this engine's thread and by threads freeing buffers (forget()),
   // hence the lock.

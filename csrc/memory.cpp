@@ -27,6 +27,12 @@
 namespace fastckpt {
 namespace {
 
+std::mutex g_locked_mu;
+std::map<uintptr_t, size_t>& locked_ranges() {  // start -> length, of locked buffers
+  static std::map<uintptr_t, size_t> ranges;
+  return ranges;
+}
+
 // Reused buffers (start -> end) and the engines holding registrations of them. Locked
 // before any engine's own lock, never after.
 std::mutex g_reused_mu;
@@ -42,25 +48,27 @@ std::vector<RegisteredMemory::Holder*>& holders() {
 // them copy-on-write): 224 MiB of registered staging buffers made each fork 0.1 s slower
 // and cost every child (a DataLoader worker) their memory. So registrations are dropped
 // just before a fork, leaving the buffers only locked (shared copy-on-write as before), and
-// made again at their next use. The lock is held across the fork, so none is made meanwhile.
+// made again at their next use. Both registries' locks are held across the fork: none is
+// made meanwhile, and a child never inherits one that another thread held at fork() (it
+// would stay held forever, and the child frees its copies of the parent's staging buffers
+// under them: fastckpt.io.staging_pool drops its pools in a child).
 void drop_registrations_before_fork() {
   g_reused_mu.lock();
   for (auto* h : holders()) h->forget_all();
+  g_locked_mu.lock();
 }
-void after_fork_in_parent() { g_reused_mu.unlock(); }
+void after_fork_in_parent() {
+  g_locked_mu.unlock();
+  g_reused_mu.unlock();
+}
 // A forked child has none of its parent's engines (their rings are the parent's): forget them.
 void after_fork_in_child() {
   holders().clear();
-  g_reused_mu.unlock();  // the child's only thread is the one that locked it
+  g_locked_mu.unlock();  // the child's only thread is the one that locked them
+  g_reused_mu.unlock();
 }
 [[maybe_unused]] const int g_atfork =
     pthread_atfork(drop_registrations_before_fork, after_fork_in_parent, after_fork_in_child);
-
-std::mutex g_locked_mu;
-std::map<uintptr_t, size_t>& locked_ranges() {  // start -> length, of locked buffers
-  static std::map<uintptr_t, size_t> ranges;
-  return ranges;
-}
 
 constexpr size_t kHugePage = 2u << 20;
 

@@ -113,3 +113,39 @@ def test_a_fork_drops_registrations_and_a_child_freeing_a_buffer_leaves_the_pare
     assert _C.registered_memory_count(address) > 0  # registered again by its next use
     with open(tmp_path / "b.bin", "rb") as f:
         assert f.read() == bytes([9]) * (4 * MIB)
+
+
+def test_forks_during_saves_neither_hang_nor_damage_them(tmp_path):
+    # Each fork drops the registrations of buffers whose writes may be in flight (the kernel
+    # keeps what a request uses until it completes); the saves go on, registering again.
+    import threading
+
+    import fastckpt
+
+    state = {"w": torch.randn(24 << 20)}  # 96 MiB: several staging buffers per save
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def saving() -> None:
+        try:
+            for i in range(4):
+                path = str(tmp_path / f"s{i}.safetensors")
+                fastckpt.save(state, path, direct_io=True)
+                assert torch.equal(fastckpt.load(path, verify=True)["w"], state["w"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    saver = threading.Thread(target=saving)
+    saver.start()
+    forks = 0
+    while not done.is_set():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        forks += 1
+    saver.join(timeout=120)
+    assert not saver.is_alive() and not errors, errors
+    assert forks > 0
