@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -217,13 +218,20 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
     return static_cast<int>(it->second.slot);
   }
 
+  using Pieces = std::map<char*, Piece>::iterator;
+
+  // The registered pieces of the buffer starting at `begin`, as [first, last) of
+  // registered_; the caller holds registered_mu_.
+  std::pair<Pieces, Pieces> pieces_locked(char* begin) {
+    auto first = registered_.lower_bound(begin), last = first;
+    while (last != registered_.end() && last->second.buffer == begin) ++last;
+    return {first, last};
+  }
+
   long pieces_of(char* begin) noexcept override {
     std::lock_guard<std::mutex> g(registered_mu_);
-    long n = 0;
-    for (auto it = registered_.lower_bound(begin);
-         it != registered_.end() && it->second.buffer == begin; ++it)
-      ++n;
-    return n;
+    const auto [first, last] = pieces_locked(begin);
+    return static_cast<long>(std::distance(first, last));
   }
 
   void forget_all() noexcept override {
@@ -233,15 +241,13 @@ class UringEngine final : public Engine, private RegisteredMemory::Holder {
 
   void forget(char* begin) noexcept override {
     std::lock_guard<std::mutex> g(registered_mu_);
-    auto first = registered_.lower_bound(begin), last = first;
-    while (last != registered_.end() && last->second.buffer == begin) ++last;
+    const auto [first, last] = pieces_locked(begin);
     forget_locked(first, last);
   }
 
   // Empties the slots of the pieces [first, last) of registered_ and forgets them; the
   // caller holds registered_mu_.
-  void forget_locked(std::map<char*, Piece>::iterator first,
-                     std::map<char*, Piece>::iterator last) noexcept {
+  void forget_locked(Pieces first, Pieces last) noexcept {
     for (auto it = first; it != last;) {
       iovec empty{nullptr, 0};
       // Emptying a slot only fails for a bad slot number; then the kernel keeps its pages

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import Sequence
 
@@ -50,13 +51,15 @@ class _Piece:
     """Up to one buffer's worth of a span: its bytes ``[at, at + nbytes)``, read from the
     aligned file offset ``start`` (``head`` bytes early) so O_DIRECT applies."""
 
-    __slots__ = ("span", "index", "at", "nbytes", "start", "head")
+    __slots__ = ("span", "index", "at", "nbytes", "start", "head", "cuts")
 
     def __init__(self, span: Span, index: int, at: int, nbytes: int):
         self.span, self.index, self.at, self.nbytes = span, index, at, nbytes
         offset = span.file_offset + at
         self.head = offset % BUFFER_ALIGNMENT
         self.start = offset - self.head
+        # where a checksum segment of the span starts inside the piece
+        self.cuts = [c - at for c in span.cuts if at < c < at + nbytes]
 
 
 def _pieces(spans: Sequence[Span], piece: int) -> list[_Piece]:
@@ -75,15 +78,12 @@ class _SegmentCrcs:
         self.bounds = [(0, *span.cuts, span.nbytes) for span in spans]
         self.crcs: list[list[int]] = [[0] * (len(b) - 1) for b in self.bounds]
 
-    def cuts_within(self, p: _Piece) -> list[int]:
-        """The piece's own cuts: where a segment of its span starts inside it."""
-        return [c - p.at for c in p.span.cuts if p.at < c < p.at + p.nbytes]
-
     def add(self, p: _Piece, values: list[int]) -> None:
+        """Joins the CRC32Cs of the piece's parts (``values``, one per cut and one more)."""
         bounds, crcs = self.bounds[p.index], self.crcs[p.index]
         # the segment holding the piece's first byte, then one more per cut
-        segment = max(i for i, b in enumerate(bounds[:-1]) if b <= p.at)
-        edges = [p.at, *(p.at + c for c in self.cuts_within(p)), p.at + p.nbytes]
+        segment = bisect.bisect_right(bounds, p.at) - 1
+        edges = [p.at, *(p.at + c for c in p.cuts), p.at + p.nbytes]
         for value, lo, hi in zip(values, edges, edges[1:]):
             if hi > lo:
                 crcs[segment] = _C.crc32c_combine(crcs[segment], value, hi - lo)
@@ -112,7 +112,7 @@ def read_staged(
     def copy_out(buf: StagingBuffer, p: _Piece) -> None:
         src, dst = buf.address + p.head, p.span.address + p.at
         if sums is not None:
-            sums.add(p, _C.memcpy_crc(dst, src, p.nbytes, sums.cuts_within(p), threads))
+            sums.add(p, _C.memcpy_crc(dst, src, p.nbytes, p.cuts, threads))
         else:
             _C.memcpy(dst, src, p.nbytes, threads)
         if on_progress is not None:
