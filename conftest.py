@@ -8,6 +8,7 @@ if (
     importlib.util.find_spec("lightning") is None
     and importlib.util.find_spec("pytorch_lightning") is None
 ):
-    collect_ignore += ["fastckpt/lightning.py", "fastckpt/integrations/lightning.py"]
+    collect_ignore += ["fastckpt/lightning.py"]
+    collect_ignore_glob = ["fastckpt/integrations/lightning*.py"]
 if importlib.util.find_spec("fsspec") is None:
     collect_ignore += ["fastckpt/api.py"]

@@ -6,7 +6,8 @@ multi-rank save, in one run.
 For each world size (``--ranks``) that many ranks (spawned processes, gloo on loopback) hold
 an FSDP2-like state: ``--per-rank`` bytes of parameters sharded along dim 0 (DTensors over
 each rank's shard, ``Shard(0)``) plus Adam's ``exp_avg`` and ``exp_avg_sq`` (three times
-``--per-rank`` in all). A real training loop runs ``--steps`` steps (``--compute-ms`` of
+``--per-rank`` in all), and ``--replicated`` bytes of DDP-style plain tensors, the same on every
+rank (each is to be written by one rank only). A real training loop runs ``--steps`` steps (``--compute-ms`` of
 matrix products standing for the forward and backward passes, a gradient, an all-reduce
 on the default group, ``Adam.step()``) and checkpoints every ``--every`` steps;
 each method runs its own loop, the methods in a rotating order over ``--repeat`` rounds:
@@ -32,7 +33,10 @@ of the loop without checkpoints (Adam's own temporaries), the largest of any ran
 round. Planning: the seconds fastckpt's collective save spent before writing (the
 agreement included), at the first save of a loop and the median of the later ones (plans
 reused), per save the figure of the rank that came last to the agreement (the others'
-include waiting for it). Round 0 of ``fastckpt-async`` and
+include waiting for it). Bytes written: the tensor bytes of every rank file of a step (read
+from their headers) over the step's unique bytes (each stored name once), at the first step
+of a loop and the median of the later ones (round 0; 1.00x: every replicated tensor written
+by one rank). Round 0 of ``fastckpt-async`` and
 ``fastckpt-lazy`` also checks that every step restores equal to its own state (a digest of
 each rank's shards taken at the call), on this world size and, in the parent, on one
 process (every value whole, split again into the shards to compare).
@@ -127,6 +131,12 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
     count = max(1, options["per_rank"] // TENSOR_BYTES)
     gen = torch.Generator().manual_seed(rank)
     params = [torch.nn.Parameter(torch.randn(rows, COLS, generator=gen)) for _ in range(count)]
+    same = torch.Generator().manual_seed(1234)  # the same values on every rank (DDP-style)
+    replicated = [
+        torch.randn(max(1, options["replicated"] * share // 10 // 4), generator=same)
+        for share in (4, 3, 2, 1)
+        if options["replicated"]
+    ]
     grads = [torch.randn(rows, COLS, generator=gen) * 1e-3 for _ in range(count)]
     optimizer = torch.optim.Adam(params, lr=1e-4)
     chatter = torch.zeros(1 << 18)  # a training collective at every step (1 MiB)
@@ -169,11 +179,12 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
                 }
                 for i, p in enumerate(params)
             },
+            "ddp": {f"buffer{i}": t for i, t in enumerate(replicated)},
             "step": step,
         }
 
     def local_digests() -> dict[str, str]:
-        out = {}
+        out = {f"ddp.buffer{i}": _digest(t) for i, t in enumerate(replicated)}
         for i, p in enumerate(params):
             out[f"model.layer{i}.weight"] = _digest(p.detach())
             out[f"optim.layer{i}.exp_avg"] = _digest(optimizer.state[p]["exp_avg"])
@@ -256,10 +267,10 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
                     ok = 0
                     for step, expected in digests.items():
                         target = state_dict(0)
-                        for part in ("model", "optim"):  # zeros: a restore must fill them
+                        for part in ("model", "optim", "ddp"):  # zeros: a restore fills them
                             for value in target[part].values():
                                 for t in value.values() if isinstance(value, dict) else [value]:
-                                    t.to_local().zero_()
+                                    (t.to_local() if hasattr(t, "to_local") else t).zero_()
                         keep = [p.detach().clone() for p in params]
                         manager.restore(step, state=target)
                         ok += local_digests() == expected
@@ -317,12 +328,40 @@ def _restored_on_one_process(where: str, digests: dict[str, dict[str, str]], wor
             for layer, moments in state["optim"].items():
                 for k, v in moments.items():
                     flat[f"optim.{layer}.{k}"] = v
+            for name, value in state.get("ddp", {}).items():
+                flat[f"ddp.{name}"] = value
             good = True
             for rank in range(world):
-                mine = {n: _digest(t.chunk(world)[rank]) for n, t in flat.items()}
+                mine = {
+                    n: _digest(t if n.startswith("ddp.") else t.chunk(world)[rank])
+                    for n, t in flat.items()
+                }
                 good &= mine == digests[rank][step]
             ok += good
     return f"{ok}/{len(digests[0])}"
+
+
+def _bytes_written(where: str) -> tuple[float, float, int]:
+    """Tensor bytes in every rank file of each step of ``where`` over the step's unique
+    bytes (each stored name once), read from the files' headers: the first step's ratio,
+    the median of the later steps', and the first step's unique bytes."""
+    import fastckpt
+    from fastckpt.series import steps as layout
+
+    ratios: list[float] = []
+    first_unique = 0
+    for step in layout.committed_steps(where):
+        written, unique = 0, {}
+        for name in layout.marker_of(where, step)["files"]:
+            if not name.endswith(".safetensors"):
+                continue
+            with fastckpt.open(os.path.join(layout.step_dir(where, step), name)) as reader:
+                for key in reader.keys():
+                    written += reader.info(key).nbytes
+                    unique[key] = reader.info(key).nbytes
+        ratios.append(written / max(1, sum(unique.values())))
+        first_unique = first_unique or sum(unique.values())
+    return ratios[0], median(ratios[1:] or ratios), first_unique
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-rank", default="256M", help="parameter bytes per rank")
     parser.add_argument(
         "--per-rank-at", nargs="*", default=[], help="WORLD=SIZE overrides (memory: e.g. 8=64M)"
+    )
+    parser.add_argument(
+        "--replicated",
+        default="16M",
+        help="bytes of DDP-style plain tensors, the same on every rank (0: none)",
     )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--every", type=int, default=4)
@@ -355,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             options = {
                 "compute_ms": args.compute_ms,
                 "per_rank": per_rank,
+                "replicated": parse_size(args.replicated),
                 "steps": args.steps,
                 "every": args.every,
                 "repeat": args.repeat,
@@ -394,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[m]["plan_again"] = planning("plan_again", m)
                 row[m]["restored"] = every_rank[0]["restored"][m]
                 row[m]["restored_world_1"] = restored_one[m]
+                first, later, unique = _bytes_written(every_rank[0]["dirs"][m])
+                row[m]["bytes_first"], row[m]["bytes_later"] = first, later
+                row[m]["unique"] = unique
             rows.append(row)
             shutil.rmtree(folder, ignore_errors=True)
             _print_row(row)
@@ -412,18 +460,20 @@ def _print_row(row: dict[str, Any]) -> None:
     )
     print(
         "| method | blocked per checkpoint (s) | first checkpoint (s) | extra peak RSS | "
-        "plan first (s) | plan again (s) | restored (same world / 1 process) |"
+        "plan first (s) | plan again (s) | restored (same world / 1 process) | "
+        "bytes written / unique, first step / later |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for m in METHODS:
         r = row[m]
         plan = (
             (
                 f"{r['plan_first']:.4f} | {r['plan_again']:.4f} | "
-                f"{r['restored']} / {r['restored_world_1']}"
+                f"{r['restored']} / {r['restored_world_1']} | "
+                f"{r['bytes_first']:.2f}x / {r['bytes_later']:.2f}x of {format_bytes(r['unique'])}"
             )
             if "plan_first" in r
-            else "- | - | -"
+            else "- | - | - | -"
         )
         print(
             f"| {m} | {r['blocked']:.4f} | {r['first']:.4f} | {format_bytes(r['memory'])} | "

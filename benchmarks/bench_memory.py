@@ -533,8 +533,13 @@ def parent_main(args: argparse.Namespace) -> int:
     return 1 if bad or not any(r["op"] == "load" and "seconds" in r for r in run.raw) else 0
 
 
-def _names(valid: tuple[str, ...] | dict[str, Any]) -> Any:
+def _names(valid: tuple[str, ...] | dict[str, Any], *, none: bool = False) -> Any:
+    """An argparse type: a comma list of names from ``valid`` (``"none"``: an empty list,
+    where ``none`` allows it)."""
+
     def parse(text: str) -> list[str]:
+        if none and text.strip() == "none":
+            return []
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in valid]
         if unknown or not names:
@@ -576,9 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--saves",
-        type=_names(SAVERS),
+        type=_names(SAVERS, none=True),
         default=list(SAVERS),
-        help=f"comma list of save methods (default all: {','.join(SAVERS)})",
+        help=f"comma list of save methods, or none (default all: {','.join(SAVERS)})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     parser.add_argument("--json", metavar="FILE", help="also write every round's results here")

@@ -8,10 +8,18 @@ probes, preallocation, fsyncs. This bench times them at 64 KiB, 1 MiB and 16 MiB
 
 * saves, until durable: ``fastckpt.save`` (atomic: fsync of the file, rename, fsync of the
   directory), ``safetensors.torch.save_file`` + fsync of the file, ``torch.save`` + fsync;
+  and the floor of an atomic save (``safetensors.torch.save``'s bytes written to a
+  temporary file by one ``write``, fsync, rename, fsync of the directory: what any atomic,
+  durable save must do, with no work of its own);
 * loads, of the file just written (so from the page cache, as a reload in the same job
-  is): ``fastckpt.load`` (CRC32C verified, as by default), ``safetensors.torch.load_file``
+  is): ``fastckpt.load`` (CRC32C verified, as by default; and with ``verify=False``, to
+  show what the check costs), ``fastckpt.load(mmap=True)``
+  (a lazy copy-on-write mapping, no check, as documented), ``safetensors.torch.load_file``
   (a lazy mapping: nothing is read until touched) and ``torch.load``; then the same with
-  every page of every tensor touched, which is what the mapping defers.
+  every page of every tensor touched, which is what the mappings defer.
+
+Each regime (``--regime``) is its own table: ``tmpfs`` (files in ``--shm``) and ``hot``
+(files in ``--dir`` on a disk, in the page cache since they were just written and read).
 
 Rounds are interleaved (every method once per round, the order rotated each round) so a
 noisy disk or a busy CPU hits all alike; each figure is the median over rounds of the
@@ -21,6 +29,7 @@ is better; the targets are <= 1.5 for saves and <= 2 for loads).
 Example::
 
     python benchmarks/bench_small_states.py --dir /work/bench-tmp --rounds 5
+    python benchmarks/bench_small_states.py --regime tmpfs --rounds 3 --calls 5
 """
 
 from __future__ import annotations
@@ -58,13 +67,29 @@ def _touch(state: dict[str, torch.Tensor]) -> int:
     return total
 
 
-def methods(directory: str) -> dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]:
-    """name -> (save(state), load() -> state), each on its own file in ``directory``."""
+Methods = dict[str, tuple[Callable[[Any], None] | None, Callable[[], Any] | None]]
+PEERS = ("fastckpt", "fastckpt-noverify", "fastckpt-mmap", "safetensors", "torch", "atomic-floor")
+
+
+def methods(directory: str) -> Methods:
+    """name -> (save(state) or None, load() -> state), each on its own file in ``directory``
+    (``fastckpt-mmap`` loads the file ``fastckpt`` saved)."""
     import safetensors.torch
 
     import fastckpt
 
-    fc, st, pt = (os.path.join(directory, n) for n in ("s.fastckpt", "s.st", "s.pt"))
+    fc, st, pt, fl = (os.path.join(directory, n) for n in ("s.fastckpt", "s.st", "s.pt", "s.fl"))
+
+    def floor_save(state: Any) -> None:
+        data = safetensors.torch.save(state)
+        fd = os.open(fl + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(fl + ".tmp", fl)
+        _fsync(directory)
 
     def st_save(state: Any) -> None:
         safetensors.torch.save_file(state, st)
@@ -76,8 +101,11 @@ def methods(directory: str) -> dict[str, tuple[Callable[[Any], None], Callable[[
 
     return {
         "fastckpt": (lambda s: fastckpt.save(s, fc), lambda: fastckpt.load(fc)),
+        "fastckpt-noverify": (None, lambda: fastckpt.load(fc, verify=False)),
+        "fastckpt-mmap": (None, lambda: fastckpt.load(fc, mmap=True)),
         "safetensors": (st_save, lambda: safetensors.torch.load_file(st)),
         "torch": (pt_save, lambda: torch.load(pt, weights_only=True)),
+        "atomic-floor": (floor_save, None),
     }
 
 
@@ -100,15 +128,20 @@ def measure(directory: str, rounds: int, calls: int) -> dict[str, dict[str, list
         state = {k: v.detach().clone() for k, v in state.items()}
         figures: dict[str, list[float]] = {}
         for save, load in named.values():  # warm-up: first-call costs are not the bench
-            save(state)
-            _touch(load())
+            if save is not None:
+                save(state)
+            if load is not None:
+                _touch(load())
         order = list(named)
         for r in range(rounds):
             for name in order[r % len(order) :] + order[: r % len(order)]:
                 save, load = named[name]
-                figures.setdefault(f"{name} save", []).append(
-                    _timed(lambda save=save, state=state: save(state), calls)
-                )
+                if save is not None:
+                    figures.setdefault(f"{name} save", []).append(
+                        _timed(lambda save=save, state=state: save(state), calls)
+                    )
+                if load is None:
+                    continue
                 figures.setdefault(f"{name} load", []).append(_timed(load, calls))
                 figures.setdefault(f"{name} load+touch", []).append(
                     _timed(lambda load=load: _touch(load()), calls)
@@ -129,60 +162,90 @@ def _commit() -> str:
         return "unknown"
 
 
-def report(results: dict[str, dict[str, list[float]]], directory: str, args: Any) -> str:
-    """The Markdown table: ms per call (median, min-max of rounds) and fastckpt's ratios."""
+def report(
+    results: dict[str, dict[str, list[float]]],
+    directory: str,
+    args: Any,
+    loads: tuple[float, float],
+) -> str:
+    """The Markdown table: ms per call (median, min-max of rounds) and fastckpt's ratios
+    (``fastckpt-mmap``'s against safetensors' mapping too); ``loads``: the 1-minute load
+    average before and after the run."""
     from fastckpt.bench.filesystems import filesystem_of
 
-    load = os.getloadavg()
     lines = [
         f"Small states, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"commit {_commit()}, {os.cpu_count()} CPUs, load average {load[0]:.1f}, "
-        f"{directory} ({filesystem_of(directory)[0]}), {args.rounds} interleaved rounds x "
-        f"{args.calls} calls (medians)",
+        f"commit {_commit()}, {os.cpu_count()} CPUs, load average {loads[0]:.1f} before, "
+        f"{loads[1]:.1f} after, {directory} ({filesystem_of(directory)[0]}), {args.rounds} "
+        f"interleaved rounds x {args.calls} calls (medians)",
         "",
-        "| state | op | fastckpt ms | safetensors ms | torch ms | fastckpt / safetensors "
-        "| fastckpt / torch |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| state | op | fastckpt ms | verify=False ms | mmap ms | safetensors ms | torch ms "
+        "| atomic floor ms | fastckpt / safetensors | verify=False / safetensors "
+        "| mmap / safetensors | floor / safetensors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, figures in results.items():
         for op in ("save", "load", "load+touch"):
 
             def ms(name: str, op: str = op, figures: dict[str, list[float]] = figures) -> str:
-                v = figures[f"{name} {op}"]
+                v = figures.get(f"{name} {op}")
+                if not v:
+                    return "-"
                 return f"{statistics.median(v) * 1e3:.2f} ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"
 
             med = {
                 n: statistics.median(figures[f"{n} {op}"])
-                for n in ("fastckpt", "safetensors", "torch")
+                for n in PEERS
+                if figures.get(f"{n} {op}")
             }
+
+            def ratio(a: str, b: str, med: dict[str, float] = med) -> str:
+                return f"{med[a] / med[b]:.2f}" if a in med and b in med else "-"
+
             lines.append(
-                f"| {size} | {op} | {ms('fastckpt')} | {ms('safetensors')} | {ms('torch')} "
-                f"| {med['fastckpt'] / med['safetensors']:.2f} | {med['fastckpt'] / med['torch']:.2f} |"
+                f"| {size} | {op} | {ms('fastckpt')} | {ms('fastckpt-noverify')} "
+                f"| {ms('fastckpt-mmap')} | {ms('safetensors')} | {ms('torch')} "
+                f"| {ms('atomic-floor')} | {ratio('fastckpt', 'safetensors')} "
+                f"| {ratio('fastckpt-noverify', 'safetensors')} "
+                f"| {ratio('fastckpt-mmap', 'safetensors')} | {ratio('atomic-floor', 'safetensors')} |"
             )
     lines += [
         "",
         "save: until durable (fastckpt: fsync, rename, fsync of the directory; the others: "
-        "fsync of the file). load: from the page cache; safetensors' load_file maps the file "
-        "lazily, so its `load` reads nothing: `load+touch` reads every page.",
+        "fsync of the file). load: from memory; the mappings (fastckpt mmap, safetensors' "
+        "load_file) read nothing until touched: `load+touch` reads one byte of every page.",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/work/bench-tmp", help="directory to save in")
+    parser.add_argument("--dir", default="/work/bench-tmp", help="disk directory (hot)")
+    parser.add_argument("--shm", default="/dev/shm", help="memory file system (tmpfs)")
+    parser.add_argument(
+        "--regime", default="tmpfs,hot", help="comma list of tmpfs, hot (default both)"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--calls", type=int, default=9, help="calls per method per round")
     args = parser.parse_args(argv)
-    directory = os.path.join(args.dir, f"small-{os.getpid()}")
-    os.makedirs(directory)
-    try:
-        results = measure(directory, args.rounds, args.calls)
-    finally:
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
-    print(report(results, args.dir, args))
+    places = {"tmpfs": args.shm, "hot": args.dir}
+    regimes = [r.strip() for r in args.regime.split(",") if r.strip()]
+    unknown = set(regimes) - set(places)
+    if unknown:
+        parser.error(f"unknown regime {sorted(unknown)[0]!r} (tmpfs, hot)")
+    for regime in regimes:
+        directory = os.path.join(places[regime], f"small-{os.getpid()}")
+        os.makedirs(directory)
+        before = os.getloadavg()[0]
+        try:
+            results = measure(directory, args.rounds, args.calls)
+        finally:
+            for name in os.listdir(directory):
+                os.unlink(os.path.join(directory, name))
+            os.rmdir(directory)
+        print(f"### {regime}\n")
+        print(report(results, places[regime], args, (before, os.getloadavg()[0])))
+        print()
     return 0
 
 

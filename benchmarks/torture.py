@@ -18,7 +18,10 @@ while the tier reuses its deleted files as spares. For a series in a hostile tre
 (``hostile-trees``, :mod:`torture_trees`): a file outside the tiers changed, a committed step
 lost, an unreadable marker deleted. For simulated nodes lost with ``replicas=1``
 (``node-kills``, :mod:`torture_nodes`): a committed step lost while a copy survives, a
-state restored that is not the saved one, ranks restoring different steps.
+state restored that is not the saved one, ranks restoring different steps. For ranks that
+disagree or call on a subset (``adversarial-ranks``, :mod:`torture_ranks`): a silent wrong
+state, a rank going on alone, a hang past the configured timeouts, a file outside the tiers
+changed.
 
 Usage::
 
@@ -52,6 +55,7 @@ from typing import Any
 import torture_collective
 import torture_mutations
 import torture_nodes
+import torture_ranks
 import torture_trees
 
 CLEAN = {
@@ -1471,6 +1475,7 @@ PARTS = [
     "hostile-trees",
     "collective-kills",
     "node-kills",
+    "adversarial-ranks",
 ]
 
 
@@ -1513,6 +1518,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4,
         help="simulated nodes lost at random points, replicas=1 (default 4)",
+    )
+    parser.add_argument(
+        "--rank-rounds",
+        type=int,
+        default=1,
+        help="rounds of every adversarial-ranks scenario (default 1)",
     )
     parser.add_argument(
         "--only",
@@ -1586,6 +1597,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "node-kills":
                 report = torture_nodes.node_kills(work, args.node_rounds, args.seed)
                 bad += torture_nodes.bad_outcomes(report)
+            elif part == "adversarial-ranks":
+                report = torture_ranks.adversarial_ranks(work, args.rank_rounds)
+                bad += torture_ranks.bad_outcomes(report)
             elif part == "planted-pickles":
                 report = {"pickles run without consent": planted_pickles(work)}
                 bad += report["pickles run without consent"]

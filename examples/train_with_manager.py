@@ -16,6 +16,7 @@ Run: python examples/train_with_manager.py [DIRECTORY] [--local]
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -156,20 +157,53 @@ def fast_tier(directory: str) -> Iterator[str]:
 
 
 # -------------------------------------------------------------------------- the parent
+def require_lightning() -> None:
+    """Exits with one line saying what to install when Lightning is missing: the training
+    children need it, and would otherwise each fail with a traceback."""
+    try:
+        found = importlib.util.find_spec("lightning") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise SystemExit(
+            f"{os.path.basename(__file__)} needs Lightning: pip install lightning "
+            "(or pip install '.[lightning]' in the clone)"
+        )
+
+
+class ChildFailed(Exception):
+    """A training child exited on its own with an error: its status and last error line."""
+
+
 def run_child(root: str, fast: str, resume: bool, kill_at: int | None) -> tuple[int, list[str]]:
-    """Runs a training child; kills it with SIGKILL once it prints ``step kill_at``."""
+    """Runs a training child; kills it with SIGKILL once it prints ``step kill_at``.
+
+    Raises:
+        ChildFailed: the child failed (not killed here), with the last line it wrote on stderr.
+    """
     command = [sys.executable, os.path.abspath(__file__), "--train", root, fast]
     command += ["--resume"] if resume else []
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_child_env())
-    assert child.stdout is not None
-    lines = []
-    for line in child.stdout:
-        lines.append(line.strip())
-        if kill_at is not None and line.strip() == f"step {kill_at}":
-            os.kill(child.pid, signal.SIGKILL)
-            break
-    child.stdout.close()
-    return child.wait(), lines
+    with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: it never fills up
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=errors, text=True, env=_child_env()
+        )
+        assert child.stdout is not None
+        lines = []
+        killed = False
+        for line in child.stdout:
+            lines.append(line.strip())
+            if kill_at is not None and line.strip() == f"step {kill_at}":
+                os.kill(child.pid, signal.SIGKILL)
+                killed = True
+                break
+        child.stdout.close()
+        status = child.wait()
+        if status != 0 and not killed:
+            errors.seek(0)
+            said = [line.strip() for line in errors if line.strip()]
+            last = said[-1] if said else "no error output"
+            raise ChildFailed(f"the training child exited with status {status}: {last}")
+    return status, lines
 
 
 def _child_env() -> dict[str, str]:
@@ -181,18 +215,26 @@ def _child_env() -> dict[str, str]:
 
 
 def main(directory: str, local: bool = False) -> None:
+    require_lightning()
+    try:
+        _kill_and_resume(directory, local)
+    except ChildFailed as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _kill_and_resume(directory: str, local: bool) -> None:
     with durable_root(directory, local) as root, fast_tier(directory) as fast:
         status, _ = run_child(root, fast, resume=False, kill_at=KILL_AT)
-        print(f"first run killed at step {KILL_AT}: {status == -signal.SIGKILL}")
+        if status != -signal.SIGKILL:
+            raise ChildFailed(f"the first run ended (status {status}) before step {KILL_AT}")
+        print(f"first run killed at step {KILL_AT}: True")
 
         # What the next run will find: the newest committed step of either tier.
         with fastckpt.CheckpointManager(root, fast=fast) as manager:
             newest = manager.latest()
         print(f"newest committed step after the kill: {newest}")
 
-        status, lines = run_child(root, fast, resume=True, kill_at=None)
-        if status != 0:
-            raise SystemExit(f"the resumed run failed with status {status}")
+        _, lines = run_child(root, fast, resume=True, kill_at=None)  # ChildFailed if it fails
         resumed_from = int(next(s for s in lines if s.startswith("resumed from")).split()[-1])
         print(f"resumed from step {resumed_from}: newest committed: {resumed_from == newest}")
         print(f"the lost work: {KILL_AT - resumed_from} steps (checkpoints every {EVERY})")

@@ -41,6 +41,7 @@ _PUBLIC = {
     "open": ("fastckpt.api", "open"),
     "async_save": ("fastckpt.api", "async_save"),
     "load_into": ("fastckpt.api", "load_into"),
+    "add_safe_classes": ("fastckpt.checkpoint.config_objects", "add_safe_classes"),
     "CheckpointManager": ("fastckpt.series.manager", "CheckpointManager"),
     "save_bytes": ("fastckpt.checkpoint.stream_save", "save_bytes"),
     "load_bytes": ("fastckpt.checkpoint.load", "load_bytes"),
@@ -65,6 +66,7 @@ _PUBLIC = {
     "NoChecksumsError": ("fastckpt.errors", "NoChecksumsError"),
     "LazySaveError": ("fastckpt.errors", "LazySaveError"),
     "MissingBaseError": ("fastckpt.errors", "MissingBaseError"),
+    "RestoreError": ("fastckpt.errors", "RestoreError"),
     "CuFileError": ("fastckpt.io.cufile", "CuFileError"),
 }
 # public submodules reachable as attributes (fastckpt.aio, ...)
@@ -76,6 +78,7 @@ __all__ = [
     "open",
     "async_save",
     "load_into",
+    "add_safe_classes",
     "save_bytes",
     "load_bytes",
     "async_load",
@@ -99,6 +102,7 @@ __all__ = [
     "NoChecksumsError",
     "LazySaveError",
     "MissingBaseError",
+    "RestoreError",
     "CheckpointManager",
     "CuFileError",
 ]
@@ -114,6 +118,7 @@ if TYPE_CHECKING:
         release_staging,
         wait_all,
     )
+    from fastckpt.checkpoint.config_objects import add_safe_classes
     from fastckpt.checkpoint.header_view import TensorInfo
     from fastckpt.checkpoint.load import load_bytes
     from fastckpt.checkpoint.reader import Reader
@@ -127,6 +132,7 @@ if TYPE_CHECKING:
         LazySaveError,
         MissingBaseError,
         NoChecksumsError,
+        RestoreError,
         UnsafePickleError,
         WeightsOnlyError,
     )

@@ -71,6 +71,9 @@ def _for_url(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in _NATIVE_ONLY}
 
 
+# What an async_save into a file object honours besides: when the tensors are copied, and
+# how many saves may be in flight.
+_STREAM_ASYNC = ("snapshot", "max_pending")
 # What a save into a file object can honour: the file's contents, not how a disk is written.
 _STREAM_OPTIONS = (
     "metadata",
@@ -84,11 +87,70 @@ _STREAM_OPTIONS = (
 
 
 def _save_to_file_object(obj: Any, f: Any, options: Mapping[str, Any]) -> None:
+    stream_save.save_to_stream(obj, f, **_stream_options(options))
+
+
+def _stream_options(options: Mapping[str, Any], also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The options of a save into a file object (and ``also``); TypeError naming any other."""
     for name, value in options.items():
-        if name not in _STREAM_OPTIONS and value is not None:
+        if name not in _STREAM_OPTIONS + also and value is not None:
             raise TypeError(f"f is a file object: {name}= applies to files on disk or at URLs only")
-    chosen = {k: v for k, v in options.items() if k in _STREAM_OPTIONS and k != "progress"}
-    stream_save.save_to_stream(obj, f, **chosen)
+    return {k: v for k, v in options.items() if k in _STREAM_OPTIONS + also and k != "progress"}
+
+
+#: What a save's ``f`` may be, as its errors say.
+_SAVE_TARGETS = (
+    "a path (str or os.PathLike), a URL (s3://..., file://...), or a writable binary file "
+    "object (io.BytesIO(), open(path, 'wb'))"
+)
+
+
+def _check_save_target(obj: Any, f: Any, function: str) -> None:
+    """Names a misplaced ``f`` of ``save``/``async_save`` before anything is planned: None,
+    another type, or the arguments swapped (the path first, as ``save_file`` users may not
+    expect, or as ``torch.save(obj, f)``'s order was misremembered).
+
+    Example:
+        >>> _check_save_target({"w": 1}, None, "save")
+        Traceback (most recent call last):
+        ...
+        TypeError: save(obj, f): f (where to save) is None; pass a path (str or os.PathLike), a URL (s3://..., file://...), or a writable binary file object (io.BytesIO(), open(path, 'wb'))
+    """
+    if isinstance(f, (str, os.PathLike)) or is_file_object(f):
+        return
+    if isinstance(f, (bytes, bytearray)):
+        raise TypeError(
+            f"{function}(obj, f): f is {type(f).__name__}; pass the path as str or os.PathLike "
+            "(os.fsdecode(f)), or write into io.BytesIO() (fastckpt.save_bytes(obj) returns "
+            "a checkpoint's bytes)"
+        )
+    got = "None" if f is None else f"of type {type(f).__name__}"
+    if isinstance(obj, (str, os.PathLike)):
+        where = os.fspath(obj)
+        raise TypeError(
+            f"{function}(obj, f) takes what to save first and where second: obj is the path "
+            f"{where!r} and f is {got}; call {function}(state, {where!r})"
+        )
+    raise TypeError(f"{function}(obj, f): f (where to save) is {got}; pass {_SAVE_TARGETS}")
+
+
+def _check_load_source(f: Any, function: str) -> None:
+    """A checkpoint's bytes passed where its path goes get a pointer to ``load_bytes``
+    (as a path they fail with "embedded null byte").
+
+    Example:
+        >>> _check_load_source(bytearray(8), "load")
+        Traceback (most recent call last):
+        ...
+        TypeError: load(f): f is 8 bytes of data (bytearray), a checkpoint's contents rather than its path; read bytes in memory with fastckpt.load_bytes(data) (or pass io.BytesIO(data))
+    """
+    # A path holds no NUL byte; a checkpoint always does (its header length's high bytes).
+    if isinstance(f, (bytearray, memoryview)) or (isinstance(f, bytes) and b"\0" in f):
+        raise TypeError(
+            f"{function}(f): f is {memoryview(f).nbytes} bytes of data ({type(f).__name__}), a "
+            "checkpoint's contents rather than its path; read bytes in memory with "
+            "fastckpt.load_bytes(data) (or pass io.BytesIO(data))"
+        )
 
 
 def weights_file(
@@ -212,6 +274,7 @@ def save(
     max_shard_size: Any = None,
     **options: Any,
 ) -> None:
+    _check_save_target(obj, f, "save")
     if metadata is not None:
         _check_metadata_argument(metadata)
         options["metadata"] = metadata
@@ -267,6 +330,7 @@ def _load_shared(f: Any, map_location: Any, group: Any, options: dict[str, Any])
 
 @_routed(local_load.load, {"shards": _SHARDS, "group": _GROUP})
 def load(f: Any, map_location: Any = None, *, group: Any = None, **options: Any) -> Any:
+    _check_load_source(f, "load")
     shared = group_reader.resolve_group(group)
     if shared is not None:
         return _load_shared(f, map_location, shared, options)
@@ -289,6 +353,7 @@ def open(  # noqa: A001
     f: Any, framework: str = "pt", device: Any = None, *, group: Any = None, **options: Any
 ) -> Reader:
     check_framework(framework)
+    _check_load_source(f, "open")
     if device is not None:  # safe_open's device=0 is the first GPU
         options["device"] = f"cuda:{device}" if isinstance(device, int) else device
     shared = group_reader.resolve_group(group)
@@ -309,6 +374,11 @@ def open(  # noqa: A001
 
 @_routed(asynchronous.async_save, {"storage_options": _STORAGE_OPTIONS})
 def async_save(obj: Any, f: Any, *, storage_options: Any = None, **options: Any) -> Any:
+    _check_save_target(obj, f, "async_save")
+    if is_file_object(f):  # written into it in the background (snapshot at the call)
+        if storage_options is not None:
+            raise TypeError("f is a file object: storage_options needs a URL")
+        return asynchronous.async_save(obj, f, **_stream_options(options, _STREAM_ASYNC))
     single = weights_file(f, for_save=True)
     if single is not None:
         if not storage.is_url(single):

@@ -289,25 +289,51 @@ def open_files(explicit: int | None = None) -> int:
     return value
 
 
-def group_timeout_seconds() -> float | None:
-    """``FASTCKPT_GROUP_TIMEOUT``: seconds a checkpoint collective waits for a rank before
-    failing (a rank that hangs rather than dies), or None for torch's default (30 minutes).
+#: Seconds a checkpoint collective waits for a rank that hangs, unless FASTCKPT_GROUP_TIMEOUT
+#: says otherwise: long enough for a slow file system's fsync, short enough that a hung rank
+#: is noticed within a job's patience (torch's own default is 30 minutes).
+DEFAULT_GROUP_TIMEOUT = 300.0
+
+#: Seconds a rank waits for the others at the handshake before a checkpoint collective,
+#: unless FASTCKPT_HANDSHAKE_TIMEOUT says otherwise.
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+
+
+def group_timeout_seconds() -> float:
+    """``FASTCKPT_GROUP_TIMEOUT``: seconds every checkpoint collective (saves, loads,
+    replication, restore) waits for a rank before failing (a rank that hangs rather than
+    dies); default 300.
 
     Example:
-        >>> group_timeout_seconds() is None
-        True
+        >>> group_timeout_seconds()
+        300.0
     """
-    text = environment("GROUP_TIMEOUT")
+    return _seconds("GROUP_TIMEOUT", DEFAULT_GROUP_TIMEOUT)
+
+
+def handshake_timeout_seconds() -> float:
+    """``FASTCKPT_HANDSHAKE_TIMEOUT``: seconds a rank waits at the handshake before a
+    checkpoint collective for the other ranks to make the same call; default 10.
+
+    Example:
+        >>> handshake_timeout_seconds()
+        10.0
+    """
+    return _seconds("HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT)
+
+
+def _seconds(name: str, default: float) -> float:
+    text = environment(name)
     if text is None:
-        return None
+        return default
     try:
         value = float(text)
     except ValueError:
         raise ValueError(
-            f"environment variable FASTCKPT_GROUP_TIMEOUT={text!r} is not a number of seconds"
+            f"environment variable FASTCKPT_{name}={text!r} is not a number of seconds"
         ) from None
-    if not value > 0:
-        raise ValueError(f"FASTCKPT_GROUP_TIMEOUT must be positive, got {text!r}")
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"FASTCKPT_{name} must be a positive number of seconds, got {text!r}")
     return value
 
 

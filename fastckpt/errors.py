@@ -27,6 +27,7 @@ __all__ = [
     "NoChecksumsError",
     "LazySaveError",
     "MissingBaseError",
+    "RestoreError",
     "checksum_mismatch",
 ]
 
@@ -96,6 +97,13 @@ def checksum_mismatch(
 class MissingBaseError(FastCkptError, FileNotFoundError):
     """An incremental checkpoint refers to tensors in an earlier file that is missing; the
     message names the file and a tensor that needs it (``filename`` is the missing file)."""
+
+
+class RestoreError(FastCkptError, FileNotFoundError):
+    """A checkpoint series holds committed steps, but none could be restored (each damaged,
+    or missing a file): the message names each step tried, its directory and why;
+    ``filename`` is the first file found missing or damaged, when one was named. It is a
+    ``FileNotFoundError``, as restoring an empty series raises."""
 
 
 class EngineUnavailableError(FastCkptError):

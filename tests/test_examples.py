@@ -137,3 +137,54 @@ def test_manager_example_survives_kill_9(tmp_path, where):
     assert newest in (8, 12)  # 12 unless its commit, in the background, was not done at 14
     assert f"resumed from step {newest}: newest committed: True" in out.stdout
     assert "finished: step 24, global step 24" in out.stdout
+
+
+def test_manager_example_without_lightning_says_so_in_one_line(tmp_path):
+    """Lightning made unimportable the way Python spells it (a None entry in sys.modules):
+    the example stops before starting any child, with one line saying what to install."""
+    script = EXAMPLES / "train_with_manager.py"
+    run = (
+        "import runpy, sys\n"
+        "sys.modules['lightning'] = None\n"
+        f"sys.argv = [{str(script)!r}, {str(tmp_path)!r}, '--local']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "train_with_manager.py needs Lightning: pip install lightning "
+        "(or pip install '.[lightning]' in the clone)"
+    )
+    assert "first run killed" not in out.stdout and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_manager_example_stops_at_a_failed_child_with_its_error(tmp_path):
+    """A child that fails on its own (here: the durable root is a file) ends the example
+    with one line carrying the child's error, not a report of a kill that never happened."""
+    pytest.importorskip("lightning")
+    (tmp_path / "root").write_text("not a directory")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_with_manager.py"), str(tmp_path), "--local"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "first run killed" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("the training child exited with status 1: ")
+    assert "the root tier of a CheckpointManager must be a directory" in lines[0]
+
+
+def test_readme_quickstart_leaves_the_working_directory_empty(tmp_path):
+    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Quickstart", 1)[1]
+    code = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert list(work.iterdir()) == []

@@ -108,17 +108,28 @@ def test_the_readme_install_lines_work_in_a_fresh_environment(tmp_path: Path) ->
 
     outside = tmp_path / "outside"
     outside.mkdir()
-    for where in (clone, outside):
-        run_the_quickstart_and_examples(python, env_dir, where, clone / "examples")
+    # From the clone's root, whose fastckpt/ (no native module built there) comes first on
+    # sys.path, the Quickstart; from outside, the Quickstart and every example (the examples
+    # import nothing that depends on where they run from).
+    run_the_quickstart(python, env_dir, clone)
+    run_the_quickstart(python, env_dir, outside)
+    run_the_examples(python, env_dir, outside, clone / "examples")
 
 
-def run_the_quickstart_and_examples(python: Path, env_dir: Path, cwd: Path, examples: Path) -> None:
+def run_the_quickstart(python: Path, env_dir: Path, cwd: Path) -> None:
     """The README's Quickstart (fed to ``python -``, so ``cwd`` leads ``sys.path`` as in a
-    terminal), ``python -m fastckpt verify`` on what it wrote, then every example."""
-    quickstart = readme_block("Quickstart", "python")
-    run_in_env(f"{python} - <<'QUICKSTART'\n{quickstart}\nQUICKSTART", env_dir, cwd)
-    verified = run_in_env(f"{python} -m fastckpt verify ckpt.safetensors", env_dir, cwd)
+    terminal), then ``python -m fastckpt verify`` on what it wrote."""
+    # the Quickstart writes into a temporary run directory: one added line says where
+    quickstart = readme_block("Quickstart", "python") + '\nprint(run / "ckpt.safetensors")'
+    done = run_in_env(f"{python} - <<'QUICKSTART'\n{quickstart}\nQUICKSTART", env_dir, cwd)
+    written = done.stdout.strip().splitlines()[-1]
+    assert list(cwd.iterdir()) == [] or cwd.name == "clone", list(cwd.iterdir())
+    verified = run_in_env(f"{python} -m fastckpt verify {shlex.quote(written)}", env_dir, cwd)
     assert "OK" in verified.stdout, verified.stdout
+
+
+def run_the_examples(python: Path, env_dir: Path, cwd: Path, examples: Path) -> None:
+    """Every example, each into a folder of its own."""
     for script in sorted(examples.glob("*.py")):
         folder = cwd / f"run-{script.stem}"
         folder.mkdir()

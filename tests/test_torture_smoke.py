@@ -155,3 +155,34 @@ def test_torture_smoke_node_kills(tmp_path):
         assert f'"{figure}": 0' in stdout, stdout
     assert '"steps committed on every rank before the kills": 0' not in stdout
     assert "bad outcomes in total: 0" in stdout
+
+
+RANKS = TORTURE.parent / "torture_ranks.py"
+
+
+def test_torture_smoke_adversarial_ranks(tmp_path):
+    """Ranks that read a file renamed over them, a save called on rank 0 alone, and tiers
+    planted with links and a marker at a high step: nothing silently wrong, nothing hung,
+    nothing outside the tiers touched."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(RANKS),
+            "--only=read-once-renamed-over",
+            "--only=subset-save",
+            "--only=planted-links-and-markers",
+            f"--dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for count in ("silent wrong states", "ranks alone", "hangs", "outside files changed"):
+        assert f'"{count}": 0' in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_torture_adversarial_ranks_every_scenario(tmp_path):
+    stdout = _torture(tmp_path, "--only=adversarial-ranks", timeout=900)
+    assert "bad outcomes in total: 0" in stdout

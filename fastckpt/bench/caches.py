@@ -1,16 +1,17 @@
 """Cold and hot page caches, and durability: what a timed read or write starts from.
 
-Reads are timed cold (the page cache dropped where this process may, else the file's clean
-pages evicted) or hot (every byte read once before); writes are timed until the data and
-the file's name are on the device (fsync of the file and of its directory).
+Reads are timed cold (the files about to be read written back and evicted from the page
+cache; the whole machine's cache dropped only when asked, as root) or hot (every byte read
+once before); writes are timed until the data and the file's name are on the device (fsync
+of the file and of its directory).
 
 Example:
     >>> import tempfile
     >>> with tempfile.NamedTemporaryFile() as f:
     ...     _ = f.write(b"x" * 10000); f.flush()
     ...     make_durable(f.name)
-    ...     drop_page_cache([f.name]) in ("drop_caches", "fadvise")
-    True
+    ...     drop_page_cache([f.name])
+    'fadvise'
 """
 
 from __future__ import annotations
@@ -25,27 +26,29 @@ __all__ = ["PageCache", "drop_page_cache", "fsync_path", "make_durable", "warm_p
 
 
 class PageCache:
-    """Drops the kernel's page cache before timed reads, where this process may.
+    """Makes timed reads cold: before each, the files about to be read are written back
+    (fsync) and their pages evicted with ``posix_fadvise(DONTNEED)``, which anyone may do and
+    which leaves the rest of the machine's cache (other programs' files) alone. fastckpt's
+    engines also read with O_DIRECT, which bypasses the cache where the file system allows.
 
-    Dropping needs root (writing ``/proc/sys/vm/drop_caches``). Where that is refused, or
-    ``allow_drop`` is False (``--no-drop-caches``: the whole machine's cache is not this
-    process's to empty), the clean pages of the files about to be read are still evicted with
-    ``posix_fadvise(DONTNEED)`` (allowed to anyone), and fastckpt's engines read with
-    O_DIRECT, which bypasses the cache on file systems that allow it.
-
-    Constructing one with ``allow_drop`` tries a first drop, to learn whether it may.
+    With ``allow_drop`` (``--drop-all-caches``) the whole machine's page cache is dropped
+    too, which needs root (writing ``/proc/sys/vm/drop_caches``) and makes every other
+    program on the machine read its files from the disk again; constructing one tries a
+    first drop, to learn whether it may.
 
     Example:
-        >>> cache = PageCache(allow_drop=False)
-        >>> cache.can_drop, cache.describe().startswith("page cache not dropped (--no-drop-caches)")
+        >>> cache = PageCache()
+        >>> cache.can_drop, cache.describe().startswith("the files read are evicted")
         (False, True)
     """
 
     PATH = "/proc/sys/vm/drop_caches"
+    asked = False  # whether the whole cache was asked to be dropped (--drop-all-caches)
+    reason = ""
 
-    def __init__(self, *, allow_drop: bool = True) -> None:
+    def __init__(self, *, allow_drop: bool = False) -> None:
         self.reason = ""
-        self.opted_out = not allow_drop
+        self.asked = allow_drop
         self.can_drop = self._try_drop() if allow_drop else False
 
     def _try_drop(self) -> bool:
@@ -83,27 +86,29 @@ class PageCache:
     def describe(self) -> str:
         """One line for the output: how reads are kept cold."""
         if self.can_drop:
-            return f"page cache dropped before every read (running as root; {self.PATH})"
-        if self.opted_out:
             return (
-                "page cache not dropped (--no-drop-caches): read figures are not cold where "
-                "data stays in memory; only O_DIRECT and posix_fadvise of the files read "
-                "keep them from the cache"
+                "the whole page cache dropped before every read (--drop-all-caches, running "
+                f"as root; {self.PATH})"
             )
-        return (
-            f"page cache not dropped ({self.PATH}: {self.reason or 'not permitted'}; needs root): "
-            "reads rely on O_DIRECT and posix_fadvise"
+        evicted = (
+            "the files read are evicted from the page cache before every read (fsync, then "
+            "posix_fadvise(DONTNEED)); reads use O_DIRECT where the file system takes it"
         )
+        if self.asked:
+            return (
+                f"{evicted}; the whole cache was not dropped (--drop-all-caches: {self.PATH}: "
+                f"{self.reason or 'not permitted'}; needs root)"
+            )
+        return f"{evicted}; the rest of the machine's cache is left alone"
 
 
 _page_cache: PageCache | None = None
 
 
 def drop_page_cache(files: Sequence[str | os.PathLike[str]] = ()) -> str:
-    """Makes the next reads of ``files`` come from the device; returns how.
-
-    As root the whole cache is dropped ("drop_caches"); otherwise each file's clean pages
-    are evicted with ``posix_fadvise(DONTNEED)`` ("fadvise"). See :class:`PageCache`.
+    """Makes the next reads of ``files`` come from the device; returns how: each file is
+    written back and its pages evicted with ``posix_fadvise(DONTNEED)`` ("fadvise"); the
+    machine's other cached files are left alone. See :class:`PageCache`.
     """
     global _page_cache
     if _page_cache is None:

@@ -51,6 +51,7 @@ from fastckpt.checkpoint import (
     fence_memory,
     file_snapshot,
     save_order,
+    stream_save,
 )
 from fastckpt.checkpoint.lazy_guard import LazyGuard, write_guarded
 from fastckpt.checkpoint.save import (
@@ -62,6 +63,7 @@ from fastckpt.checkpoint.save import (
 from fastckpt.format import DEFAULT_ALIGNMENT, DEFAULT_PIECE_SIZE
 from fastckpt.io.commit import AtomicFile, check_destination
 from fastckpt.io.staging_pool import StagingPool
+from fastckpt.storage.file_object import is_file_object
 
 __all__ = [
     "async_save",
@@ -419,6 +421,18 @@ def async_save(
     if fence_bytes is not None and (isinstance(fence_bytes, bool) or fence_bytes < 0):
         raise ValueError(f"fence_bytes must be None or a non-negative int, got {fence_bytes!r}")
     future = SaveFuture(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
+    if is_file_object(f):
+        if lazy or base is not None or frozen is not None or spare_file is not None:
+            raise TypeError("f is a file object: lazy=, fence=, base=, frozen= need a path")
+        format_options = dict(
+            metadata=metadata,
+            alignment=alignment,
+            checksum=checksum,
+            allow_pickle=allow_pickle,
+            piece_size=piece_size,
+            compress=compress,
+        )
+        return _start_into_stream(future, obj, f, max_pending, snapshot, format_options)
     _begin(future, max_pending)
     try:
         path = check_destination(f)
@@ -556,6 +570,50 @@ def _start_in_order(
             out.abort()
         return _fail_early(future, exc)
     return future
+
+
+class _StreamOut:
+    """The caller's file object as a save's output: written when the save commits (after
+    every earlier save, so two saves into one file object never interleave), never
+    closed, flushed or removed (it is the caller's)."""
+
+    def __init__(self, f: Any, write: Callable[[], None]):
+        self.path = repr(f)
+        self._write: Callable[[], None] | None = write
+
+    def commit(self) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            write()
+
+    def abort(self) -> None:
+        self._write = None
+
+
+def _start_into_stream(
+    future: SaveFuture,
+    obj: Any,
+    f: Any,
+    max_pending: int,
+    snapshot: bool,
+    format_options: dict[str, Any],
+) -> SaveFuture:
+    """``async_save`` into a writable binary file object (``io.BytesIO``, a socket's file):
+    with ``snapshot`` the checkpoint's bytes are made in the call (one copy of the state,
+    as the staging pool would hold) and written in the background; without, the
+    background thread reads the tensors while writing, as ``snapshot=False`` does."""
+    _begin(future, max_pending)
+    try:
+        stream_save.check_writable(f, "f")
+        if snapshot:
+            data = memoryview(stream_save.save_bytes(obj, **format_options))
+            out = _StreamOut(f, lambda: stream_save.write_all(f, data))
+        else:
+            future._reads_tensors = True
+            out = _StreamOut(f, lambda: stream_save.save_to_stream(obj, f, **format_options))
+    except BaseException as exc:
+        return _fail_early(future, exc)
+    return _start_in_order(future, out.path, lambda: None, _Written(), out)  # type: ignore[arg-type]
 
 
 class _Written:

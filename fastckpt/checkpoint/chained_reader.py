@@ -19,8 +19,8 @@ Example:
     >>> fastckpt.save({"a": torch.ones(2), "b": torch.ones(2)}, os.path.join(d, "1.safetensors"),
     ...               base=os.path.join(d, "0.safetensors"))
     >>> with fastckpt.open(os.path.join(d, "1.safetensors")) as r:
-    ...     r.keys(), r.get_tensor("a").tolist(), r.stored_names()
-    (['b', 'a'], [1.0, 1.0], ['b'])
+    ...     r.keys(), r.offset_keys(), r.get_tensor("a").tolist(), r.stored_names()
+    (['a', 'b'], ['b', 'a'], [1.0, 1.0], ['b'])
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class Location:
     dtype: str
     shape: tuple[int, ...]
     xxh3_128: str | None
+    # of its stored bytes, as ``file`` records it: known where the file was parsed, a cache
+    # that says nothing of where the bytes are (so not part of a location's equality)
+    crc32c: int | None = dataclasses.field(default=None, compare=False)
 
 
 def resolve_path(referrer: str, relative: str) -> str:
@@ -104,7 +107,8 @@ def locate(reader: Reader, name: str) -> Location:
     path = reader.path if is_url(reader.path) else os.path.abspath(reader.path)
     packed = reader.compressed.get(e.name)  # its true dtype and shape; hashed raw
     dtype, shape = (e.dtype, tuple(e.shape)) if packed is None else (packed.dtype, packed.shape)
-    return Location(path, e.name, dtype, shape, hashes.get(e.name))
+    crc = (reader.meta.crcs or {}).get(e.name)
+    return Location(path, e.name, dtype, shape, hashes.get(e.name), crc)
 
 
 def open_chain(
@@ -244,6 +248,10 @@ class ChainedReader(RoutedReads, Reader):
         return locate(self._bases[ref.file], ref.tensor)
 
     def keys(self) -> list[str]:
+        return sorted(self.offset_keys())
+
+    def offset_keys(self) -> list[str]:
+        """This file's tensors in data order, then those held by other files, then aliases."""
         self.top._check_open()
         stored = list(self.top.header.entries)
         aliases = [a for a in self.aliases if a not in self.top.header.entries]
@@ -365,13 +373,20 @@ class ChainedReader(RoutedReads, Reader):
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
     ) -> list[str]:
+        return list(self.verify_failures(names, progress=progress))
+
+    def verify_failures(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> dict[str, str]:
+        """Each damaged tensor (by this file's names) and the check it failed, in the file
+        that holds its bytes (that file's CRC32C and XXH3-128 of it)."""
         self.require_checksums()
         own, per_base = self._split(names)
-        damaged = self.top.verify(own, progress=progress) if own else []
+        damaged = self.top.verify_failures(own, progress=progress) if own else {}
         for base, wanted in zip(self._bases, per_base):
             if wanted:
-                bad = set(base.verify([b for _, b in wanted], progress=progress))
-                damaged += [n for n, b in wanted if b in bad]
+                bad = base.verify_failures([b for _, b in wanted], progress=progress)
+                damaged.update((n, bad[b]) for n, b in wanted if b in bad)
         return damaged
 
     @property

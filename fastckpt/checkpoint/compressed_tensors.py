@@ -327,6 +327,65 @@ def decode_streaming(
     codec's pool, one job per chunk, at most ``window`` chunks (default two per core)
     waiting before the next read. Memory:
     the tensor, plus a few steps of stored bytes. Checked as :func:`decode` checks."""
+    c = reader.compressed[e.name]
+    out = torch.empty(c.nbytes, dtype=torch.uint8)
+    _stream_chunks(reader, e, verify=verify, window=window, target=out.numpy())
+    shape = dtypes.torch_shape(c.dtype, c.shape, tensor=e.name)
+    return out.view(dtypes.to_torch(c.dtype)).view(shape)
+
+
+#: What :func:`check_streaming` reports: the frame does not decode to bytes of the CRC32C
+#: the header records for them; they decode, but to bytes of another XXH3-128.
+DECODING, XXH3_128 = "decompressed CRC32C", "XXH3-128"
+
+
+def check_streaming(
+    reader: Any, e: format.TensorEntry, *, xxh3_128: str | None
+) -> tuple[str, str] | None:
+    """Checks that compressed tensor ``e`` decodes to bytes of the CRC32C its header records
+    and, when ``xxh3_128`` is given, of that XXH3-128, holding a few chunks of them at a time,
+    never the tensor: memory stays bounded whatever the tensor's size. The stored bytes are
+    read unverified (their own CRC32C is checked apart). Returns None when intact, else the
+    check that failed (:data:`DECODING` or :data:`XXH3_128`) and why.
+
+    Example:
+        >>> import torch, fastckpt
+        >>> fastckpt.save({"z": torch.zeros(1 << 20)}, "/tmp/fastckpt-cs.safetensors", compress=True)
+        >>> with fastckpt.open("/tmp/fastckpt-cs.safetensors") as r:
+        ...     check_streaming(r, r.header.entries["z"], xxh3_128=r.meta.hashes["z"])
+        ...     check_streaming(r, r.header.entries["z"], xxh3_128="0" * 32)[0]
+        'XXH3-128'
+    """
+    import xxhash
+
+    hasher = xxhash.xxh3_128() if xxh3_128 is not None else None
+    consume = None if hasher is None else hasher.update
+    try:
+        _stream_chunks(reader, e, verify=False, window=None, target=None, consume=consume)
+    except (ChecksumError, HeaderError) as exc:
+        return DECODING, str(exc)
+    if hasher is not None and hasher.hexdigest() != xxh3_128:
+        return XXH3_128, (
+            f"{_where(reader, e.name)}: decompressed bytes have XXH3-128 "
+            f"{hasher.hexdigest()}, the header records {xxh3_128}"
+        )
+    return None
+
+
+def _stream_chunks(
+    reader: Any,
+    e: format.TensorEntry,
+    *,
+    verify: bool,
+    window: int | None,
+    target: np.ndarray | None,
+    consume: Any = None,
+) -> None:
+    """Reads compressed tensor ``e``'s stored bytes a step at a time and decompresses its
+    chunks on the codec's pool (see :func:`decode_streaming`): into ``target`` (the whole
+    tensor's bytes) when given, else each into memory of its own, handed to ``consume`` in
+    order once decoded and then dropped (at most ``window`` chunks, default two per core,
+    are held). Checks the decoded bytes' CRC32C (ChecksumError)."""
     from fastckpt.codec import frames
     from fastckpt.io.checksums import crc32c_combine
 
@@ -337,13 +396,20 @@ def decode_streaming(
     workers = frames._threads()  # noqa: SLF001 - the codec's own pool and size
     ahead = max(1, 2 * workers if window is None else window)  # chunks
     pool = frames._shared_pool(workers)  # noqa: SLF001
-    out = torch.empty(c.nbytes, dtype=torch.uint8)
-    target = out.numpy()
     table: Any = None
     offsets: list[int] = []
     carry, got, first = b"", 0, 0  # stored bytes kept from the last step, read, next chunk
-    pending: collections.deque[concurrent.futures.Future[list[int]]] = collections.deque()
+    pending: collections.deque[tuple[concurrent.futures.Future[list[int]], np.ndarray]] = (
+        collections.deque()
+    )
     crcs: list[int] = []
+
+    def finish_next() -> None:  # the oldest chunk: its CRC32C, its bytes to ``consume``
+        job, span = pending.popleft()
+        crcs.extend(job.result())
+        if consume is not None:
+            consume(span)
+
     try:
         while got < e.nbytes:
             hi = min(e.nbytes, got + step)
@@ -373,7 +439,8 @@ def decode_streaming(
 
             for k in range(first, done):  # one job per chunk: every core decompresses
                 at = k * table.chunk_bytes
-                span = target[at : at + table.chunk_raw_bytes(k)]
+                raw = table.chunk_raw_bytes(k)
+                span = np.empty(raw, np.uint8) if target is None else target[at : at + raw]
                 job = pool.submit(
                     frames.decompress_chunks,
                     table,
@@ -384,19 +451,21 @@ def decode_streaming(
                     where=where,
                     threads=1,
                 )
-                pending.append(job)
+                pending.append((job, span))
+                # bounded: the reads wait for the codec, and a step of highly compressed
+                # bytes (all zeros: 94 KiB for 512 MiB) holds no more chunks than a few
+                while len(pending) > ahead:
+                    finish_next()
             first = done
             carry = (
                 bytes(view[offsets[first * table.planes] - lo :]) if first < table.chunks else b""
             )
-            while len(pending) > ahead:  # bounded: the reads wait for the codec
-                crcs += pending.popleft().result()
         if table is None:
             raise HeaderError(f"{where}: compressed frame of {e.nbytes} bytes is cut short")
         while pending:
-            crcs += pending.popleft().result()
+            finish_next()
     finally:
-        concurrent.futures.wait(pending)
+        concurrent.futures.wait([job for job, _ in pending])
     actual = 0
     for index, value in enumerate(crcs):
         actual = crc32c_combine(actual, value, table.chunk_raw_bytes(index))
@@ -405,8 +474,6 @@ def decode_streaming(
             f"{where}: decompressed bytes have CRC32C {actual:08x}, the header records "
             f"{c.crc32c:08x}"
         )
-    shape = dtypes.torch_shape(c.dtype, c.shape, tensor=e.name)
-    return out.view(dtypes.to_torch(c.dtype)).view(shape)
 
 
 def map_decoded(reader: Any, names: Sequence[str] | None, *, verify: bool) -> dict[str, Any]:

@@ -80,6 +80,12 @@ class TensorDigest(PieceCrcs):
             self._hashed += nbytes
 
     @property
+    def from_bytes(self) -> bool:
+        """Whether :attr:`strong` was computed from the bytes given to :meth:`update` (not
+        known beforehand): then it and the CRC32C describe the same bytes."""
+        return self._known is None and self.strong is not None
+
+    @property
     def strong(self) -> str | None:
         """The XXH3-128 hex digest, or None when not every byte was hashed."""
         if self._known is not None:

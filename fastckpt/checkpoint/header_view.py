@@ -137,10 +137,15 @@ class HeaderView:
                 )
 
     def keys(self) -> list[str]:
-        """Every tensor name: stored tensors in file order, then aliases of tied tensors not
-        stored as copies."""
+        """Every tensor name, sorted as ``safe_open``'s ``keys()``: stored tensors and the
+        aliases of tied tensors (those of older files, not stored as copies, included)."""
+        return sorted(self.offset_keys())
+
+    def offset_keys(self) -> list[str]:
+        """Every tensor name in data order (``safe_open``'s ``offset_keys()``), then the
+        aliases of tied tensors that older files do not store as copies."""
         self._check_open()
-        entries = self.header.entries
+        entries = self.header.entries  # in data order: the header is parsed so
         return list(entries) + [a for a in self.meta.aliases if a not in entries]
 
     def _shared_entries(self) -> dict[str, format.TensorEntry]:
@@ -150,8 +155,10 @@ class HeaderView:
         return {n: e for n, e in self.header.entries.items() if n not in aliases}
 
     def metadata(self) -> dict[str, str] | None:
-        """The user's metadata (``__metadata__`` without fastckpt's own ``fastckpt.*`` keys);
-        None for a file without ``__metadata__``, as ``safe_open`` says."""
+        """``__metadata__`` without fastckpt's own ``fastckpt.*`` keys, as ``safe_open`` gives
+        it for the same file less those keys: ``{"format": "pt", ...your keys}`` for a file
+        ``fastckpt.save`` wrote; None for a file without metadata (as
+        ``safetensors.torch.save_file`` writes without ``metadata=``)."""
         self._check_open()
         if not self.header.metadata:
             return None

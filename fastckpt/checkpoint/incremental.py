@@ -12,6 +12,19 @@ Deciding what changed, per tensor, by content:
 3. Otherwise it is hashed (XXH3-128, on every core) and compared with the hash ``base``
    records for it in its header: equal hashes are the only way to "unchanged".
 
+A recorded hash is a claim, not proof, about the bytes stored beside it: a damaged or hostile
+base may record the hash of the tensor in memory over other bytes, and a reference made on
+its word would replace the tensor with those bytes on every load. So a tensor is referred to
+only once the base's stored bytes are shown to match: they are read, checked against their
+CRC32C and hashed again (only the tensors about to be referred to, one at a time). Where they
+do not match, the tensor is written in full and a warning on the ``fastckpt`` logger names
+the file and the tensor. Not read again: the index of a checkpoint this process saved, with
+every header of its chain unchanged since (:mod:`~fastckpt.checkpoint.known_indexes`), and
+any tensor this process wrote or read back with the same two recorded hashes
+(:func:`~fastckpt.checkpoint.tensor_records.seen_intact`): their hashes were computed from
+those bytes, and a byte damaged since fails the CRC32C check of every load. ``frozen`` names
+are the caller's word and are not read.
+
 A tensor ``base`` does not hold (or holds with another dtype or shape, or without a hash) is
 written. References point to the file that holds the bytes: when ``base`` itself refers to an
 earlier file for a tensor, the new file refers to that file directly (so a series of
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import posixpath
 from collections.abc import Callable, Iterable, Mapping
@@ -47,10 +61,10 @@ import torch
 from fastckpt import format
 from fastckpt.checkpoint import known_indexes, save_order
 from fastckpt.checkpoint.chained_reader import Location, files_of, locate, resolve_path
-from fastckpt.checkpoint.digests import hash_tensors
+from fastckpt.checkpoint.digests import hash_tensor, hash_tensors
 from fastckpt.checkpoint.read import open_checkpoint
-from fastckpt.checkpoint.tensor_records import SaveRecord, previous
-from fastckpt.errors import HeaderError, MissingBaseError
+from fastckpt.checkpoint.tensor_records import SaveRecord, previous, remember_intact, seen_intact
+from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
 from fastckpt.io import parallel_io
 from fastckpt.storage import is_url
 
@@ -58,6 +72,8 @@ __all__ = ["Choice", "Frozen", "IndexDraft", "base_index", "choose", "dependenci
 
 #: ``frozen=``: tensor names, or a predicate on a tensor's name.
 Frozen = Union[None, Iterable[str], Callable[[str], bool]]
+
+_log = logging.getLogger("fastckpt")
 
 
 @dataclasses.dataclass
@@ -122,13 +138,14 @@ def base_index(base: str, storage_options: Mapping[str, Any] | None = None) -> d
 
 def _index_and_chain(
     base: str, storage_options: Mapping[str, Any] | None
-) -> tuple[dict[str, Location], set[str]]:
-    """:func:`base_index` of ``base`` and the files of its chain (itself included): kept from
-    the save that wrote it when its headers are unchanged
-    (:mod:`~fastckpt.checkpoint.known_indexes`), else parsed."""
+) -> tuple[dict[str, Location], set[str], bool]:
+    """:func:`base_index` of ``base``, the files of its chain (itself included), and whether
+    its hashes are known to be those of its bytes: True when kept from the save that wrote
+    it, its headers unchanged (:mod:`~fastckpt.checkpoint.known_indexes`); False when
+    parsed."""
     known = known_indexes.lookup(base)
     if known is not None:
-        return known
+        return (*known, True)
     try:
         reader = open_checkpoint(base, storage_options=storage_options)
     except MissingBaseError:
@@ -138,7 +155,7 @@ def _index_and_chain(
             errno.ENOENT, f"base checkpoint {base} of an incremental save is missing", base
         ) from exc
     with reader:
-        return {name: locate(reader, name) for name in reader.keys()}, files_of(reader)
+        return {name: locate(reader, name) for name in reader.keys()}, files_of(reader), False
 
 
 def dependencies(
@@ -260,7 +277,7 @@ def choose(
     assert destination is not None
     target = _identity(destination)
     save_order.wait_for_earlier(base_path)  # an asynchronous save of the base commits first
-    index, chain = _index_and_chain(base_path, storage_options)
+    index, chain, trusted = _index_and_chain(base_path, storage_options)
     holders = {loc.file for loc in index.values()} | {base_path}
     files = {_identity(f) for f in holders}
     if target in files:
@@ -285,12 +302,55 @@ def choose(
         to_hash[name] = t
     for name, digest in hash_tensors(to_hash, parallel_io.worker_count()).items():
         (same if digest == index[name].xxh3_128 else known)[name] = digest
+    if not trusted:  # referred to only where the stored bytes are shown to match
+        hashed = {name: same[name] for name in to_hash if name in same}
+        for name in _not_as_recorded(hashed, index, base_path, storage_options):
+            known[name] = same.pop(name)  # written in full; its hash is the one computed
     if record is not None:
         record.known({**same, **known})
     plan = draft(index, same, chain | {base_path})
     if not same:
         return Choice(None, known, record, plan)
     return Choice(_references(same, index, base_path, destination), known, record, plan)
+
+
+def _not_as_recorded(
+    hashed: Mapping[str, str],
+    index: Mapping[str, Location],
+    base: str,
+    storage_options: Mapping[str, Any] | None,
+) -> list[str]:
+    """The names among ``hashed`` (name -> XXH3-128, equal to the one ``base`` records)
+    whose stored bytes are not what the header of the file holding them records: they fail
+    their CRC32C, or hash to another XXH3-128. Each is logged (a warning naming the file and
+    the tensor). The bytes are read one tensor at a time, each file opened once."""
+    by_file: dict[str, list[str]] = {}
+    for name in hashed:
+        loc = index[name]
+        if seen_intact(loc.file, loc.tensor, loc.xxh3_128, loc.crc32c):
+            continue  # written by this process, or read and hashed before
+        by_file.setdefault(loc.file, []).append(name)
+    wrong: list[str] = []
+    for file, names in by_file.items():
+        with open_checkpoint(file, storage_options=storage_options) as holder:
+            for name in names:
+                loc = index[name]
+                try:
+                    stored = hash_tensor(holder.get_tensor(loc.tensor, verify=True))
+                    why = None if stored == hashed[name] else f"its bytes hash to {stored}"
+                except ChecksumError as exc:
+                    why = f"its bytes fail their CRC32C ({exc})"
+                if why is None:
+                    if loc.crc32c is not None:
+                        remember_intact(loc.file, loc.tensor, stored, loc.crc32c)
+                    continue
+                _log.warning(
+                    "incremental save with base=%s: %s records XXH3-128 %s for tensor %r, "
+                    "but %s; tensor %r is written in full instead of referred to",
+                    base, file, hashed[name], loc.tensor, why, name,
+                )  # fmt: skip
+                wrong.append(name)
+    return wrong
 
 
 def _references(

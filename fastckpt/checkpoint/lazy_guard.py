@@ -19,8 +19,11 @@ the file while training goes on. Three things hold the file to the values at cal
   reached, waits for the one piece being copied (a memory copy, never a disk write), and
   the step goes on; the writer continues from the snapshot. ``fence_bytes`` caps the
   snapshots: what does not fit is left to the writer, and the fence waits for it to pass
-  through the ring, at the storage's speed. Other code that changes a fenced tensor in place
-  (a manual update of a parameter) calls ``future.fence()`` first.
+  through the ring, at the storage's speed. A step of any other optimizer (one made after
+  the call, a fused one whose kernels move no version counter) that may change a tensor not
+  yet copied fences the save the same way, through one global step pre-hook. Other code that
+  changes a fenced tensor in place (a manual update of a parameter) calls ``future.fence()``
+  first.
 - **the checks** (detected): each tensor read live has its version counter
   (``tensor._version``) compared with the call's before its first byte is copied and after
   its last; again at the fence, for every tensor read so far (by then every in-place op the
@@ -75,10 +78,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastckpt.checkpoint import fence_memory
 from fastckpt.checkpoint.digests import hash_tensor
-from fastckpt.checkpoint.fence_cover import FenceCover
+from fastckpt.checkpoint.fence_cover import FenceCover, local_part
 from fastckpt.errors import LazySaveError
 
 __all__ = ["LazyGuard", "LazySaveError", "fence_after_closure", "write_guarded"]
@@ -109,9 +113,17 @@ class LazyGuard:
         how_to_fence: str = _HOW_TO_FENCE,
     ):
         optimizers = list(optimizers)
-        self._tensors = tensors
+        cover = FenceCover(optimizers)
+        # A DTensor is read through its local tensor; its own version counter counts too:
+        # an in-place op on a DTensor moves the DTensor's counter, not its local tensor's.
+        self._outer = {n: t for n, t in tensors.items() if local_part(t) is not t}
+        self._tensors = {n: local_part(t) for n, t in tensors.items()} if self._outer else tensors
+        # ... and so do the counters of the fenced optimizers' tensors over the same memory
+        # (a parameter, whose state dict entry is a detached DTensor with a local tensor of
+        # its own: a change made through the parameter moves only the parameter's counters)
+        self._owners = {n: _other_owners(cover, t) for n, t in tensors.items()}
         self._how_to_fence = how_to_fence  # the end of a LazySaveError's message
-        self._versions = {name: t._version for name, t in tensors.items()}
+        self._versions = {name: self._version(name) for name in self._tensors}
         self._fence_bytes = fence_bytes
         self._lock = threading.Condition()
         self._copying: str | None = None  # the tensor the writer reads now
@@ -128,8 +140,8 @@ class LazyGuard:
         self.snapshot_bytes = 0  # host memory the fences took, for the docs' figures
         self.device_snapshot_bytes = 0  # device memory the fences took
         # -- CUDA tensors (see the module's description)
-        self._device = {name for name, t in tensors.items() if _on_device(t)}
-        self._call_events = _call_events(tensors[name] for name in self._device)
+        self._device = {name for name, t in self._tensors.items() if _on_device(t)}
+        self._call_events = _call_events(self._tensors[name] for name in self._device)
         self._host_ready = list(self._call_events.values())  # waited for before a CPU copy
         self._sides: dict[Any, Any] = {}  # device -> side stream, after its call event
         self._flat: dict[str, torch.Tensor] = {}  # the bytes the writer reads, per tensor
@@ -141,8 +153,25 @@ class LazyGuard:
         self._failure: LazySaveError | None = None  # found by a fence, raised by the writer
         self._call_copied: set[str] = set()  # copied at the call, never read live
         self.call_copy_bytes = 0  # memory those copies took, for the docs' figures
-        self._copy_uncovered(FenceCover(optimizers))
+        self._copy_uncovered(cover)
         self.fence_optimizers(optimizers)
+        if len(self._call_copied) < len(self._tensors):
+            _fence_every_optimizer(self)
+
+    @property
+    def call_copied(self) -> frozenset[str]:
+        """The names of the tensors copied at the call (no fence owns them), whose bytes
+        :attr:`call_copy_bytes` counts; every other tensor is read after the call.
+
+        Example:
+            >>> w, ema = torch.zeros(2), torch.zeros(2)
+            >>> guard = LazyGuard({"w": w, "ema": ema}, fence_bytes=None,
+            ...                   optimizers=[torch.optim.SGD([w], lr=0.1)])
+            >>> sorted(guard.call_copied), guard.call_copy_bytes
+            (['ema'], 8)
+        """
+        with self._lock:
+            return frozenset(self._call_copied)
 
     def _copy_uncovered(self, cover: FenceCover) -> None:
         """Copies now every tensor ``cover`` does not hold still (all of them when no
@@ -380,12 +409,15 @@ class LazyGuard:
             self._flat.clear()
             self._queued.clear()
             self._tensors = {}  # the future outlives the save: it must not keep the state
+            self._outer, self._owners = {}, {}
             self._lock.notify_all()
         with _fenced_lock:
             for optimizer in self._fenced_on:
                 pending = _fenced.get(optimizer, [])
                 if self in pending:
                     pending.remove(self)
+            if self in _reading_live:
+                _reading_live.remove(self)
         self._fenced_on.clear()
 
     def rebind(self, names: Mapping[str, str | torch.Tensor]) -> None:
@@ -407,13 +439,23 @@ class LazyGuard:
         """
         with self._lock:
             tensors, versions, snapshots, device = {}, {}, {}, set()
+            outer: dict[str, torch.Tensor] = {}
+            owners: dict[str, list[torch.Tensor]] = {}
             for new, old in names.items():
                 if isinstance(old, torch.Tensor):
-                    tensors[new], versions[new] = old, old._version
+                    tensors[new] = local_part(old)
+                    if tensors[new] is not old:
+                        outer[new] = old
+                    own = tensors[new]._version + (old._version if new in outer else 0)
+                    versions[new] = (own, 0)
                     if _on_device(old):
                         device.add(new)
                     continue
                 tensors[new], versions[new] = self._tensors[old], self._versions[old]
+                if old in self._outer:
+                    outer[new] = self._outer[old]
+                if old in self._owners:
+                    owners[new] = self._owners[old]
                 if old in self._snapshots:
                     snapshots[new] = self._snapshots[old]
                 if old in self._device:
@@ -424,6 +466,7 @@ class LazyGuard:
                     _call_events(t for t in tensors.values() if t.device in new_devices)
                 )
             self._tensors, self._versions, self._snapshots = tensors, versions, snapshots
+            self._outer, self._owners = outer, owners
             self._kept = {}  # a snapshot may now serve two names: freed, not kept
             self._device = device
             self._fenced = {
@@ -441,16 +484,30 @@ class LazyGuard:
         if self._failure is not None:
             raise self._failure
 
+    def _version(self, name: str) -> tuple[int, int]:
+        """``name``'s version counters: its own (for a DTensor, its local tensor's and its
+        own added), and those of the fenced optimizers' tensors over its memory added (each
+        moves with the in-place ops made through that tensor, and never goes back)."""
+        outer = self._outer.get(name)
+        own = self._tensors[name]._version + (0 if outer is None else outer._version)
+        return own, sum(t._version for t in self._owners.get(name, ()))
+
     def _changed(self, name: str, when: str) -> LazySaveError | None:
         """The error to raise when ``name``'s version counter moved since the call."""
-        now = self._tensors[name]._version
-        if now == self._versions[name]:
+        now, then = self._version(name), self._versions[name]
+        if now == then:
             return None
+        moved = (
+            f"its version counter moved from {then[0]} to {now[0]}"
+            if now[0] != then[0]
+            else "the version counter of the fenced optimizer's tensor over its memory (the "
+            f"parameter or optimizer state it is, or that DTensor's local tensor) moved from "
+            f"{then[1]} to {now[1]}"
+        )
         return LazySaveError(
             f"tensor {name!r} changed after async_save(lazy) was called and {when}: "
-            f"its version counter moved from {self._versions[name]} to {now}, so the "
-            f"checkpoint would mix values of two steps and was not committed; "
-            f"{self._how_to_fence}"
+            f"{moved}, so the checkpoint would mix values of two steps and was not "
+            f"committed; {self._how_to_fence}"
         )
 
     def _read_live(self) -> list[str]:
@@ -506,7 +563,7 @@ class LazyGuard:
                 nbytes = tensor.numel() * tensor.element_size() - at
                 if budget is not None and nbytes > budget:
                     continue  # left for the writer: waited for below
-                if tensor._version != self._versions[name]:
+                if self._version(name) != self._versions[name]:
                     continue  # changed unfenced: the writer fails the save, not this step
                 if name in self._device:
                     flat = self._flat.get(name)  # the bytes being copied, if started
@@ -532,10 +589,23 @@ class LazyGuard:
             if self._finished or not self._sides:
                 return
             for name in self._device - self._done:  # every copy of it is ordered below
-                if self._tensors[name]._version == self._versions[name]:
+                if self._version(name) == self._versions[name]:
                     self._fenced.add(name)
             for device, stream in self._sides.items():
                 torch.cuda.current_stream(device).wait_event(_record(stream))
+
+    def steps_unread(self, cover: FenceCover) -> bool:
+        """Whether a step of the optimizers ``cover`` was made of may change a tensor the
+        writer still reads from the tensor's own memory (not yet copied, and no fence has
+        come): such a step must fence this save first."""
+        with self._lock:
+            if self._finished or self._settled:
+                return False
+            return any(
+                cover.overlaps(tensor)
+                for name, tensor in self._tensors.items()
+                if name not in self._done and name not in self._call_copied
+            )
 
     def fence_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Runs :meth:`fence` before the next step of each optimizer."""
@@ -578,6 +648,44 @@ _fenced_lock = threading.Lock()
 _fenced: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[LazyGuard]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+# Every lazy save still reading tensors from their own memory, and one global step pre-hook
+# (installed with the first, kept for the process's life, for the reason above): a step of
+# any optimizer -- one made after the call, a fused or foreach one whose kernels move no
+# version counter -- that may change a tensor such a save has not copied yet fences it
+# first, exactly as a fenced optimizer's step does.
+_reading_live: list[LazyGuard] = []
+_global_hook: Any = None
+
+
+def _fence_every_optimizer(guard: LazyGuard) -> None:
+    """Makes every optimizer's step fence ``guard`` first when it may change a tensor
+    ``guard`` has not copied yet, until ``guard`` finishes."""
+    global _global_hook
+    with _fenced_lock:
+        _reading_live.append(guard)
+        if _global_hook is None:
+            _global_hook = register_optimizer_step_pre_hook(_fence_saves_it_reads)
+
+
+def _fence_saves_it_reads(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    """The global step pre-hook: fences the lazy saves not fenced on ``optimizer`` (its
+    own hook fences those) that still read a tensor ``optimizer`` may change."""
+    with _fenced_lock:
+        others = [g for g in _reading_live if not any(o is optimizer for o in g._fenced_on)]
+    if not others:
+        return None
+    cover = FenceCover([optimizer])
+    touched = [guard for guard in others if guard.steps_unread(cover)]
+    if not touched:
+        return None
+
+    def fence() -> None:
+        for guard in touched:
+            guard.fence()
+
+    return fence_after_closure(optimizer, args, kwargs, fence)
 
 
 def _fence_pending_saves(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -641,6 +749,7 @@ def _after_fork_in_child() -> None:
     global _fenced_lock
     _fenced_lock = threading.Lock()  # a save thread of the parent may have held it
     _fenced.clear()
+    _reading_live.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -656,6 +765,13 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached, a scalar as one row (copies of strided ones go by rows)."""
     t = tensor.detach()
     return t.reshape(1) if t.dim() == 0 else t
+
+
+def _other_owners(cover: FenceCover, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The fenced optimizers' tensors over ``tensor``'s memory (:meth:`FenceCover.owners`)
+    other than ``tensor`` and its local tensor themselves (counted as its own counter)."""
+    local = local_part(tensor)
+    return [t for t in cover.owners(tensor) if t is not tensor and t is not local]
 
 
 def _host_tail(tensor: torch.Tensor, start: int) -> torch.Tensor:

@@ -12,14 +12,22 @@ from typing import Any, BinaryIO, Callable, Mapping, Sequence, Union
 
 import torch
 
+from fastckpt import config
 from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.reader import Reader
+from fastckpt.storage import Storage, is_url
 from fastckpt.storage.file_object import FileObjectStorage
+from fastckpt.storage.resident_file import PageCacheFile, ResidentFile
 
 __all__ = ["check_target", "load", "load_bytes", "resolve_device"]
 
 MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., Any]]
+
+# A file of at most this many bytes, mostly in memory, is read on the calling thread, one
+# pread per run of tensors (ResidentFile), not by the engine's worker threads: measured on
+# the 2-core benchmark VM, see docs/benchmarks.md.
+SMALL_FILE_BYTES = 64 << 20
 
 # Checking CRC32Cs costs little (each step is checksummed while still in the CPU cache, on
 # every core), so loads verify by default when the file has checksums. See the benchmarks.
@@ -120,7 +128,9 @@ def load(
     ``pin_memory=True``); the returned tensors lie in it, each with a storage of its own at
     offset 0 as ``torch.load``'s have (no copy). Bytes already in memory (a
     hot page cache, tmpfs) are read through the page cache at memory speed, others with
-    O_DIRECT at the device's speed (see :attr:`fastckpt.Reader.read_mode`).
+    O_DIRECT at the device's speed (see :attr:`fastckpt.Reader.read_mode`); a small file
+    in memory (at most ``SMALL_FILE_BYTES``) is read on the calling thread, one ``pread`` per
+    run of tensors, with no I/O engine set up.
 
     Args:
         map_location: as ``torch.load``'s: a device string or ``torch.device``, a dict
@@ -179,6 +189,15 @@ def load(
     on_cuda = isinstance(target, torch.device) and target.type == "cuda"
     if isinstance(f, Reader):
         return _read_object(f, target, pin_memory, weights_only, keys, verify, progress, mmap)
+    io_options = (direct_io, gds, engine, block_size, queue_depth, intra_op_parallelism)
+    url_options = (storage_options, part_size, parallel)
+    plain = not on_cuda and all(o is None for o in io_options + url_options)
+    light = _light_storage(f, mmap=mmap) if plain else None
+    if light is not None:
+        with open_checkpoint(light) as reader:
+            return _read_object(
+                reader, target, pin_memory, weights_only, keys, verify, progress, mmap
+            )
     with open_checkpoint(
         f,
         device=target if isinstance(target, torch.device) and on_cuda else "cpu",
@@ -193,6 +212,23 @@ def load(
         parallel=parallel,
     ) as reader:
         return _read_object(reader, target, pin_memory, weights_only, keys, verify, progress, mmap)
+
+
+def _light_storage(f: Any, *, mmap: bool) -> Storage | None:
+    """The storage of a load that needs no I/O engine, or None: a local file to be mapped
+    (:class:`PageCacheFile`), or a small one mostly in memory (at most ``SMALL_FILE_BYTES``)
+    read on this thread, one ``pread`` per run of tensors (:class:`ResidentFile`). Setting
+    up the engine (an O_DIRECT descriptor and its probe, worker threads) costs more than
+    the whole load of a small state. Forced O_DIRECT (``FASTCKPT_DIRECT_IO=1``) takes the
+    full path; a forced read mode is for cold bytes only."""
+    if not isinstance(f, (str, os.PathLike)) or is_url(f):
+        return None
+    if mmap:
+        return PageCacheFile.open(f)
+    config.read_mode_override()  # a bad FASTCKPT_READ_MODE is an error whatever is resident
+    if config.direct_io():
+        return None
+    return ResidentFile.open_small(f, limit=SMALL_FILE_BYTES)
 
 
 def _read_object(
@@ -221,8 +257,31 @@ def _read_object(
         stored = {name: _apply_callable(target, t) for name, t in stored.items()}
     aliases = reader.aliases
     if keys is not None:
-        return {k: stored[aliases.get(k, k)] for k in keys}
+        return _named(keys, stored, aliases, reader.structure)
     return tree.unflatten(reader.structure, stored, aliases, weights_only=weights_only)
+
+
+def _named(
+    keys: Sequence[str],
+    stored: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    structure: Any,
+) -> dict[str, torch.Tensor]:
+    """``load(keys=...)``: each name's tensor (tied names share one), in the memory format
+    the structure records for it (channels-last tensors come back channels-last)."""
+    formats = tree.memory_formats(structure) if structure is not None else {}
+    built: dict[str, torch.Tensor] = {}
+    result = {}
+    for key in keys:
+        target = aliases.get(key, key)
+        if target not in built:
+            memory_format = formats.get(key, formats.get(target))
+            tensor = stored[target]
+            if memory_format is not None:
+                tensor = tree.with_memory_format(tensor, memory_format, key)
+            built[target] = tensor
+        result[key] = built[target]
+    return result
 
 
 def _warn_unpinned(tensors: Mapping[str, torch.Tensor], path: str) -> None:

@@ -40,6 +40,7 @@ import torch
 from fastckpt import format
 from fastckpt.checkpoint import compressed_tensors
 from fastckpt.checkpoint.chained_reader import open_chain
+from fastckpt.checkpoint.digests import hash_tensors
 from fastckpt.checkpoint.header_view import HeaderView, TensorInfo, read_header
 from fastckpt.checkpoint.range_read import RangeSource, TensorSlice, read_byte_range
 from fastckpt.checkpoint.reader import Reader, check_framework
@@ -58,6 +59,7 @@ from fastckpt.io.parallel_io import Span
 from fastckpt.progress import progress_bar
 from fastckpt.storage import Storage, open_storage, to_local
 from fastckpt.storage.file_object import FileObjectStorage, is_file_object
+from fastckpt.storage.resident_file import ResidentFile
 
 __all__ = ["CheckpointReader", "open_checkpoint", "TensorInfo", "TensorSlice"]
 
@@ -130,7 +132,6 @@ class CheckpointReader(HeaderView, Reader):
         except BaseException:
             self._storage.close()
             raise
-        self._staging_bytes = staging_bytes()
         self._prefetched: dict[str, _PendingRead] = {}
         self._lock = threading.Condition()
         self._in_flight = 0  # reads using the storage now; close() waits for them
@@ -347,9 +348,9 @@ class CheckpointReader(HeaderView, Reader):
             result: dict[str, torch.Tensor] = {}
             to_read = []
             taken: dict[int, tuple[_PendingRead, list[format.TensorEntry]]] = {}
-            for name, e in entries.items():
-                with self._lock:
-                    pending = self._prefetched.pop(name, None)
+            with self._lock:  # once, not per tensor: a small state has little else to do
+                pendings = [self._prefetched.pop(name, None) for name in entries]
+            for e, pending in zip(entries.values(), pendings):
                 if pending is not None and (pending.pinned or not pin_memory):
                     taken.setdefault(id(pending), (pending, []))[1].append(e)
                 else:
@@ -470,7 +471,7 @@ class CheckpointReader(HeaderView, Reader):
                     base + run.begin,
                     run.end - run.begin,
                     arena[run.arena_pos : run.arena_pos + (run.end - run.begin)],
-                    staging_bytes=self._staging_bytes,
+                    staging_bytes=staging_bytes(),
                     gds=self.gds,
                     on_host=on_host,
                     direct=direct,
@@ -487,11 +488,30 @@ class CheckpointReader(HeaderView, Reader):
         verify: bool,
         progress: bool | None,
     ) -> dict[str, torch.Tensor]:
+        if isinstance(self._storage, ResidentFile):
+            return self._read_here(entries, pin_memory=pin_memory, verify=verify)
         pending = self._start(entries, pin_memory=pin_memory, checksum=verify, background=False)
         views = pending.collect(progress=progress)
         if verify:
             check_crcs(entries, pending.actual_crcs(), self.meta.crcs or {}, self.path)
         return views
+
+    def _read_here(
+        self, entries: list[format.TensorEntry], *, pin_memory: bool, verify: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`_read_entries` of a small file in memory (:class:`ResidentFile`): read on
+        this thread, one ``pread`` per run of tensors, each checksummed in the same pass;
+        no background machinery, since the whole read takes less than setting it up."""
+        base = self.header.data_offset
+        runs = tensor_runs(entries)
+        arena = arena_tensor(place_runs(runs, base, BUFFER_ALIGNMENT), lock=pin_memory)
+        spans, labels = _plan_spans(runs, base, arena.data_ptr(), step=1 << 62)
+        crcs = self._storage.read_spans(spans, owner=arena, mode="buffered", checksum=verify)
+        self._count(sum(span.nbytes for span in spans))
+        if verify:
+            actual = _tensor_crcs(entries, labels, crcs)
+            check_crcs(entries, actual, self.meta.crcs or {}, self.path)
+        return _views(arena, runs)
 
     def _start(
         self,
@@ -556,12 +576,15 @@ class CheckpointReader(HeaderView, Reader):
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
     ) -> list[str]:
-        """Checks stored CRC32Cs; returns the names of damaged tensors (empty when intact).
+        """Checks stored CRC32Cs, and XXH3-128s where recorded; returns the names of damaged
+        tensors (empty when intact).
 
         Every byte a reader may read is checked: the stored copy of a tied tensor too (the
         bytes a safetensors reader returns under the alias, which fastckpt never reads), and
-        each compressed tensor is decompressed and checked against the CRC32C of its
-        uncompressed bytes, since a frame may match its stored CRC32C and still not decode.
+        each compressed tensor is decompressed, a few chunks at a time, and checked against
+        the CRC32C (and XXH3-128) of its uncompressed bytes, since a frame may match its
+        stored CRC32C and still not decode. The XXH3-128 a save records is checked too: the
+        CRC32C and it were computed from the same bytes, so they must both match them.
 
         Raises:
             NoChecksumsError: the file has no checksums (it cannot be verified).
@@ -572,15 +595,41 @@ class CheckpointReader(HeaderView, Reader):
             >>> fastckpt.open("/tmp/fastckpt-verify.safetensors").verify()
             []
         """
+        return list(self.verify_failures(names, progress=progress))
+
+    def verify_failures(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> dict[str, str]:
+        """:meth:`verify`, saying which check each damaged tensor failed: ``"CRC32C"`` (its
+        stored bytes), ``"XXH3-128"``, or ``"decompressed CRC32C"`` (a compressed tensor
+        that does not decode to the bytes its header records); in file order.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"w": torch.ones(3)}, "/tmp/fastckpt-verify.safetensors")
+            >>> fastckpt.open("/tmp/fastckpt-verify.safetensors").verify_failures()
+            {}
+        """
         with self._reading():
             self.require_checksums()
             wanted = {**self._entries_of(names), **self._stored_copies(names)}
-            found = self._damaged(list(wanted.values()), progress=progress)
+            hashes: dict[str, str] = {}
+            found = dict.fromkeys(self._damaged(list(wanted.values()), progress, hashes), "CRC32C")
+            recorded = self.meta.hashes or {}
+            for name, digest in hashes.items():
+                if name not in found and recorded.get(name) not in (None, digest):
+                    found[name] = "XXH3-128"
             for name in wanted:
-                if name in self.compressed and name not in found and not self._decodes(name):
-                    found.append(name)
+                if name in self.compressed and name not in found:
+                    failed = compressed_tensors.check_streaming(
+                        self, compressed_tensors.stored_entry(self.header.entries[name]),
+                        xxh3_128=recorded.get(name),
+                    )  # fmt: skip
+                    if failed is not None:
+                        _log.info("%s: tensor %r: %s", self.path, name, failed[1])
+                        found[name] = failed[0]
         order = {name: i for i, name in enumerate(self.header.entries)}
-        return sorted(found, key=lambda name: order.get(name, len(order)))
+        return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
     def _check_stored_copies(self, names: Sequence[str] | None = None) -> None:
         """Checks the stored copies of the tied tensors among ``names`` (all when None; a
@@ -632,37 +681,45 @@ class CheckpointReader(HeaderView, Reader):
         }
 
     def _actual_crcs(
-        self, entries: list[format.TensorEntry], *, progress: bool | None = False
+        self,
+        entries: list[format.TensorEntry],
+        *,
+        progress: bool | None = False,
+        hashes: dict[str, str] | None = None,
     ) -> dict[str, int]:
         """The CRC32C of each of ``entries``' bytes, read in batches of about
-        ``_VERIFY_BATCH`` bytes so that memory stays bounded whatever the file's size."""
+        ``_VERIFY_BATCH`` bytes so that memory stays bounded whatever the file's size; into
+        ``hashes``, when given, the XXH3-128 of the bytes of those the header records one
+        for (a compressed tensor's is of its decoded bytes: not here), from the same read."""
+        recorded = (self.meta.hashes or {}) if hashes is not None else {}
         actual: dict[str, int] = {}
         with progress_bar(sum(e.nbytes for e in entries), "verifying", enabled=progress) as bar:
             for batch in _batches(entries, _VERIFY_BATCH):
                 pending = self._start(batch, pin_memory=False, checksum=True, background=False)
-                pending.collect(progress=False)
+                views = pending.collect(progress=False)
                 actual.update(pending.actual_crcs())
+                to_hash = {
+                    e.name: views[e.name]
+                    for e in batch
+                    if e.name in recorded and e.name not in self.compressed and e.name in views
+                }
+                if hashes is not None and to_hash:
+                    hashes.update(hash_tensors(to_hash, parallel_io.worker_count()))
                 bar.update(sum(e.nbytes for e in batch))
         return actual
 
-    def _damaged(self, entries: list[format.TensorEntry], *, progress: bool | None) -> list[str]:
+    def _damaged(
+        self,
+        entries: list[format.TensorEntry],
+        progress: bool | None,
+        hashes: dict[str, str] | None = None,
+    ) -> list[str]:
         """The names of ``entries`` whose bytes do not match their recorded CRC32C (a stored
-        copy of a tied tensor: the CRC32C of the tensor it copies)."""
+        copy of a tied tensor: the CRC32C of the tensor it copies); ``hashes``: see
+        :meth:`_actual_crcs`."""
         expected = {**(self.meta.crcs or {}), **self._copy_crcs(self._stored_copies(None))}
-        return damaged(entries, self._actual_crcs(entries, progress=progress), expected)
-
-    def _decodes(self, name: str) -> bool:
-        """Whether the compressed tensor ``name`` decompresses to bytes of the CRC32C its
-        header records (read and decoded a few MiB at a time, then dropped)."""
-        from fastckpt.errors import ChecksumError, HeaderError
-
-        entry = compressed_tensors.stored_entry(self.header.entries[name])
-        try:
-            compressed_tensors.decode_streaming(self, entry, verify=True)
-        except (ChecksumError, HeaderError) as exc:
-            _log.info("%s: tensor %r does not decompress: %s", self.path, name, exc)
-            return False
-        return True
+        actual = self._actual_crcs(entries, progress=progress, hashes=hashes)
+        return damaged(entries, actual, expected)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -773,6 +830,11 @@ class _PendingRead:
             self._on_finish(self)
 
     def collect(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        self._wait(progress)
+        return _views(self.arena, self.runs)
+
+    def _wait(self, progress: bool | None) -> None:
+        """Waits for the reads (raising their error), showing a bar while they last."""
         if not self._done.is_set():
             with progress_bar(self.nbytes, "loading", enabled=progress) as bar:
                 with self._lock:
@@ -781,11 +843,10 @@ class _PendingRead:
                 self._bar = None
         if self._error is not None:
             raise self._error
-        return _views(self.arena, self.runs)
 
     def actual_crcs(self) -> dict[str, int]:
         """Each tensor's CRC32C, joined from the spans' checksums."""
-        self.collect(progress=False)
+        self._wait(False)  # (no views: building them costs more than a small read)
         with self._lock:
             if self._crcs is None:
                 span_crcs = self._span_crcs if self.checksum else None

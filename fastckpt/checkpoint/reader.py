@@ -90,12 +90,31 @@ class Reader(abc.ABC, metaclass=_ReaderType):
     # -- what the header says --------------------------------------------------------------
     @abc.abstractmethod
     def keys(self) -> list[str]:
-        """Every tensor name: stored tensors, then aliases of tied tensors."""
+        """Every tensor name, stored tensors and aliases of tied tensors; sorted for a file
+        (``safe_open``'s order), in the index's order for a sharded directory."""
+
+    def offset_keys(self) -> list[str]:
+        """Every tensor name in the order its bytes lie in storage, as ``safe_open``'s
+        ``offset_keys()``: reading in this order reads the file front to back. A reader of
+        several files gives :meth:`keys`'s order. Code of fastckpt that reads everything
+        takes names from here, not from :meth:`keys`.
+
+        Example:
+            >>> import torch, fastckpt
+            >>> fastckpt.save({"a": torch.ones(2), "b": torch.ones(1024)},
+            ...               "/tmp/fastckpt-offsets.safetensors")
+            >>> with fastckpt.open("/tmp/fastckpt-offsets.safetensors") as r:
+            ...     r.keys(), r.offset_keys()  # 4 KiB tensors first, for alignment
+            (['a', 'b'], ['b', 'a'])
+        """
+        return self.keys()
 
     @abc.abstractmethod
     def metadata(self) -> dict[str, str] | None:
-        """The user's metadata (without fastckpt's own ``fastckpt.*`` keys); None when the
-        checkpoint has no metadata at all (as ``safe_open`` says)."""
+        """The file's ``__metadata__`` without fastckpt's own ``fastckpt.*`` keys: what
+        ``safe_open(f).metadata()`` returns for the same file, less those keys. None when the
+        file has no ``__metadata__`` (``safetensors.torch.save_file`` without ``metadata=``
+        writes none); a file ``fastckpt.save`` wrote always has ``{"format": "pt"}`` in it."""
 
     @abc.abstractmethod
     def info(self, name: str) -> TensorInfo:
@@ -203,11 +222,20 @@ class Reader(abc.ABC, metaclass=_ReaderType):
     def verify(
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
     ) -> list[str]:
-        """Checks stored CRC32Cs; the names of damaged tensors (empty when intact).
+        """Checks stored CRC32Cs (and XXH3-128s where recorded); the names of damaged
+        tensors (empty when intact).
 
         Raises:
             NoChecksumsError: nothing records checksums (the checkpoint cannot be verified).
         """
+
+    def verify_failures(
+        self, names: Sequence[str] | None = None, *, progress: bool | None = None
+    ) -> dict[str, str]:
+        """:meth:`verify`, each damaged tensor with the check it failed (``"CRC32C"``,
+        ``"XXH3-128"``, ``"decompressed CRC32C"``); readers that tell them apart say so,
+        the others say ``"checksum"``."""
+        return dict.fromkeys(self.verify(names, progress=progress), "checksum")
 
     @abc.abstractmethod
     def map(

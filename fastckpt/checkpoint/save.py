@@ -159,8 +159,9 @@ class SavePlan:
             return self.header(None)
         if missing:  # a writer fed CRCs without bytes: it must hash them (hash_memory)
             raise AssertionError(f"tensor {missing[0]!r} was not hashed while it was written")
-        if self.record is not None:
-            self.record.hashed(hashes)
+        if self.record is not None:  # CRC32Cs of the bytes the hashes were computed from
+            from_bytes = {n: acc.whole for n, acc in sums.items() if getattr(acc, "from_bytes", 0)}
+            self.record.hashed(hashes, from_bytes)
         header = self.header(
             {name: acc.whole for name, acc in sums.items()},
             {name: acc.pieces for name, acc in sums.items() if acc.pieces},
@@ -368,13 +369,18 @@ class StreamWriter:
     # -- buffers ----------------------------------------------------------------------------
     def _next_buffer(self) -> StagingBuffer:
         self._check_cancelled()
-        buf = self.pool.try_acquire()
+        # A save smaller than one buffer gets a buffer of its own size when the pool has
+        # none ready (the pool is not allocated for it); a lazy save streams through its
+        # ring's pieces (lazy_guard.py).
+        first = self._offset == self.plan.header_size and self._guard is None
+        need = self.plan.data_size if first else None
+        buf = self.pool.try_acquire(need=need)
         if buf is not None:
             return buf
         self._write_deferred()
         if self._inflight:  # recycle our own oldest buffer once its write is done
             return self._retire_oldest(release=False)
-        return self.pool.acquire()  # held by other saves: wait until one frees up
+        return self.pool.acquire(need=need)  # held by other saves: wait until one frees up
 
     def _retire_oldest(self, *, release: bool) -> StagingBuffer:
         """Waits for the oldest write, checksums its buffer, then releases or returns it."""
@@ -477,7 +483,7 @@ class StreamWriter:
                         while done < n:
                             if buf is None:
                                 buf, used, segments = self._next_buffer(), 0, []
-                            take = min(n - done, piece - used)
+                            take = min(n - done, buf.nbytes - used)
                             if on_device:
                                 buf.register_for_cuda()
                                 guard.copy_to_host(
@@ -489,10 +495,10 @@ class StreamWriter:
                             segments.append((entry.name, used, take))
                             used += take
                             done += take
-                            if used == piece:
+                            if used == buf.nbytes:
                                 full, buf = buf, None
                                 self._submit(full, used, segments)
-                                bar.update(piece)
+                                bar.update(used)
                         guard.copied(entry.name)
                         continue
                     for chunk in byte_chunks(plan.tensors[entry.name], piece):
@@ -500,15 +506,15 @@ class StreamWriter:
                         while done < n:
                             if buf is None:
                                 buf, used, segments = self._next_buffer(), 0, []
-                            take = min(n - done, piece - used)
+                            take = min(n - done, buf.nbytes - used)
                             self._copy(chunk[done : done + take], buf, used, entry.name)
                             segments.append((entry.name, used, take))
                             used += take
                             done += take
-                            if used == piece:
+                            if used == buf.nbytes:
                                 full, buf = buf, None
                                 self._submit(full, used, segments)
-                                bar.update(piece)
+                                bar.update(used)
                 if buf is not None and used:
                     # O_DIRECT writes whole blocks: pad the last one; finish() truncates.
                     padded = -(-used // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT

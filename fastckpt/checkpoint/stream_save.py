@@ -26,13 +26,14 @@ from fastckpt import format
 from fastckpt.checkpoint import compressed_writer
 from fastckpt.checkpoint.save import SavePlan, byte_chunks, plan_save
 
-__all__ = ["save_to_stream", "save_bytes"]
+__all__ = ["check_writable", "save_to_stream", "save_bytes", "write_all"]
 
 # Bytes of a tensor copied (or moved from a GPU) and written at a time.
 _CHUNK_BYTES = 16 << 20
 
 
-def _check_writable(f: Any, argname: str) -> None:
+def check_writable(f: Any, argname: str) -> None:
+    """Raises unless ``f`` is a writable binary file object (``argname`` names it)."""
     if not hasattr(f, "write"):
         raise TypeError(f"{argname}: a file object to save into must be writable (no write())")
     mode = getattr(f, "mode", None)
@@ -49,7 +50,7 @@ def _host_chunks(t: torch.Tensor) -> Any:
         yield chunk.cpu() if chunk.device.type != "cpu" else chunk
 
 
-def _write_all(f: Any, data: memoryview) -> None:
+def write_all(f: Any, data: memoryview) -> None:
     """Writes every byte: a raw (unbuffered) file object may take fewer in one call."""
     while data.nbytes:
         written = f.write(data)
@@ -96,7 +97,7 @@ def save_to_stream(
         >>> load(buffer.getvalue())["w"].tolist()
         [0, 1, 2]
     """
-    _check_writable(f, argname)
+    check_writable(f, argname)
     plan = plan_save(
         obj,
         metadata=metadata,
@@ -112,10 +113,10 @@ def save_to_stream(
     header = _header(plan)
     if len(header) != plan.header_size:  # the data would not start where the header says
         raise AssertionError("header size changed between planning and writing")
-    _write_all(f, memoryview(header))
+    write_all(f, memoryview(header))
     for e in plan.entries:
         for chunk in _host_chunks(plan.tensors[e.name]):
-            _write_all(f, memoryview(chunk.numpy()))
+            write_all(f, memoryview(chunk.numpy()))
 
 
 class _FileObjectTarget:
@@ -128,7 +129,7 @@ class _FileObjectTarget:
 
     def pwrite_all(self, data: Any, offset: int) -> None:
         self.f.seek(self.start + offset)
-        _write_all(self.f, memoryview(data).cast("B"))
+        write_all(self.f, memoryview(data).cast("B"))
 
     def truncate(self, length: int) -> None:
         self.f.seek(self.start + length)  # the stream ends where the file does
@@ -150,7 +151,7 @@ def _write_frames(plan: Any, f: Any) -> None:
     with compressed_writer.Spool() as spool:
         compressed_writer.write_frames(plan, spool)
         for piece in spool.pieces():
-            _write_all(f, memoryview(piece))
+            write_all(f, memoryview(piece))
 
 
 def _seekable(f: Any) -> bool:

@@ -38,10 +38,21 @@ import torch
 
 from fastckpt.storage.locations import is_url
 
-__all__ = ["MAX_SERIES", "SaveRecord", "TensorState", "forget", "previous"]
+__all__ = [
+    "MAX_INTACT",
+    "MAX_SERIES",
+    "SaveRecord",
+    "TensorState",
+    "forget",
+    "previous",
+    "remember_intact",
+    "seen_intact",
+]
 
 #: Destinations whose tensors are remembered (the least recently saved are forgotten).
 MAX_SERIES = 16
+#: Stored tensors remembered as intact (the least recently seen are forgotten).
+MAX_INTACT = 1 << 16
 
 _lock = threading.Lock()
 _records: collections.OrderedDict[str, dict[str, TensorState]] = collections.OrderedDict()
@@ -105,8 +116,13 @@ class SaveRecord:
         """Hashes known before writing (tensors referred to, or hashed to compare)."""
         self._hashes.update(hashes)
 
-    def hashed(self, hashes: Mapping[str, str]) -> None:
-        """The hashes of the tensors written: the record is complete and kept."""
+    def hashed(self, hashes: Mapping[str, str], crcs: Mapping[str, int] | None = None) -> None:
+        """The hashes of the tensors written: the record is complete and kept. ``crcs``:
+        the CRC32C recorded for each tensor whose hash was computed from the bytes written
+        (the two describe the same bytes), remembered with :func:`remember_intact`."""
+        for name, crc in (crcs or {}).items():
+            if hashes.get(name):
+                remember_intact(self.destination, name, hashes[name], crc)
         merged = {**self._hashes, **hashes}
         states = {}
         taken, self._states = self._states, {}  # from now on, only weak references
@@ -122,6 +138,45 @@ class SaveRecord:
                 _records.popitem(last=False)
 
 
+# Stored tensors known to hold the bytes both their recorded hashes describe: (file, stored
+# name, XXH3-128, CRC32C of the stored bytes). The bytes were written by this process or read
+# back and hashed; bytes changed since fail the CRC32C every load checks, and a header
+# recording other hashes is another key.
+_intact_lock = threading.Lock()
+_intact: collections.OrderedDict[tuple[str, str, str, int], None] = collections.OrderedDict()
+
+
+def remember_intact(file: str, tensor: str, xxh3_128: str, crc32c: int) -> None:
+    """Tensor ``tensor`` of ``file`` was seen (written, or read and hashed) to be bytes of
+    XXH3-128 ``xxh3_128`` and CRC32C ``crc32c``.
+
+    Example:
+        >>> remember_intact("/tmp/fastckpt-seen.safetensors", "w", "0" * 32, 7)
+        >>> seen_intact("/tmp/fastckpt-seen.safetensors", "w", "0" * 32, 7)
+        True
+        >>> seen_intact("/tmp/fastckpt-seen.safetensors", "w", "1" * 32, 7)
+        False
+    """
+    key = (_key(file), tensor, xxh3_128, crc32c)
+    with _intact_lock:
+        _intact[key] = None
+        _intact.move_to_end(key)
+        while len(_intact) > MAX_INTACT:
+            _intact.popitem(last=False)
+
+
+def seen_intact(file: str, tensor: str, xxh3_128: str | None, crc32c: int | None) -> bool:
+    """Whether :func:`remember_intact` was told these very hashes for ``tensor`` of ``file``."""
+    if xxh3_128 is None or crc32c is None:
+        return False
+    key = (_key(file), tensor, xxh3_128, crc32c)
+    with _intact_lock:
+        if key not in _intact:
+            return False
+        _intact.move_to_end(key)
+        return True
+
+
 def previous(path: str) -> dict[str, TensorState]:
     """What the last save of this process to ``path`` recorded (empty when none)."""
     with _lock:
@@ -130,7 +185,8 @@ def previous(path: str) -> dict[str, TensorState]:
 
 def forget(path: str | None = None) -> None:
     """Forgets what was recorded for ``path`` (for every destination when None): the next
-    incremental save with that base hashes every tensor it is not told is frozen.
+    incremental save with that base hashes every tensor it is not told is frozen, and reads
+    the base's bytes it refers to.
 
     Example:
         >>> forget("/tmp/fastckpt-rec.safetensors")
@@ -142,3 +198,18 @@ def forget(path: str | None = None) -> None:
             _records.clear()
         else:
             _records.pop(_key(path), None)
+    with _intact_lock:
+        if path is None:
+            _intact.clear()
+        else:
+            for key in [k for k in _intact if k[0] == _key(path)]:
+                del _intact[key]
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _intact_lock
+    _lock, _intact_lock = threading.Lock(), threading.Lock()  # a parent's thread may hold one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -123,7 +123,7 @@ def tensor_view(
     if e.nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=arena.device)
     address = arena.data_ptr() + start
-    if address % torch.empty(0, dtype=dtype).element_size():
+    if address % dtype.itemsize:
         # files from other writers may not align tensors to their dtype
         return arena[start : start + e.nbytes].clone().view(dtype).view(shape)
     return own_bytes(arena, start, e.nbytes, exporter).view(dtype).view(shape)

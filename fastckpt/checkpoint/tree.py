@@ -28,15 +28,33 @@ Tree encoding. A node is one of::
     {"t": "odict", "k": [...], "v": [...], "m": node}
                                              OrderedDict; "m" (optional) is its _metadata
                                              attribute, as module state_dicts carry
-    {"t": "tensor", "n": "name", "p": true, "g": true}
+    {"t": "counter", "k": [...], "v": [...]} collections.Counter
+    {"t": "ddict", "k": [...], "v": [...], "f": "list"}
+                                             collections.defaultdict; "f" (optional: None
+                                             without) names its default_factory, one of
+                                             :data:`DEFAULT_FACTORIES`
+    {"t": "set", "v": [node, ...]}           set; elements in an order free of the hash
+    {"t": "frozenset", "v": [node, ...]}     seed: numbers by value, then strings, then
+                                             the rest by their canonical JSON
+    {"t": "tensor", "n": "name", "p": true, "g": true, "f": "channels_last"}
                                              a tensor by name (stored or alias); "p": an
-                                             nn.Parameter, "g": requires_grad (both optional)
+                                             nn.Parameter, "g": requires_grad, "f": its
+                                             memory format (all optional)
     {"t": "float", "v": "nan" | "inf" | "-inf"}
     {"t": "int", "v": "-0x1f..."}            an int of 64 bits or more, in hex
+    {"t": "complex", "v": [float node, float node]}
+                                             complex: real and imaginary parts
     {"t": "dtype", "v": "float32"}           torch.dtype
     {"t": "size", "v": [int, ...]}           torch.Size
     {"t": "device", "v": "cuda:0"}           torch.device
     {"t": "bytes", "v": "<base64>"}          bytes
+    {"t": "bytearray", "v": "<base64>"}      bytearray
+    {"t": "dataclass", "c": "module:Qual", "k": ["field", ...], "v": [node, ...]}
+    {"t": "namedtuple", "c": "module:Qual", "v": [node, ...]}
+    {"t": "enum", "c": "module:Qual", "v": node}
+                                             an instance of a class the program allowed
+                                             (config_objects.add_safe_classes): its fields,
+                                             items or value
     {"t": "object", "c": "argparse.Namespace", "v": node}
                                              a configuration object stored as the dict or
                                              list it wraps: argparse.Namespace, Lightning's
@@ -44,14 +62,21 @@ Tree encoding. A node is one of::
                                              (unresolved; see config_objects)
     {"t": "class", "v": "omegaconf.DictConfig"}
                                              one of those classes (Lightning's hparams_type)
-    {"t": "flat", "v": ["name", ...]}        a flat str -> Tensor dict: its keys in insertion
-                                             order, each a stored tensor's name or an alias
+    {"t": "flat", "v": ["name", ...], "f": {"name": "channels_last"}}
+                                             a flat str -> Tensor dict: its keys in insertion
+                                             order, each a stored tensor's name or an alias;
+                                             "f" (optional): memory formats by key
     {"t": "pickle", "v": "<base64>", "type": "module.Class"}
                                              anything else, only with allow_pickle=True
 
 Every JSON object is a tagged node, so plain dicts never clash with tags. The classes of
-"object" and "class" nodes come from a fixed table (:data:`config_objects.CLASSES`); nothing
-is imported by a name read from the file.
+"object" and "class" nodes come from a fixed table (:data:`config_objects.CLASSES`), those of
+records from the classes the loading process allowed; nothing is imported by a name read
+from the file (unless ``weights_only=False`` says it is trusted).
+
+A tensor's bytes are always its logical, row-major contiguous ones (what safetensors
+readers expect); "f" records that it was ``channels_last`` (4-d) or ``channels_last_3d``
+(5-d), and loading gives it that memory format again, as ``torch.load`` keeps strides.
 JSON floats keep their exact value, -0.0 included, and stay floats (``1.0``
 is not ``1``). Nesting is limited to :data:`MAX_DEPTH` levels, well inside what
 Python's JSON module and the interpreter's recursion limit allow.
@@ -71,10 +96,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import pickle
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +111,17 @@ from fastckpt.checkpoint import config_objects, dtypes
 from fastckpt.errors import HeaderError, WeightsOnlyError
 from fastckpt.format import METADATA_KEY
 
-__all__ = ["MAX_DEPTH", "Flat", "WeightsOnlyError", "flatten", "unflatten"]
+__all__ = [
+    "DEFAULT_FACTORIES",
+    "MAX_DEPTH",
+    "MEMORY_FORMATS",
+    "Flat",
+    "WeightsOnlyError",
+    "flatten",
+    "memory_formats",
+    "unflatten",
+    "with_memory_format",
+]
 
 #: Deepest nesting of containers that flatten writes and unflatten reads.
 #: Each level costs two JSON levels and two Python frames, and both the JSON
@@ -96,7 +132,25 @@ PICKLE_PROTOCOL = 4
 _SMALL_INT = 2**63  # ints in [-2**63, 2**63) are plain JSON numbers
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _NON_FINITE = ("nan", "inf", "-inf")  # float() reads each
+# module:qualname of a record's class; "<locals>" in the qualname of a class made in a function
+_CLASS_NAME = re.compile(
+    r"[^\W\d]\w*(?:\.[^\W\d]\w*)*:(?:[^\W\d]\w*|<locals>)(?:\.(?:[^\W\d]\w*|<locals>))*"
+)
 _TOP_LEVEL_NAME = "tensor"  # the name of a tensor saved on its own
+
+#: Memory formats a tensor node records (by name in the file); the bytes stay row-major.
+MEMORY_FORMATS: dict[str, tuple[torch.memory_format, int]] = {
+    "channels_last": (torch.channels_last, 4),
+    "channels_last_3d": (torch.channels_last_3d, 5),
+}
+
+#: The default_factory values of a defaultdict stored as data, by the name a file gives them.
+DEFAULT_FACTORIES: dict[str, type] = {
+    kind.__name__: kind
+    for kind in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
+}
+DEFAULT_FACTORIES.update({"OrderedDict": OrderedDict, "Counter": Counter})
+_MAPPING_TAGS = {dict: "dict", OrderedDict: "odict", Counter: "counter", defaultdict: "ddict"}
 
 
 @dataclass(frozen=True)
@@ -271,6 +325,44 @@ def _int_node(value: int) -> Any:
     return {"t": "int", "v": hex(value)}
 
 
+_NO_FACTORY: Any = object()  # a default_factory that cannot be stored as data
+
+
+def _factory_name(factory: Any) -> Any:
+    """The name :data:`DEFAULT_FACTORIES` gives a defaultdict's factory, None for None, or
+    :data:`_NO_FACTORY`."""
+    if factory is None:
+        return None
+    for name, kind in DEFAULT_FACTORIES.items():
+        if factory is kind:
+            return name
+    return _NO_FACTORY
+
+
+def _memory_format(tensor: torch.Tensor) -> str | None:
+    """The name of ``tensor``'s memory format when it is channels-last and not also plainly
+    contiguous (a tensor with size-1 dimensions can be both); None otherwise."""
+    if tensor.is_contiguous():
+        return None
+    for name, (memory_format, dims) in MEMORY_FORMATS.items():
+        if tensor.dim() == dims and tensor.is_contiguous(memory_format=memory_format):
+            return name
+    return None
+
+
+def _element_order(pair: tuple[Any, Any]) -> tuple[int, Any, str]:
+    """A total order of set elements: numbers by value (NaN aside), then strings, then the
+    rest by their node's canonical JSON. ``sorted(set)`` alone is no order for mixed types,
+    and a set's own order follows the hash seed."""
+    item, node = pair
+    kind = type(item)
+    if (kind is int or kind is bool or kind is float) and item == item:
+        return (0, item, "")
+    if kind is str:
+        return (1, 0, item)
+    return (2, 0, json.dumps(node, sort_keys=True, separators=(",", ":")))
+
+
 class _Flattener:
     """One walk over an object: collects tensors and aliases, returns tree nodes."""
 
@@ -302,16 +394,25 @@ class _Flattener:
             if in_key:
                 raise TypeError(f"tensor used as a dict key at {_format_path(path)}")
             return self.tensor(value, path)
-        if kind in (dict, OrderedDict, list, tuple):
+        if kind in (dict, OrderedDict, Counter, list, tuple):
             return self.container(value, path, depth, in_key)
+        if kind is defaultdict and _factory_name(value.default_factory) is not _NO_FACTORY:
+            return self.container(value, path, depth, in_key)
+        if kind is set or kind is frozenset:
+            return self.container(value, path, depth, in_key)
+        if kind is complex:
+            return {"t": "complex", "v": [_float_node(value.real), _float_node(value.imag)]}
         if kind is torch.Size:
             return {"t": "size", "v": list(value)}
         if kind is torch.dtype:
             return {"t": "dtype", "v": str(value).rpartition(".")[2]}
         if kind is torch.device:
             return {"t": "device", "v": str(value)}
-        if kind is bytes:
-            return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
+        if kind is bytes or kind is bytearray:
+            return {"t": kind.__name__, "v": base64.b64encode(value).decode("ascii")}
+        record = config_objects.safe_class_name(kind)
+        if record is not None:
+            return self.record(value, record, path, depth, in_key)
         if not in_key:
             plain = config_objects.to_plain(value)
             if plain is not None:
@@ -332,6 +433,45 @@ class _Flattener:
         finally:
             self._open.discard(id(value))
 
+    def record(self, value: Any, name: str, path: Path, depth: int, in_key: bool) -> dict:
+        """An instance of a class the program allowed: its fields, items or value."""
+        kind = config_objects.record_kind(type(value))
+        assert kind is not None  # add_safe_classes admits only these kinds
+        if id(value) in self._open:
+            raise ValueError(f"the object at {_format_path(path)} contains itself")
+        self._open.add(id(value))
+        try:
+            data = config_objects.record_fields(value, kind)
+            if kind == "dataclass":
+                names, values = data
+                children = [
+                    self.node(item, path if in_key else (*path, _Attribute(n)), depth + 1, in_key)
+                    for n, item in zip(names, values)
+                ]
+                return {"t": kind, "c": name, "k": names, "v": children}
+            if kind == "namedtuple":
+                children = [
+                    self.node(item, path if in_key else (*path, index), depth + 1, in_key)
+                    for index, item in enumerate(data)
+                ]
+                return {"t": kind, "c": name, "v": children}
+            return {"t": kind, "c": name, "v": self.node(data, path, depth + 1, in_key)}
+        finally:
+            self._open.discard(id(value))
+
+    def elements(self, value: set | frozenset, path: Path, depth: int, in_key: bool) -> dict:
+        """A set's elements, in an order that does not depend on the hash seed: numbers by
+        value, then strings, then anything else by its node's JSON text."""
+        if any(isinstance(item, torch.Tensor) for item in value):
+            raise TypeError(
+                f"a {type(value).__name__} of tensors at {_format_path(path)}: tensors in a set "
+                "have no name or order to store them by; use a list"
+            )
+        # Elements are hashable, as keys are: the same types are refused in both.
+        pairs = [(item, self.node(item, path, depth + 1, in_key=True)) for item in value]
+        pairs.sort(key=_element_order)
+        return {"t": type(value).__name__, "v": [node for _, node in pairs]}
+
     def container(self, value: Any, path: Path, depth: int, in_key: bool) -> Any:
         if id(value) in self._open:
             raise ValueError(f"the object at {_format_path(path)} contains itself")
@@ -339,6 +479,8 @@ class _Flattener:
         try:
             if isinstance(value, dict):
                 return self.mapping(value, path, depth)
+            if isinstance(value, (set, frozenset)):
+                return self.elements(value, path, depth, in_key)
             # Elements of a tuple used as a key report the key's path.
             children = [
                 self.node(item, path if in_key else (*path, index), depth + 1, in_key)
@@ -351,8 +493,15 @@ class _Flattener:
     def mapping(self, value: dict, path: Path, depth: int) -> dict:
         keys = [self.node(key, path, depth + 1, in_key=True) for key in value]
         values = [self.node(item, (*path, key), depth + 1) for key, item in value.items()]
-        if type(value) is dict:
-            return {"t": "dict", "k": keys, "v": values}
+        tag = _MAPPING_TAGS[type(value)]
+        if tag != "odict":
+            node: dict[str, Any] = {"t": tag, "k": keys, "v": values}
+            factory = None
+            if isinstance(value, defaultdict):
+                factory = _factory_name(value.default_factory)
+            if factory is not None:
+                node["f"] = factory
+            return node
         node = {"t": "odict", "k": keys, "v": values}
         # Module state_dicts carry per-module versions here; load_state_dict reads them.
         # Other instance attributes of an OrderedDict are not kept.
@@ -368,6 +517,9 @@ class _Flattener:
             node["p"] = True
         if tensor.requires_grad:
             node["g"] = True
+        memory_format = _memory_format(tensor)
+        if memory_format is not None:
+            node["f"] = memory_format
         return node
 
     def store(self, tensor: torch.Tensor, path: Path) -> str:
@@ -398,6 +550,13 @@ class _Flattener:
                     "restore it with obj.load_state_dict(fastckpt.load(path)); "
                     "allow_pickle=True would pickle the object, code and all"
                 )
+            if config_objects.record_kind(type(value)) is not None:
+                raise TypeError(
+                    f"unsupported {what} of type {kind} at {_format_path(path)}; "
+                    f"fastckpt.add_safe_classes([{kind}]) stores it as data (as "
+                    "torch.serialization.add_safe_globals allows it), or pass "
+                    "allow_pickle=True to store it with pickle"
+                )
             raise TypeError(
                 f"unsupported {what} of type {kind} at {_format_path(path)}; "
                 "pass allow_pickle=True to store it with pickle"
@@ -424,15 +583,33 @@ def _is_flat_dict(obj: Any) -> bool:
     return True
 
 
+def _flat_node(obj: dict[str, torch.Tensor]) -> dict | None:
+    """The tree of a flat dict: its key order, and the memory format of each channels-last
+    tensor; None for at most one key and nothing else to say."""
+    formats = {}
+    for key, tensor in obj.items():
+        memory_format = _memory_format(tensor)
+        if memory_format is not None:
+            formats[key] = memory_format
+    if len(obj) <= 1 and not formats:
+        return None
+    node: dict[str, Any] = {"t": "flat", "v": list(obj)}
+    if formats:
+        node["f"] = formats
+    return node
+
+
 def flatten(obj: Any, *, allow_pickle: bool = False, name_root: Path = ()) -> Flat:
     """Split ``obj`` into named tensors, aliases and a JSON-able description.
 
-    Supported: dict and OrderedDict (keys: str, int, float, bool, None, tuples
-    of those...), list, tuple, None, bool, int, float (nan, inf, -0.0
-    included), str, bytes, torch.Tensor and nn.Parameter (dense, not meta),
-    torch.dtype, torch.Size, torch.device, and the configuration objects of
-    :mod:`~fastckpt.checkpoint.config_objects` (``argparse.Namespace``, Lightning's
-    ``AttributeDict``, OmegaConf containers) and their classes. Two tensors that are
+    Supported: dict, OrderedDict, Counter and defaultdict (of a factory in
+    :data:`DEFAULT_FACTORIES`; keys: str, int, float, bool, None, tuples of those...),
+    list, tuple, set, frozenset, None, bool, int, float (nan, inf, -0.0 included),
+    complex, str, bytes, bytearray, torch.Tensor and nn.Parameter (dense, not meta;
+    channels-last kept), torch.dtype, torch.Size, torch.device, the configuration
+    objects of :mod:`~fastckpt.checkpoint.config_objects` (``argparse.Namespace``,
+    Lightning's ``AttributeDict``, OmegaConf containers) and their classes, and
+    instances of the classes allowed with ``add_safe_classes``. Two tensors that are
     the same view of one storage are stored once. Anything else raises
     ``TypeError``, or is pickled when ``allow_pickle=True``.
 
@@ -473,7 +650,7 @@ def flatten(obj: Any, *, allow_pickle: bool = False, name_root: Path = ()) -> Fl
     if _is_flat_dict(obj):
         # Names equal the keys here, so the file reads back as the same dict; only the
         # order is kept apart, since the layout orders the file for alignment.
-        tree = {"t": "flat", "v": list(obj)} if len(obj) > 1 else None
+        tree = _flat_node(obj)
     return Flat(tensors=walker.tensors, aliases=walker.aliases, tree=tree)
 
 
@@ -537,14 +714,14 @@ class _Unflattener:
         )
 
     def mapping(self, node: dict, path: Path, depth: int) -> dict:
-        ordered = node["t"] == "odict"
-        _fields(node, ("k", "v"), ("m",) if ordered else (), path)
+        tag = node["t"]
+        _fields(node, ("k", "v"), _MAPPING_OPTIONS.get(tag, ()), path)
         keys, values = _typed(node, "k", list, path), _typed(node, "v", list, path)
         if len(keys) != len(values):
             raise HeaderError(
                 f"malformed dict at {_format_path(path)}: {len(keys)} keys, {len(values)} values"
             )
-        result: dict = OrderedDict() if ordered else {}
+        result = self.empty_mapping(node, path)
         for key_node, value_node in zip(keys, values):
             key = self.key(key_node, path, depth + 1)
             if key in result:
@@ -558,6 +735,71 @@ class _Unflattener:
             result._metadata = metadata  # type: ignore[attr-defined]
         return result
 
+    def empty_mapping(self, node: dict, path: Path) -> dict:
+        """The empty dict, OrderedDict, Counter or defaultdict that a mapping node fills."""
+        tag = node["t"]
+        if tag == "ddict":
+            factory = None
+            if "f" in node:
+                factory = DEFAULT_FACTORIES.get(_typed(node, "f", str, path))
+                if factory is None:
+                    raise HeaderError(
+                        f"unknown defaultdict factory {_safe_repr(node['f'])} at "
+                        f"{_format_path(path)}"
+                    )
+            return defaultdict(factory)
+        return {"dict": dict, "odict": OrderedDict, "counter": Counter}[tag]()
+
+    def elements(self, node: dict, path: Path, depth: int) -> set | frozenset:
+        _fields(node, ("v",), (), path)
+        items = _typed(node, "v", list, path)
+        result = {self.key(child, (*path, index), depth + 1) for index, child in enumerate(items)}
+        if len(result) != len(items) and self.unpickle:
+            raise HeaderError(f"duplicate elements in the {node['t']} at {_format_path(path)}")
+        return result if node["t"] == "set" else frozenset(result)
+
+    def complex_(self, node: dict, path: Path, depth: int) -> complex:
+        _fields(node, ("v",), (), path)
+        parts = [self.node(child, path, depth + 1) for child in _typed(node, "v", list, path)]
+        if len(parts) != 2 or not all(type(part) is float for part in parts):
+            raise HeaderError(f"malformed complex {_safe_repr(node['v'])} at {_format_path(path)}")
+        return complex(parts[0], parts[1])
+
+    def bytearray_(self, node: dict, path: Path, depth: int) -> bytearray:
+        return bytearray(self.bytes_(node, path, depth))
+
+    def record(self, node: dict, path: Path, depth: int) -> Any:
+        """An instance of an allowed class: dataclass, namedtuple or enum."""
+        kind = node["t"]
+        _fields(node, ("c", "k", "v") if kind == "dataclass" else ("c", "v"), (), path)
+        name = _typed(node, "c", str, path)
+        if not _CLASS_NAME.fullmatch(name):
+            raise HeaderError(f"malformed class name {_safe_repr(name)} at {_format_path(path)}")
+        if kind == "enum":
+            data = self.node(node["v"], path, depth + 1)
+        else:
+            children = _typed(node, "v", list, path)
+            field_names = _typed(node, "k", list, path) if kind == "dataclass" else None
+            if field_names is not None and (
+                len(field_names) != len(children)
+                or not all(type(n) is str for n in field_names)
+                or len(set(field_names)) != len(field_names)
+            ):
+                raise HeaderError(
+                    f"malformed dataclass fields {_safe_repr(field_names)} at {_format_path(path)}"
+                )
+            steps = field_names or range(len(children))
+            values = [
+                self.node(child, (*path, _Attribute(s) if field_names else s), depth + 1)
+                for s, child in zip(steps, children)
+            ]
+            data = (field_names, values) if field_names is not None else values
+        if not self.unpickle:  # validate only: no class looked up, nothing built
+            return object()
+        where = _format_path(path)
+        cls = config_objects.safe_class(name, kind, weights_only=self.weights_only, where=where)
+        return config_objects.rebuild_record(cls, kind, data, where)
+
     def key(self, node: Any, path: Path, depth: int) -> Any:
         key = self.node(node, path, depth)
         if isinstance(key, torch.Tensor) or not _hashable(key):
@@ -565,14 +807,17 @@ class _Unflattener:
         return key
 
     def tensor(self, node: dict, path: Path, depth: int) -> torch.Tensor:
-        _fields(node, ("n",), ("p", "g"), path)
+        _fields(node, ("n",), ("p", "g", "f"), path)
         name = _typed(node, "n", str, path)
         parameter = _typed(node, "p", bool, path) if "p" in node else False
         requires_grad = _typed(node, "g", bool, path) if "g" in node else False
+        memory_format = _typed(node, "f", str, path) if "f" in node else None
         stored = self.stored_name(name, path)
         if stored in self._built:  # a tied tensor: the very same object again
             return self._built[stored]
         tensor = self.tensors[stored]
+        if memory_format is not None:
+            tensor = with_memory_format(tensor, memory_format, name)
         try:
             if parameter:
                 tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
@@ -667,7 +912,8 @@ class _Unflattener:
         return config_objects.load_class(name, _format_path(path))
 
     def flat(self, node: dict, path: Path, depth: int) -> dict:
-        _fields(node, ("v",), (), path)
+        _fields(node, ("v",), ("f",), path)
+        formats = _typed(node, "f", dict, path) if "f" in node else {}
         result: dict[str, torch.Tensor] = {}
         for name in _typed(node, "v", list, path):
             if type(name) is not str:
@@ -677,7 +923,19 @@ class _Unflattener:
                 )
             if name in result:
                 raise HeaderError(f"duplicate key {name!r} in dict at {_format_path(path)}")
-            result[name] = self.tensors[self.stored_name(name, (*path, name))]
+            stored = self.stored_name(name, (*path, name))
+            if stored not in self._built:  # tied keys share one converted tensor
+                tensor = self.tensors[stored]
+                if name in formats:
+                    tensor = with_memory_format(tensor, formats[name], name)
+                self._built[stored] = tensor
+            result[name] = self._built[stored]
+        unknown = set(formats) - set(result)
+        if unknown:
+            raise HeaderError(
+                f"malformed 'flat' node at {_format_path(path)}: a memory format for "
+                f"{_safe_repr(sorted(unknown)[0])}, which is not a key"
+            )
         return result
 
     def pickled(self, node: dict, path: Path, depth: int) -> Any:
@@ -717,11 +975,72 @@ _DECODERS: dict[str, str] = {
     "size": "size",
     "device": "device",
     "bytes": "bytes_",
+    "bytearray": "bytearray_",
+    "complex": "complex_",
+    "counter": "mapping",
+    "ddict": "mapping",
+    "set": "elements",
+    "frozenset": "elements",
+    "dataclass": "record",
+    "namedtuple": "record",
+    "enum": "record",
     "pickle": "pickled",
     "object": "config_object",
     "class": "config_class",
     "flat": "flat",
 }
+
+
+# The optional fields of each mapping tag.
+_MAPPING_OPTIONS = {"odict": ("m",), "ddict": ("f",)}
+
+
+def with_memory_format(tensor: torch.Tensor, name: Any, tensor_name: str) -> torch.Tensor:
+    """``tensor`` (row-major, as read) in the memory format a file names ``name``: one copy
+    into channels-last strides, as ``torch.load`` returns such a tensor.
+
+    Raises:
+        HeaderError: an unknown format, or one for a tensor of the wrong number of dimensions.
+
+    Example:
+        >>> import torch
+        >>> with_memory_format(torch.zeros(1, 3, 2, 2), "channels_last", "w").stride()
+        (12, 1, 6, 3)
+    """
+    spec = MEMORY_FORMATS.get(name) if type(name) is str else None
+    if spec is None:
+        raise HeaderError(f"unknown memory format {_safe_repr(name)} for tensor {tensor_name!r}")
+    memory_format, dims = spec
+    if tensor.dim() != dims:
+        raise HeaderError(
+            f"tensor {tensor_name!r} has {tensor.dim()} dimensions; {name} needs {dims}"
+        )
+    return tensor.contiguous(memory_format=memory_format)
+
+
+def memory_formats(tree: Any) -> dict[str, str]:
+    """Tensor name -> memory format, as a (validated) tree records them; for loads of named
+    tensors, which do not rebuild the tree.
+
+    Example:
+        >>> memory_formats({"t": "flat", "v": ["a", "b"], "f": {"b": "channels_last"}})
+        {'b': 'channels_last'}
+    """
+    found: dict[str, str] = {}
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if type(node) is list:
+            pending.extend(node)
+        elif type(node) is dict:
+            tag = node.get("t")
+            if tag == "tensor" and type(node.get("f")) is str and type(node.get("n")) is str:
+                found[node["n"]] = node["f"]
+            elif tag == "flat" and type(node.get("f")) is dict:
+                found.update(node["f"])
+            else:
+                pending.extend(value for key, value in node.items() if key != "t")
+    return found
 
 
 def _hashable(value: Any) -> bool:

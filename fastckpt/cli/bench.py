@@ -17,8 +17,9 @@ and, beside it, in GiB/s (2**30 bytes per second): the unit of the figures ``ds_
 as "GB/sec", so the two compare directly. Options left out come from the tuned
 configuration of that file system (``fastckpt tune``), else the defaults.
 
-Cold reads drop the machine's page cache before each read when running as root;
-``--no-drop-caches`` leaves it alone (the output then says the figures may not be cold).
+Cold reads: before each, the files about to be read are written back and evicted from the
+page cache (``posix_fadvise(DONTNEED)``), leaving the rest of the machine's cache alone;
+``--drop-all-caches`` also drops the whole machine's page cache, as root.
 ``--folder`` creates its last component only, never missing parents, and a folder it created
 is removed again when the run leaves it empty. Every multi-word option
 has both spellings (``--io_size``, ``--io-size``).
@@ -61,6 +62,7 @@ from fastckpt.cli._common import (
     spellings,
     warn,
 )
+from fastckpt.cli.cache_options import add_cache_options, drop_all_caches
 
 __all__ = ["add_parser", "run", "run_checkpoint", "run_raw"]
 
@@ -115,14 +117,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--gpu", action="store_true", help="move data to/from GPU memory (needs CUDA)"
     )
-    parser.add_argument(
-        *spellings("--no-drop-caches"),
-        dest="drop_caches",
-        action="store_false",
-        help="never drop the machine's page cache (by default it is dropped before every cold "
-        "read when running as root); cold reads then rely on O_DIRECT and posix_fadvise of "
-        "the files read",
-    )
+    add_cache_options(parser)
     raw = parser.add_argument_group(
         "I/O settings, the options of DeepSpeed's ds_io (--io_size, --read, --gds: raw mode "
         "only; the others also set fastckpt's I/O under --checkpoint)"
@@ -282,7 +277,7 @@ def run_raw(args: argparse.Namespace) -> int:
             "Note: this file system refuses O_DIRECT; I/O goes through the page cache", flush=True
         )
     # Writes need no cold cache: the machine's cache is dropped only for reads.
-    cache = PageCache(allow_drop=args.drop_caches and args.read)
+    cache = PageCache(allow_drop=drop_all_caches(args) and args.read)
     if args.read:
         print(f"Cold reads: {cache.describe()}", flush=True)
 
@@ -362,7 +357,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         f"({' + '.join(dtypes)}), {args.loops} loop(s), {device} tensors, in {folder} ({fs_type})",
         flush=True,
     )
-    cache = None if memory else PageCache(allow_drop=args.drop_caches)
+    cache = None if memory else PageCache(allow_drop=drop_all_caches(args))
     if cache is None:
         where = "a memory file system" if fs_type in MEMORY_FILESYSTEMS else "the page cache"
         reads = f"memory regime: every load reads its file from {where}"

@@ -21,7 +21,8 @@
   can then be deleted.
 
 DST is written atomically (a temporary file renamed over it) and never overwritten
-unless ``--force`` is given.
+unless ``--force`` is given. A DST that is a directory (an existing one, or a name ending
+with ``/``, created) gets ``DST/model.safetensors``, as ``fastckpt.save`` writes.
 
 Exit status: 0 converted; 1 SRC is damaged, holds objects refused without
 ``--allow-pickle``, or DST could not be written; 2 on usage and input errors (no such SRC,
@@ -137,10 +138,19 @@ def _check_torch_magic(src: str) -> None:
     """CliError naming ``src`` unless it starts as torch.save writes: a zip archive, a
     pickle (protocol 2 to 5) or a legacy tar archive; torch.load would fail on anything
     else with a bare ``KeyError`` or ``UnpicklingError``."""
+    from fastckpt.format.other_formats import other_format
     from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
     with open(src, "rb") as f:
         head = f.read(SNIFF_BYTES)
+    other = other_format(head)
+    if other is not None and other.reader != "torch.load":  # NumPy's zip, GGUF, JSON, ...
+        read = f" (read it with {other.reader})" if other.reader else ""
+        raise CliError(
+            f"{src}: {other.description}, not a torch.save or safetensors file{read}; "
+            "convert reads torch.save (.pt/.bin) and safetensors files",
+            USAGE,
+        )
     if torch_save_format(head) is not None:
         return
     raise CliError(
@@ -321,7 +331,31 @@ def _check_source(src: str) -> None:
         )
 
 
-def _check_destination(src: str, dst: str, force: bool, in_place: bool = False) -> None:
+def destination_file(dst: str) -> str:
+    """The file that ``convert`` writes for ``dst``: ``dst/model.safetensors`` when ``dst``
+    is a directory (an existing one, or a name ending with ``/``), as ``fastckpt.save``
+    writes; ``dst`` itself otherwise.
+
+    Example:
+        >>> destination_file("out/"), destination_file("out.safetensors")
+        ('out/model.safetensors', 'out.safetensors')
+    """
+    from fastckpt.api import weights_file
+
+    return weights_file(dst, for_save=True) or dst
+
+
+def _make_directory_of(dst: str) -> None:
+    """Creates the directory that a DST written as a directory names (``out/``)."""
+    from fastckpt.integrations.remote import is_url
+
+    if not is_url(dst):
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+
+
+def _check_destination(
+    src: str, dst: str, force: bool, in_place: bool = False, *, creates_directory: bool = False
+) -> None:
     from fastckpt.integrations.remote import is_url, url_to_fs
 
     if is_url(dst):
@@ -342,7 +376,7 @@ def _check_destination(src: str, dst: str, force: bool, in_place: bool = False) 
             raise CliError("SRC and DST are the same file", USAGE)
         if not force:
             raise CliError(f"{dst} exists; pass --force to overwrite it", USAGE)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
+    if not creates_directory and not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
         raise CliError(f"the directory of {dst} does not exist", USAGE)
 
 
@@ -369,12 +403,14 @@ def _convert(args: argparse.Namespace) -> int:
     from fastckpt import api
     from fastckpt.integrations.remote import is_url
 
-    src, dst = args.src, args.dst
+    src = args.src
     if _convert_dcp(args):
         return 0
     _check_source(src)
     materialize = getattr(args, "materialize", False)
-    _check_destination(src, dst, args.force, in_place=materialize)
+    dst = destination_file(args.dst)
+    into_directory = dst != args.dst  # DST named a directory: DST/model.safetensors
+    _check_destination(src, dst, args.force, in_place=materialize, creates_directory=into_directory)
     started = time.perf_counter()
     kind = _url_kind(src) if is_url(src) else source_kind(src)
     metadata: dict[str, str] = {}
@@ -415,7 +451,10 @@ def _convert(args: argparse.Namespace) -> int:
         written = f"torch file, {format_bytes(os.path.getsize(dst))}"
     else:
         try:
-            api.save(obj, dst, metadata=metadata or None, allow_pickle=args.allow_pickle)
+            # the directory itself when DST named one: save refuses to write over another
+            # tool's checkpoint there, and retires its own older shards
+            target = args.dst if into_directory else dst
+            api.save(obj, target, metadata=metadata or None, allow_pickle=args.allow_pickle)
         except TypeError as exc:
             hint = "" if args.allow_pickle else "; --allow-pickle keeps such objects (pickled)"
             raise CliError(
@@ -444,6 +483,8 @@ def _convert_dcp(args: argparse.Namespace) -> bool:
     to_dcp = getattr(args, "to_dcp", False)
     if not to_dcp and not dcp.is_dcp_checkpoint(src):
         return False
+    if not to_dcp:
+        dst = destination_file(dst)  # DST/model.safetensors for a directory
     if is_url(dst):
         fs, inner = url_to_fs(dst)
         exists = fs.exists(inner)
@@ -465,6 +506,8 @@ def _convert_dcp(args: argparse.Namespace) -> bool:
                 f"--allow-pickle: {src}/.metadata and the checkpoint's non-tensor values are "
                 "unpickled without limits, which runs any code they hold"
             )
+        if dst != args.dst:
+            _make_directory_of(dst)
         dcp.consolidate(src, dst, allow_pickle=args.allow_pickle)
         written = "one file" if is_url(dst) else f"one file, {format_bytes(os.path.getsize(dst))}"
     seconds = time.perf_counter() - started

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fastckpt.cli._common import USAGE, CliError
 from fastckpt.format import HEADER_LIMIT
+from fastckpt.format.other_formats import other_format
 from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
 __all__ = [
@@ -47,15 +48,17 @@ _TORCH_FORMATS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a legacy
 _TEMPORARY_SUFFIX = ".tmp"
 #: The file that makes a directory a torch.distributed.checkpoint (DCP) checkpoint: the name
 #: :data:`fastckpt.integrations.dcp.METADATA_FILE` holds (a test keeps the two equal). Spelled
-#: here because importing that package imports torch.distributed.checkpoint (seconds), which
-#: a plain file or directory does not need.
+#: here because importing that package imports torch.distributed.checkpoint (seconds), and
+#: the storage package (:mod:`fastckpt.storage.directory_kinds`) torch, which ``--help`` and a
+#: plain file do not need.
 DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
 class FileKind:
     """``kind`` is ``"safetensors"`` (a safetensors/fastckpt file, possibly damaged past its
-    first bytes), ``"torch"`` (a torch.save file) or ``"other"``; ``detail`` says more.
+    first bytes), ``"torch"`` (a torch.save file) or ``"other"``; ``detail`` says more, and
+    ``named`` is True when it names another tool's format (NumPy's, GGUF, JSON, a pickle).
 
     Example:
         >>> FileKind("torch", "a zip archive").description
@@ -64,6 +67,7 @@ class FileKind:
 
     kind: str
     detail: str = ""
+    named: bool = False
 
     @property
     def description(self) -> str:
@@ -71,6 +75,8 @@ class FileKind:
             return f"a torch.save file ({self.detail})"
         if self.kind == "safetensors":
             return "a safetensors/fastckpt file"
+        if self.named:
+            return f"{self.detail}, not a checkpoint file"
         return f"not a checkpoint file ({self.detail})" if self.detail else "not a checkpoint file"
 
 
@@ -98,8 +104,11 @@ def sniff(path: str | os.PathLike[str]) -> FileKind:
         if 2 <= length <= min(HEADER_LIMIT, size - 8) and head[8:9] == b"{":
             return FileKind("safetensors")
     torch_format = torch_save_format(head)
-    if torch_format is not None:
+    other = other_format(head)
+    if torch_format is not None and other is not None and other.reader == "torch.load":
         return FileKind("torch", _TORCH_FORMATS[torch_format])
+    if other is not None:  # NumPy's, GGUF, JSON, a plain pickle, another zip archive
+        return FileKind("other", other.description, named=True)
     if size == 0:
         return FileKind("other", "empty")
     return FileKind("other", f"it starts with {head[:8]!r}")
@@ -180,6 +189,8 @@ def checkpoints_in(directory: str | os.PathLike[str]) -> DirectoryListing:
             listing.files.append(path)
         elif kind.kind == "torch":
             listing.skipped.append((path, kind.description))
+        elif kind.named:
+            listing.skipped.append((path, kind.detail))
         else:
             listing.skipped.append((path, "neither a fastckpt/safetensors nor a torch.save file"))
     return listing
@@ -236,6 +247,11 @@ def checkpoint_targets(target: str) -> tuple[list[Path | str], DirectoryListing 
     if path.is_dir():
         listing = checkpoints_in(path)
         if not listing.files:
+            from fastckpt.storage.directory_kinds import directory_kind
+
+            kind = directory_kind(path)
+            if kind is not None:  # a series, a step of one or a DCP checkpoint
+                raise CliError(f"{target}: {kind.message}", USAGE)
             held = f"; {skipped_summary(listing)}" if listing.skipped else " (it holds no files)"
             raise CliError(f"no fastckpt/safetensors files in directory {target}{held}", USAGE)
         return list(listing.files), listing

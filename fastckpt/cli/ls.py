@@ -6,6 +6,14 @@ short), its size, whether it is committed in some tier, whether its copies were 
 (``--verify`` reads every byte and checks every CRC32C; otherwise ``-``), and the metrics its
 marker records. ``--json`` prints the same as a JSON list.
 
+Copies that are no longer steps of the series are shown too, marked: steps a manager set
+aside (``root (set aside: damaged)``; ``unreadable``, ``damaged`` or ``abandoned``: a
+directory ``step-<12 digits>.<why>-<time>`` beside the steps, kept for a person to look at)
+and the replicas a fast tier holds for its peers (``fast (replica of rank 3)``, in
+``<fast>/.replicas``). In ``--json`` such a step has ``set_aside`` (``tier``, ``why``,
+``directory``) or ``replicas`` (``tier``, ``rank``, ``directory``); a step with only such
+copies is not committed.
+
 Reads the tiers without a manager: it runs beside a training job (a step it sees committed
 stays complete; one it sees partial may commit a moment later). A step that the manager's
 retention removes while ``--verify`` reads it is reported as ``removed``, not as damage: a
@@ -40,8 +48,11 @@ from typing import TYPE_CHECKING, Any
 from fastckpt.cli._common import FAILURE, format_bytes
 from fastckpt.cli.series_tiers import (
     MarkerError,
+    Outside,
     StepCopy,
+    held_replicas,
     marker_fields,
+    set_aside_copies,
     tier_copies,
     tier_location,
 )
@@ -85,7 +96,8 @@ def list_steps(
     """Each step of the series, ascending: ``step``, ``tiers`` (``{"fast": "committed" |
     "partial", "root": ...}``), ``size``, ``committed``, ``verified`` and ``metrics``; with
     ``verify``, ``damaged`` names each damaged copy and why; ``problems`` names each copy
-    whose marker cannot be used.
+    whose marker cannot be used; ``set_aside`` and ``replicas`` list the step's copies
+    outside the series (see the module's description).
 
     Example:
         >>> import tempfile, torch
@@ -98,31 +110,52 @@ def list_steps(
     """
     tiers = {"fast": fast, "root": root} if fast is not None else {"root": root}
     copies: dict[int, list[StepCopy]] = {}
+    outside: dict[int, list[Outside]] = {}
     for name, tier in tiers.items():
         for copy in tier_copies(tier, name):
             copies.setdefault(copy.step, []).append(copy)
-    listing = [_entry(step, copies[step]) for step in sorted(copies)]
+        for aside in set_aside_copies(tier, name):
+            outside.setdefault(aside.step, []).append(aside)
+    if fast is not None:
+        for replica in held_replicas(fast):
+            outside.setdefault(replica.step, []).append(replica)
+    listing = [
+        _entry(step, copies.get(step, []), outside.get(step, []))
+        for step in sorted({*copies, *outside})
+    ]
     if verify:
         for entry in listing:
-            usable = [c for c in copies[entry["step"]] if c.committed and c.problem is None]
+            held = copies.get(entry["step"], [])
+            usable = [c for c in held if c.committed and c.problem is None]
             if usable:
                 entry["verified"], entry["damaged"] = verify_copies(usable, tiers)
     return listing
 
 
-def _entry(step: int, held: list[StepCopy]) -> dict[str, Any]:
-    """What ``ls`` says of one step, from its copies (a usable committed copy preferred)."""
+def _entry(step: int, held: list[StepCopy], outside: list[Outside]) -> dict[str, Any]:
+    """What ``ls`` says of one step, from its copies (a usable committed copy preferred) and
+    the copies outside the series (set aside, or replicas held for peers)."""
     committed = [c for c in held if c.committed]
     usable = [c for c in committed if c.problem is None]
-    shown = (usable or committed or [max(held, key=lambda c: c.size)])[0]
+    shown = (usable or committed or sorted(held, key=lambda c: -c.size))[:1]
     entry: dict[str, Any] = {
         "step": step,
         "tiers": {c.tier: "committed" if c.committed else "partial" for c in held},
-        "size": shown.size,
+        "size": shown[0].size if shown else 0,
         "committed": bool(committed),
         "verified": NOT_CHECKED,
-        "metrics": shown.metrics,
+        "metrics": shown[0].metrics if shown else {},
     }
+    aside = [o for o in outside if o.why != "replica"]
+    if aside:
+        entry["set_aside"] = [
+            {"tier": o.tier, "why": o.why, "directory": o.directory} for o in aside
+        ]
+    replicas = [o for o in outside if o.why == "replica"]
+    if replicas:
+        entry["replicas"] = [
+            {"tier": o.tier, "rank": o.rank, "directory": o.directory} for o in replicas
+        ]
     problems = [c.problem for c in held if c.problem is not None]
     if problems:
         entry["problems"] = problems
@@ -183,10 +216,15 @@ def _gone(copy: StepCopy, tier: Tier | str | None) -> bool:
     return fields["time"] != copy.time or sum(fields["files"].values()) != copy.size
 
 
-def _tiers_text(tiers: dict[str, str]) -> str:
-    return ", ".join(
-        name if state == "committed" else f"{name} (partial)" for name, state in tiers.items()
-    )
+def _tiers_text(entry: Mapping[str, Any]) -> str:
+    """The TIERS cell: each copy's tier, marked when partial, set aside or a peer's replica."""
+    shown = [
+        name if state == "committed" else f"{name} (partial)"
+        for name, state in entry["tiers"].items()
+    ]
+    shown += [f"{o['tier']} (set aside: {o['why']})" for o in entry.get("set_aside", [])]
+    shown += [f"{o['tier']} (replica of rank {o['rank']})" for o in entry.get("replicas", [])]
+    return ", ".join(shown)
 
 
 def _metrics_text(metrics: dict[str, float]) -> str:
@@ -245,7 +283,7 @@ def _print_table(listing: list[dict[str, Any]]) -> None:
     rows = [
         (
             str(s["step"]),
-            _tiers_text(s["tiers"]),
+            _tiers_text(s),
             format_bytes(s["size"]),
             "yes" if s["committed"] else "no",
             s["verified"],

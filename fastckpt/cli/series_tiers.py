@@ -37,9 +37,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MarkerError",
+    "Outside",
     "StepCopy",
+    "held_replicas",
     "locked_tiers",
     "marker_fields",
+    "set_aside_copies",
     "tier_copies",
     "tier_location",
 ]
@@ -48,6 +51,9 @@ __all__ = [
 #: checkpoint (``fastckpt.series.sharded.DCP_LAYOUT``, spelled here since that module
 #: imports torch.distributed).
 _LAYOUTS = ("file", "dcp")
+#: Where a fast tier holds its peers' replicas (``fastckpt.series.replicas.REPLICA_DIR``,
+#: spelled here since that module imports torch.distributed).
+_REPLICA_DIR = ".replicas"
 #: Sizes and step numbers above this are not ones a file system or a manager writes.
 _LARGEST = 2**63 - 1
 
@@ -280,6 +286,79 @@ def _steps(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= _LARGEST for v in value):
         raise ValueError(f"'depends_on' is {_kind(value)}, expected a list of step numbers")
     return list(value)
+
+
+@dataclasses.dataclass
+class Outside:
+    """A copy of a step that is not one of the series' steps, but that a person may want to
+    see: set aside by a manager (``why``: ``unreadable``, ``damaged`` or ``abandoned``;
+    ``step-<12 digits>.<why>-<time>`` beside the steps) or a replica a node holds for a
+    peer (``why``: ``replica``, ``rank`` the peer; ``<fast>/.replicas``)."""
+
+    step: int
+    tier: str  # "fast" or "root"
+    why: str
+    directory: str
+    rank: int | None = None
+
+    def label(self) -> str:
+        """How ``ls`` marks the copy.
+
+        Example:
+            >>> Outside(7, "fast", "replica", "/x", rank=3).label()
+            'fast (replica of rank 3)'
+        """
+        if self.why == "replica":
+            return f"{self.tier} (replica of rank {self.rank})"
+        return f"{self.tier} (set aside: {self.why})"
+
+
+def set_aside_copies(tier: Tier | str, name: str) -> list[Outside]:
+    """The steps set aside in ``tier`` (no longer steps of the series; never deleted by a
+    manager, so a person may look at them, move them back or remove them).
+
+    Example:
+        >>> import tempfile, os
+        >>> from fastckpt.series import steps
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(steps.step_dir(tier, 4) + ".unreadable-20260101T000000Z")
+        >>> [(c.step, c.why) for c in set_aside_copies(tier, "root")]
+        [(4, 'unreadable')]
+    """
+    from fastckpt.series import steps as layout
+
+    return [Outside(step, name, why, where) for step, why, where in layout.set_aside_dirs(tier)]
+
+
+def held_replicas(fast: Tier | str) -> list[Outside]:
+    """The complete replicas a local fast tier holds for its peers (in ``.replicas``), read
+    without opening the store (opening one removes receptions in progress: ``ls`` runs
+    beside a training job); none for a tier at a URL.
+
+    Example:
+        >>> import tempfile
+        >>> held_replicas(tempfile.mkdtemp())
+        []
+    """
+    from fastckpt.series.steps import Tier as TierType
+
+    tier = fast if isinstance(fast, TierType) else TierType(os.fspath(fast))
+    directory = os.path.join(tier.location, _REPLICA_DIR)
+    if tier.is_url or not os.path.isdir(directory) or os.path.islink(directory):
+        return []
+    from fastckpt.distributed.replica_store import ReplicaStore  # (torch: only when needed)
+
+    store = ReplicaStore.__new__(ReplicaStore)  # read only: no __init__, which cleans up
+    store.directory = directory
+    try:
+        held = store.held()
+    except OSError:  # removed meanwhile (the node's manager closed and pruned it)
+        return []
+    return [
+        Outside(step, "fast", "replica", store._dir(rank, step), rank=rank)
+        for rank, steps in sorted(held.items())
+        for step in steps
+    ]
 
 
 def _partial(

@@ -1,11 +1,14 @@
-"""``fastckpt verify FILE|DIR``: check headers and every tensor's CRC32C.
+"""``fastckpt verify FILE|DIR``: check headers and every tensor's CRC32C and XXH3-128.
 
 Each file is reported as one of:
 
 - ``OK``: the header is valid (its own checksum matches, aliases and the structure
   description resolve against the stored tensors: everything ``fastckpt.load`` relies on)
-  and every tensor matches the checksum saved with it;
-- ``DAMAGED``: the header is malformed, or the named tensors do not match their checksums;
+  and every tensor matches the checksums saved with it: its CRC32C and, where the file
+  records one (every fastckpt save does), its XXH3-128 (a compressed tensor's decoded
+  bytes, a few chunks at a time: memory stays bounded whatever its size);
+- ``DAMAGED``: the header is malformed, or the named tensors do not match their checksums
+  (each named with the check it failed: ``CRC32C``, ``XXH3-128`` or ``decompressed CRC32C``);
 - ``UNVERIFIABLE``: the file has no checksums (written with ``checksum=False`` or by another
   library) — which is not the same as intact; ``fastckpt convert`` can add them;
 - ``NOT CHECKED``: a file named on the command line is a torch.save file, not a
@@ -20,6 +23,11 @@ A torch.distributed.checkpoint directory (one holding ``.metadata``) is checked 
 checkpoint: its metadata, that every file and tensor it names exists, and every CRC32C (DCP's
 own ``FileSystemWriter`` format has no checksums: ``UNVERIFIABLE``).
 
+The root of a checkpoint series (a ``CheckpointManager``'s, holding ``step-<12 digits>``
+directories) means each of its committed steps: the step's file, or its DCP directory
+(``fastckpt ls --verify ROOT`` lists the steps with the verdict of each). A step directory
+means the checkpoint it holds.
+
 Exit status: 0 when every file is OK, 1 when any is damaged, unverifiable or unreadable,
 2 on usage and input errors (no such path, a directory without fastckpt/safetensors files,
 a torch.save file named on the command line) when nothing is damaged.
@@ -28,7 +36,7 @@ Example (shell)::
 
     $ fastckpt verify checkpoints/
     OK            checkpoints/model-00001.safetensors (291 tensors, 4.95 GiB)
-    DAMAGED       checkpoints/model-00002.safetensors: 1 tensor does not match its checksum: lm_head.weight
+    DAMAGED       checkpoints/model-00002.safetensors: 1 tensor does not match its checksum: lm_head.weight (CRC32C)
     2 files: 1 OK, 1 damaged
 """
 
@@ -82,11 +90,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "verify",
         help="check the headers and CRC32C checksums of checkpoint files",
         description=(
-            "Checks the header and every tensor's CRC32C of safetensors/fastckpt files. A "
-            "directory means every safetensors/fastckpt file directly in it, whatever its suffix "
-            "(such as Lightning .ckpt files written by fastckpt.lightning); the other files there "
-            "are listed as skipped. Files without checksums are reported as UNVERIFIABLE, not as "
-            "intact; a torch.save file as NOT CHECKED (`fastckpt convert` writes a fastckpt copy)."
+            "Checks the header and every tensor's CRC32C (and XXH3-128, where recorded) of "
+            "safetensors/fastckpt files. A directory means every safetensors/fastckpt file "
+            "directly in it, whatever its suffix (such as Lightning .ckpt files written by "
+            "fastckpt.lightning); the other files there are listed as skipped. A checkpoint "
+            "series' root means each of its committed steps. Files without checksums are "
+            "reported as UNVERIFIABLE, not as intact; a torch.save file as NOT CHECKED "
+            "(`fastckpt convert` writes a fastckpt copy)."
         ),
         epilog="exit status: 0 every file is intact; 1 a file is damaged (the damaged tensors "
         "are named), unverifiable or unreadable; " + EXIT_STATUS_HELP,
@@ -104,7 +114,8 @@ def _plural(n: int, word: str) -> str:
 def verify_file(
     path: str | os.PathLike[str], *, progress: bool | None = None, allow_pickle: bool = False
 ) -> Verdict:
-    """Checks one file: its header, then every tensor against its saved CRC32C.
+    """Checks one file: its header, then every tensor against its saved CRC32C and
+    XXH3-128 (where recorded).
 
     ``progress`` shows a bar over the file's bytes (default: on a terminal). A DCP
     checkpoint directory is checked as one checkpoint; its ``.metadata`` is unpickled
@@ -158,15 +169,16 @@ def verify_file(
         )
     try:
         with api.open(path) as reader:  # one Reader type, whatever the storage
-            damaged = reader.verify(progress=progress)
+            failures = reader.verify_failures(progress=progress)
     except HeaderError as exc:
         return Verdict(DAMAGED, f"{name}: bad header: {exc}")
     except OSError as exc:  # a missing base of an incremental file included
         return Verdict(UNREADABLE, f"{name}: {exc.strerror or exc}")
     except FastCkptError as exc:  # a base changed since this file referred to it, ...
         return Verdict(DAMAGED, f"{name}: {exc}")
+    damaged = list(failures)
     if damaged:
-        shown = ", ".join(damaged[:20]) + (
+        shown = ", ".join(f"{n} ({failures[n]})" for n in damaged[:20]) + (
             f", ... ({len(damaged) - 20} more)" if len(damaged) > 20 else ""
         )
         verb = (
@@ -236,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         if is_dcp_checkpoint(target):
             files.append(target)
             continue
+        steps = _series_steps(target)
+        if steps is not None:
+            files.extend(steps)
+            continue
         found, listing = checkpoint_targets(target)
         files.extend(found)
         if listing is not None and listing.skipped:
@@ -252,6 +268,36 @@ def run(args: argparse.Namespace) -> int:
     if counts.get(OK, 0) + counts.get(NOT_CHECKED, 0) < len(files):
         return FAILURE
     return USAGE if counts.get(NOT_CHECKED) else 0
+
+
+def _series_steps(target: str) -> list[str] | None:
+    """The checkpoints of the committed steps of the series whose root is ``target`` (a
+    step's file, or its directory when ranks saved it as a DCP checkpoint), said on stderr;
+    None when ``target`` is not a series' root.
+
+    Raises:
+        CliError: (status 2) the series has no committed step.
+    """
+    from fastckpt.cli._common import CliError, warn
+    from fastckpt.series import steps as series_steps
+    from fastckpt.storage.directory_kinds import directory_kind
+
+    kind = directory_kind(target)
+    if kind is None or kind.kind != "series":
+        return None
+    committed = series_steps.committed_steps(target)
+    if not committed:
+        raise CliError(f"{target}: {kind.what}: no committed step to verify", USAGE)
+    found = []
+    for step in committed:
+        directory = series_steps.step_dir(target, step)
+        state = os.path.join(directory, series_steps.STATE_FILE)
+        found.append(state if os.path.isfile(state) else directory)
+    warn(
+        f"{target}: {kind.what}: verifying each committed step "
+        f"(`fastckpt ls --verify {target}` lists the steps, each with its verdict)"
+    )
+    return found
 
 
 def _verify_all(files: list[Any], allow_pickle: bool) -> dict[str, int]:

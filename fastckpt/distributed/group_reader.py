@@ -24,7 +24,8 @@ from fastckpt.checkpoint.range_read import TensorSlice
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.distributed.agreement import agree, raise_everywhere
 from fastckpt.distributed.groups import checkpoint_group
-from fastckpt.distributed.read_once import share_reads, stored_names
+from fastckpt.distributed.handshake import handshake
+from fastckpt.distributed.read_once import agree_on_checkpoint, share_reads, stored_names
 
 __all__ = ["GroupReader", "open_shared", "read_into_shared", "resolve_group"]
 
@@ -51,9 +52,17 @@ def resolve_group(group: Any) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def open_shared(opener: Callable[[], Reader], group: Any) -> Reader:
+def open_shared(
+    opener: Callable[[], Reader],
+    group: Any,
+    operation: str = "fastckpt.load, open or load_into with group=",
+) -> Reader:
     """Opens the checkpoint on every rank (``opener()``); a failure on any rank raises on
-    every rank. Returns a :class:`GroupReader` (or the reader itself without a group)."""
+    every rank. Returns a :class:`GroupReader` (or the reader itself without a group).
+    First every rank of ``group`` shakes hands (a rank that is not coming is named within
+    ``FASTCKPT_HANDSHAKE_TIMEOUT`` seconds instead of holding the others)."""
+    if group is not None:
+        handshake(operation, group)
     reader = agree(opener, group, "opening the checkpoint")
     return reader if group is None else GroupReader(reader, group)
 
@@ -134,9 +143,12 @@ class GroupReader(Reader):
         self, names: Sequence[str] | None = None, *, progress: bool | None = None
     ) -> list[str]:
         """Checks stored CRC32Cs, each rank a stripe of the tensors; every rank returns the
-        names of every damaged tensor."""
+        names of every damaged tensor. The ranks first agree that they opened the same
+        checkpoint (``ValueError`` on every rank otherwise, naming the ranks and the file
+        that differ): a stripe checked in another rank's file says nothing of this one's."""
         dist = torch.distributed
         me, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        agree_on_checkpoint(self.inner, self.group, "verifying")
         every = stored_names(self.inner, names)
         stripe = every[me::world]
         damaged: list[str] | None = None

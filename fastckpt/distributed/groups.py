@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fastckpt import config
+from fastckpt.distributed.handshake import handshake
 
 __all__ = ["checkpoint_group", "in_group", "node_rank", "nodes_of_ranks"]
 
@@ -48,7 +49,8 @@ def checkpoint_group() -> Any:
 
     The first call is itself a collective (``new_group``): every rank must make it, in the
     same order as its other group creations, before any rank uses the group from a
-    background thread. Later calls return the same group.
+    background thread. Later calls return the same group. Its collectives time out after
+    ``FASTCKPT_GROUP_TIMEOUT`` seconds (:func:`fastckpt.config.group_timeout_seconds`).
     """
     if not in_group():
         return None
@@ -58,9 +60,15 @@ def checkpoint_group() -> Any:
         group = _groups.get(id(default))
         if group is None:
             # A rank that hangs (rather than dies) holds the others' checkpoint collectives
-            # for this long; FASTCKPT_GROUP_TIMEOUT shortens it (torch's default: 30 min).
-            seconds = config.group_timeout_seconds()
-            timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+            # for this long: FASTCKPT_GROUP_TIMEOUT, 5 minutes unless set (not torch's 30).
+            timeout = datetime.timedelta(seconds=config.group_timeout_seconds())
+            # new_group waits for every rank: a rank that is not coming is named in seconds
+            handshake(
+                "fastckpt's checkpoint group",
+                verb="made",
+                advice="make the first CheckpointManager (or the first fastckpt call with "
+                "group=True) on every rank",
+            )
             group = dist.new_group(backend="gloo", timeout=timeout)
             _groups[id(default)] = group
         return group

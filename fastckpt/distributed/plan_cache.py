@@ -10,9 +10,10 @@ change), so the plans of the previous save fit the next one.
 :func:`structure_hash` condenses one rank's state into 62 bits from exactly what a plan
 depends on (every key's path; for a tensor its dtype, shape, stride and layout; for a
 DTensor also its mesh, placements and local shape; for any other value only that it is
-one). :class:`PlanCache` keeps, per rank, the hash and what was planned for it;
-the ranks then agree in one all-reduce (each says whether its hash equals its cached one)
-and reuse the plans only when every rank may.
+one). :class:`PlanCache` keeps, per rank, the hash and what was planned for it, and every
+rank's hash at that save; the ranks then agree in one all-reduce (each says whether its hash
+equals its cached one, and the digest of every rank's cached hashes) and reuse the plans only
+when every rank may and every rank's cache was made for the same structures.
 
 Example:
     >>> import torch
@@ -100,18 +101,56 @@ class PlanCache:
     plan: Any = None
     plans: list[Any] | None = None
     metadata: Any = None
+    #: Every rank's structure hash when the plans were made, in rank order (None: unknown).
+    hashes: tuple[int, ...] | None = None
+    #: Whether the ranks' replicated items differed at the last save that compared them
+    #: (:mod:`.replicated_items`): a capture without a plan to reuse then copies every
+    #: replicated item. Kept by :meth:`forget`: it is what the failed save learnt.
+    replicas_differ: bool = False
+    #: The owners of the replicated items at the cached save
+    #: (:class:`~fastckpt.distributed.replicated_items.Assignment`): the same while the
+    #: structure is, so a save that reuses the plans need not compute them again.
+    replicas: Any = None
 
     def matches(self, structure: int) -> bool:
         """Whether the cached plans were made for a state of this structure."""
         return self.hash is not None and self.hash == structure
 
     def keep(
-        self, structure: int, plan: Any, plans: list[Any] | None = None, metadata: Any = None
+        self,
+        structure: int,
+        plan: Any,
+        plans: list[Any] | None = None,
+        metadata: Any = None,
+        hashes: tuple[int, ...] | None = None,
+        replicas: Any = None,
     ) -> None:
-        """Records the plans of a save (or load) that succeeded on every rank."""
+        """Records the plans of a save (or load) that succeeded on every rank (``hashes``:
+        every rank's structure hash then, which :meth:`fingerprint` condenses;
+        ``replicas``: the owners of the replicated items then)."""
         self.hash, self.plan, self.plans, self.metadata = structure, plan, plans, metadata
+        self.hashes, self.replicas = hashes, replicas
+
+    def fingerprint(self) -> int:
+        """A 62-bit digest of every rank's structure hash at the cached save (0: none
+        cached). Ranks whose caches agree have the same fingerprint: one all-reduce of
+        ``[f, -f]`` (MAX) tells whether every rank's is the same (``max f == -max -f``).
+
+        Example:
+            >>> cache = PlanCache()
+            >>> cache.fingerprint()
+            0
+            >>> cache.keep(5, "plan", hashes=(5, 9))
+            >>> cache.fingerprint() == PlanCache(hashes=(5, 9)).fingerprint() != 0
+            True
+        """
+        if self.hashes is None:
+            return 0
+        digest = hashlib.blake2b(repr(tuple(self.hashes)).encode(), digest_size=8)
+        return (int.from_bytes(digest.digest(), "little") >> (64 - HASH_BITS)) or 1
 
     def forget(self) -> None:
         """Drops the plans: the next save plans afresh (after a failure, the ranks may
         disagree about what was cached)."""
-        self.hash = self.plan = self.plans = self.metadata = None
+        self.hash = self.plan = self.plans = self.metadata = self.hashes = None
+        self.replicas = None

@@ -3,9 +3,13 @@ once between them, and deliver each rank the tensors it asked for over collectiv
 
 A load on N ranks of a replicated model otherwise reads the checkpoint N times: N times the
 storage traffic, on the one resource (a shared filer, a node's link) that every rank waits
-on. Here the ranks first agree on what is wanted (one ``all_gather_object`` of each rank's
-names and a fingerprint of the header, so ranks that opened different checkpoints stop
-with an error instead of exchanging garbage). The union is cut into **stripes balanced by
+on. Here the ranks first agree on what is wanted and on what they opened: one
+``all_gather_object`` of each rank's names and one digest of the checkpoint's structure and
+of the content identity of every file behind it (:func:`files_behind`: each file's CRC32C,
+XXH3 and piece tables, or its whole header when it records no checksums). Ranks that opened
+different checkpoints (two steps of a run with the same shapes, or a file saved over the
+path between their opens) all stop with an error naming the ranks and the file that differ,
+instead of exchanging a mix of both. The union is cut into **stripes balanced by
 bytes**, one per rank, contiguous in file order (:func:`plan_pieces`); each stripe into
 **pieces** of a bounded size. In round ``r`` every rank reads its ``r``-th piece with the
 ordinary read path (parallel reads, checksums verified as read), then each piece goes from
@@ -37,11 +41,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from fastckpt.checkpoint import content_identity
+from fastckpt.checkpoint.chained_reader import ChainedReader
 from fastckpt.checkpoint.header_view import HeaderView
 from fastckpt.checkpoint.reader import Reader
 from fastckpt.checkpoint.tensor_runs import arena_exporter, own_bytes
@@ -49,7 +56,15 @@ from fastckpt.config import staging_bytes
 from fastckpt.distributed.agreement import agree, raise_everywhere
 from fastckpt.io.aligned_memory import aligned_tensor
 
-__all__ = ["Piece", "plan_pieces", "share_reads", "piece_size"]
+__all__ = [
+    "FileRecord",
+    "Piece",
+    "agree_on_checkpoint",
+    "files_behind",
+    "plan_pieces",
+    "piece_size",
+    "share_reads",
+]
 
 #: Where a tensor starts in a piece: a multiple of this (every dtype's alignment, a cache line).
 PLACE_ALIGNMENT = 64
@@ -140,19 +155,165 @@ def stored_names(reader: Reader, names: Sequence[str] | None) -> list[str]:
     """The stored tensors behind ``names`` (all when None), aliases resolved, each once."""
     aliases = reader.aliases
     if names is None:
-        return [n for n in reader.keys() if n not in aliases]
+        return [n for n in reader.offset_keys() if n not in aliases]
     if isinstance(names, str):
         raise TypeError("names must be a sequence of str, not a str")
     return list(dict.fromkeys(aliases.get(n, n) for n in names))
 
 
 def _fingerprint(reader: Reader, names: Sequence[str]) -> str:
-    """What the ranks must agree on: the names, dtypes, shapes and sizes of the tensors."""
+    """The structure: the names, dtypes, shapes and sizes of the tensors, and the aliases."""
     digest = hashlib.blake2b(digest_size=16)
     for name in names:
         info = reader.info(name)
         digest.update(f"{name}|{info.dtype}|{info.shape}|{info.nbytes}\n".encode())
+    digest.update(repr(sorted(reader.aliases.items())).encode())
     return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One file behind a reader, as the ranks compare it: ``role`` (``"file"``, ``"shard
+    model-00002-of-00004.safetensors"``, ``"chain file 2"``), its path, its content identity
+    (:mod:`~fastckpt.checkpoint.content_identity`: kind and digest) and, for messages only,
+    where it lies on this rank (device, inode and size: copies of one checkpoint differ
+    there and still agree)."""
+
+    role: str
+    path: str
+    kind: str
+    digest: str
+    where: str
+
+
+def files_behind(reader: Reader) -> list[FileRecord]:
+    """The files whose headers ``reader`` answers from, in an order every rank that opened
+    the same checkpoint shares: the file itself; each shard of a sharded directory; each
+    file of an incremental chain (the top, then its bases, depth first). A reader that
+    opens its files only when it reads them (a DCP checkpoint's rank files) lists none: its
+    ranks agree on what its caller describes (the rank files' names carry their save's id).
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from fastckpt.checkpoint.read import open_checkpoint
+        >>> from fastckpt.checkpoint.save import save
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> save({"w": torch.zeros(3)}, path)
+        >>> with open_checkpoint(path) as r:
+        ...     [(f.role, f.kind) for f in files_behind(r)]
+        [('file', 'checksums')]
+    """
+    found: list[FileRecord] = []
+    _collect(reader, "file", found, set())
+    return found
+
+
+def _collect(reader: Any, role: str, found: list[FileRecord], seen: set[int]) -> None:
+    if id(reader) in seen:  # a base reached along two paths: once
+        return
+    seen.add(id(reader))
+    if isinstance(reader, ChainedReader):
+        _collect(reader.top, f"chain file {len(found) + 1}", found, seen)
+        for base in reader.bases:
+            _collect(base, f"chain file {len(found) + 1}", found, seen)
+    elif isinstance(reader, HeaderView):
+        kind, digest = content_identity.of_view(reader)
+        found.append(FileRecord(role, reader.path, kind, digest, _where(reader)))
+    elif callable(getattr(reader, "shard_headers", None)):
+        for header in reader.shard_headers():
+            name = header.path.rstrip("/").rsplit("/", 1)[-1]
+            _collect(header, f"shard {name}", found, seen)
+
+
+def _where(view: Any) -> str:
+    """Device, inode and size of the file a local reader holds open, for a message; empty
+    for a URL or a header kept after its file was closed (the path may name another file
+    by now)."""
+    storage = getattr(view, "storage", None)
+    if storage is None or getattr(storage, "ranged", True):
+        return ""
+    try:
+        st = os.fstat(storage.local_file().fd)
+    except (OSError, ValueError):  # closed meanwhile
+        return ""
+    return f"device {st.st_dev}, inode {st.st_ino}, {st.st_size} bytes"
+
+
+def _identity(reader: Reader, files: list[FileRecord]) -> str:
+    """One digest of what the ranks must agree on: the structure and each file's content
+    identity, in order (not the paths: copies of a checkpoint may lie at other paths)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(_fingerprint(reader, stored_names(reader, None)).encode())
+    for f in files:
+        digest.update(f"{f.kind}:{f.digest}\n".encode())
+    return digest.hexdigest()
+
+
+def _differing_checkpoints(
+    records: list[tuple[str, str, list[FileRecord]]], what: str
+) -> ValueError:
+    """The error every rank raises when the ranks' identities differ: the ranks that differ
+    from rank 0, and for the first of them the file that differs (both ranks' paths, and
+    where each lies) or that the structures differ."""
+    identity0, path0, files0 = records[0]
+    different = [r for r, (identity, _, _) in enumerate(records) if identity != identity0]
+    rank = different[0]
+    _, path, files = records[rank]
+    detail = _first_difference(files0, files, rank)
+    if detail is None:
+        detail = (
+            f"rank 0 opened {path0}, rank {rank} {path}, whose tensors' names, dtypes, shapes, "
+            "aliases or files differ"
+        )
+    return ValueError(
+        f"ranks {different} of the group opened a checkpoint that differs from rank 0's "
+        f"({what}): {detail}; a shared read needs the same checkpoint on every rank: open it "
+        "again on every rank, once any save to its path has completed"
+    )
+
+
+def _first_difference(files0: list[FileRecord], files: list[FileRecord], rank: int) -> str | None:
+    """The first file (in order) whose content differs between rank 0 and ``rank``."""
+    for a, b in zip(files0, files):
+        if (a.kind, a.digest) != (b.kind, b.digest):
+            table = "CRC32C/XXH3 tables" if a.kind == "checksums" == b.kind else "headers"
+            return (
+                f"{a.role}: rank 0 opened {a.path} ({_described(a)}), rank {rank} {b.path} "
+                f"({_described(b)}): their {table} differ"
+            )
+    return None
+
+
+def _described(f: FileRecord) -> str:
+    kind = "checksums" if f.kind == "checksums" else "no checksums: header"
+    return f"{f.where}; {kind} {f.digest[:12]}" if f.where else f"{kind} {f.digest[:12]}"
+
+
+def agree_on_checkpoint(reader: Reader, group: Any, what: str) -> None:
+    """A collective: returns on every rank of ``group`` when every rank opened the same
+    checkpoint in ``reader`` (the same structure and content identity of every file behind
+    it: :func:`files_behind`); else raises ``ValueError`` on every rank, naming the ranks
+    that differ and the file where they do (both ranks' paths)."""
+    files = agree(lambda: files_behind(reader), group, f"identifying {reader.path}")
+    identity = _identity(reader, files)
+    summaries: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(summaries, identity, group=group)
+    _check_identities(summaries, reader, files, group, what)
+
+
+def _check_identities(
+    summaries: list[str], reader: Reader, files: list[FileRecord], group: Any, what: str
+) -> None:
+    """Every rank the same ``summaries`` (one digest a rank): returns when all are equal;
+    else gathers each rank's files (only then: they may be thousands) and raises on every
+    rank the same error."""
+    if len(set(summaries)) == 1:
+        return
+    records: list[Any] = [None] * len(summaries)
+    torch.distributed.all_gather_object(
+        records, (summaries[torch.distributed.get_rank(group)], reader.path, files), group=group
+    )
+    raise _differing_checkpoints(records, what)
 
 
 def _file_order(reader: Reader, names: list[str]) -> list[str]:
@@ -181,23 +342,26 @@ def share_reads(
     Raises (on every rank, whichever rank it happened on):
         ChecksumError: a tensor read does not match its CRC32C (naming it and the file).
         OSError: a read failed (errno and file name).
-        ValueError: the ranks opened checkpoints with different tensors.
+        ValueError: the ranks opened different checkpoints (other tensors, or other
+            content: :func:`agree_on_checkpoint`), naming the ranks and the file.
         KeyError: a name is not in the checkpoint.
     """
     dist = torch.distributed
     me, world = dist.get_rank(group), dist.get_world_size(group)
     wanted = stored_names(reader, names)
+
+    def look_up() -> list[FileRecord]:
+        for name in wanted:
+            reader.info(name)
+        return files_behind(reader)
+
     # an unknown name raises here, on every rank, before any rank starts reading
-    agree(lambda: [reader.info(n) for n in wanted], group, f"looking up tensors of {reader.path}")
+    files = agree(look_up, group, f"looking up tensors of {reader.path}")
     asked: list[Any] = [None] * world
-    header = _fingerprint(reader, stored_names(reader, None))
-    dist.all_gather_object(asked, (header, None if names is None else wanted), group=group)
-    if len({h for h, _ in asked}) > 1:
-        different = [r for r, (h, _) in enumerate(asked) if h != asked[0][0]]
-        raise ValueError(
-            f"{reader.path}: ranks {different} of the group opened a checkpoint whose tensors "
-            "differ from rank 0's; a shared read needs the same checkpoint on every rank"
-        )
+    identity = _identity(reader, files)
+    dist.all_gather_object(asked, (identity, None if names is None else wanted), group=group)
+    # every rank sees every rank's identity: all raise together, or none does
+    _check_identities([h for h, _ in asked], reader, files, group, "reading")
     everything = stored_names(reader, None)
     needers: dict[str, set[int]] = {}
     for rank, (_, theirs) in enumerate(asked):

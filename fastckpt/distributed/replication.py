@@ -25,7 +25,11 @@ for others), picks the newest step that every rank can get from somewhere (or th
 asked for), and sends each rank that lacks it in its own fast tier the replica a peer
 holds; the receiving rank assembles the files beside its store and renames the directory
 into place, with the step's own marker written last, so a step recovered half is never
-committed.
+committed. Every copy is known by its content (its checkpoint header's digest, and the run
+that made it), never by its step number alone: a replica is used only where it is the step
+its rank committed, and it is verified (every CRC32C) by its holder before it is sent and
+by its receiver before it is renamed into place. A copy that fails is left out and the
+ranks agree again; whatever fails, every rank raises at once, naming the ranks and copies.
 
 Example (one process: there are no peers, so ``replicas`` must be 0):
     >>> import tempfile
@@ -48,16 +52,24 @@ import datetime
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from fastckpt import config
 from fastckpt.distributed.groups import in_group, node_rank
 from fastckpt.distributed.peers import choose_peers, failure_domain
-from fastckpt.distributed.replica_store import ReplicaStore, plain_name, remove_own_dir
+from fastckpt.distributed.replica_store import (
+    ReplicaStore,
+    plain_name,
+    remove_own_dir,
+    verify_share,
+)
+from fastckpt.errors import FastCkptError
 
 __all__ = ["CHUNK", "Recovery", "Replicator"]
 
@@ -97,6 +109,8 @@ class Recovery:
     sources: list[str]
     seconds: float = 0.0
     bytes_received: int = 0
+    #: Steps newer than ``step`` that not every rank can get: set aside by every rank.
+    abandoned: list[int] = dataclasses.field(default_factory=list)
 
 
 class Replicator:
@@ -110,7 +124,10 @@ class Replicator:
         replicas: how many other nodes hold a copy of each rank's step (``k``).
         bytes_per_second: cap on the bytes this rank sends per second, all peers together
             (None: no cap).
-        timeout_seconds: how long a collective of replication waits for a peer.
+        timeout_seconds: how long a collective of replication waits for a peer (default:
+            ``FASTCKPT_GROUP_TIMEOUT``, 5 minutes unless set).
+        run: what names this run (the rank's durable root): recorded with each replica, and
+            a replica recorded by another run is never restored.
 
     Raises:
         ValueError: ``replicas`` is negative or not below the number of nodes (naming it),
@@ -123,16 +140,20 @@ class Replicator:
         *,
         replicas: int = 1,
         bytes_per_second: float | None = None,
-        timeout_seconds: float = 1800.0,
+        timeout_seconds: float | None = None,
+        run: str = "",
     ):
         if bytes_per_second is not None and not bytes_per_second > 0:
             raise ValueError(f"bytes_per_second must be positive, got {bytes_per_second!r}")
         self.rate = bytes_per_second
+        self.run = run
         dist = torch.distributed
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
         self._group = self._recovery_group = None
         nodes, domains = [node_rank()], [failure_domain()]
         if in_group():
+            if timeout_seconds is None:
+                timeout_seconds = config.group_timeout_seconds()
             timeout = datetime.timedelta(seconds=timeout_seconds)
             # made here, in the foreground, by every rank in the same order (never in a thread)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
@@ -187,6 +208,7 @@ class Replicator:
             )
             return future
         share = _open_share(step, self.rank, self.nodes[self.rank], directory, names)
+        share.header["run"] = self.run
         with self._wake:
             self._queue.append((step, share, future))
             while len(self._queue) > QUEUED:
@@ -251,15 +273,21 @@ class Replicator:
         """The newest step of this rank whose replication round completed (kept across
         runs in the store: the owner keeps that step, which its peers can also give back)."""
         try:
-            with open(os.path.join(self.store.directory, REPLICATED)) as f:
-                return int(f.read())
+            fd = os.open(
+                os.path.join(self.store.directory, REPLICATED), os.O_RDONLY | os.O_NOFOLLOW
+            )
+            try:
+                return int(os.read(fd, 64))
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return None
 
     def _record_replicated(self, step: int) -> None:
         path = os.path.join(self.store.directory, REPLICATED)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
+        # a fresh name (O_EXCL): a link planted under a predictable one is never written through
+        fd, temporary = tempfile.mkstemp(prefix=f".{REPLICATED}-", dir=self.store.directory)
+        with os.fdopen(fd, "w") as f:
             f.write(str(step))
         os.rename(temporary, path)
         if self.on_replicated is not None:
@@ -294,111 +322,283 @@ class Replicator:
     # -- recovering ----------------------------------------------------------------------------
     def recover(
         self,
-        own: Iterable[int],
-        fallback: Iterable[int],
+        own: Iterable[int] | Mapping[int, str | None],
+        fallback: Iterable[int] | Mapping[int, str | None],
         into: Callable[[int], str],
         *,
         step: int | None = None,
+        check_own: Callable[[int], None] | None = None,
+        set_aside_own: Callable[[int], None] | None = None,
     ) -> Recovery:
         """Agrees with every rank on the step to restore and brings this rank's share of it
         into ``into(step)`` from a peer's replica when this rank lacks it (collective).
 
+        A replica is identified by its content (:func:`~fastckpt.distributed.replica_store.
+        identity`, and the run that made it), never by its step number alone: it is used only
+        where it is the step this rank committed (its own tier's or root's copy, when either
+        is listed), it is verified (every CRC32C) by the rank that holds it before it is sent
+        and by the rank that receives it before it is renamed into place. A copy that fails is
+        left out and the ranks agree again: another holder, the root, or an older step.
+
         Args:
-            own: the steps committed in this rank's own fast tier.
-            fallback: the steps this rank can read from elsewhere (the durable root).
+            own: the steps committed in this rank's own fast tier (with their identities).
+            fallback: the steps this rank can read from elsewhere (the durable root), ditto.
             into: where a step recovered from a peer goes (a directory that must not exist;
                 on the store's file system). It is renamed into place once every file is
-                there, the step's marker among them, so it is complete or absent.
+                there and verified, the step's marker among them, so it is complete or absent.
             step: the step wanted (None: the newest every rank can get).
+            check_own: raises when this rank's own copy of a step is damaged (verification).
+            set_aside_own: moves a damaged own copy out of the way (a replica then lands).
 
         Returns:
-            the step agreed on (None when no step is available to every rank) and each
-            rank's source.
+            the step agreed on (None when no step is available to every rank), each rank's
+            source, and the newer steps not every rank can get (``abandoned``).
 
         Raises:
-            RuntimeError: a peer's transfer failed (every rank raises, naming the ranks).
+            ValueError: the ranks asked for different steps (every rank raises, naming them).
+            RuntimeError: no intact copy of the step remains for some rank (every rank raises,
+                naming the ranks, the copies and why each failed).
         """
         started = time.perf_counter()
-        mine = {"own": sorted(set(own)), "fallback": sorted(set(fallback))}
-        mine["held"] = self.store.held()  # type: ignore[assignment]
-        every: list[Any] = [mine]
-        if self._recovery_group is not None:
-            every = [None] * self.world
-            torch.distributed.all_gather_object(every, mine, group=self._recovery_group)
-        held = [{int(r): set(s) for r, s in e["held"].items()} for e in every]
-
-        def sources_of(candidate: int) -> list[str] | None:
-            plan, load = [], collections.Counter[int]()
-            for rank, info in enumerate(every):
-                if candidate in info["own"]:
-                    plan.append("own")
-                    continue
-                holders = [h for h in range(len(every)) if candidate in held[h].get(rank, ())]
-                if holders:  # the least loaded holder sends (spreads a lost node's ranks)
-                    holder = min(holders, key=lambda h: (load[h], h))
-                    load[holder] += 1
-                    plan.append(f"peer {holder}")
-                elif candidate in info["fallback"]:
-                    plan.append("fallback")
-                else:
-                    return None
-            return plan
-
-        wanted = (
-            [step]
-            if step is not None
-            else sorted(
-                {s for e in every for s in (*e["own"], *e["fallback"])}
-                | {s for h in held for steps in h.values() for s in steps},
-                reverse=True,
-            )
+        every = self._gather(
+            {
+                "asked": step,
+                "run": self.run,
+                "own": _identities(own),
+                "fallback": _identities(fallback),
+                "held": self.store.held_identities(),
+            }
         )
-        chosen, plan = None, None
-        for candidate in wanted:
-            plan = sources_of(candidate)
-            if plan is not None:
-                chosen = candidate
-                break
-        if chosen is None or plan is None:
-            return Recovery(None, [], time.perf_counter() - started)
+        _check_same_request(every)
+        bad: set[tuple[int, str]] = set()
+        reasons: list[str] = []
+        while True:
+            chosen, plan, expected = _choose(every, step, bad)
+            if chosen is None:
+                if reasons:
+                    asked = "the newest step" if step is None else f"step {step}"
+                    raise RuntimeError(
+                        f"no intact copy of {asked} remains on every rank: " + "; ".join(reasons)
+                    )
+                return Recovery(None, [], time.perf_counter() - started)
+            failed, size = self._bring(chosen, plan, expected, into, check_own, set_aside_own)
+            if not failed:
+                abandoned = _unavailable_newer(every, chosen, bad)
+                self._discard_replicas(abandoned)
+                return Recovery(chosen, plan, time.perf_counter() - started, size, abandoned)
+            for rank, source, text in failed:
+                bad.add((rank, source))
+                reasons.append(f"rank {rank}'s step {chosen} from {source}: {text}")
+                _log.warning(
+                    "rank %d: rank %d's copy of step %d (%s) is not used: %s",
+                    self.rank,
+                    rank,
+                    chosen,
+                    source,
+                    text,
+                )
+
+    def agree(self, error: str | None) -> list[str]:
+        """Every rank's error (``"rank <r>: <error>"``), gathered on every rank: the ranks
+        go on together or fail together (a collective)."""
+        return [f"rank {r}: {e}" for r, e in enumerate(self._gather(error)) if e is not None]
+
+    def _gather(self, mine: Any) -> list[Any]:
+        if self._recovery_group is None:
+            return [mine]
+        every: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(every, mine, group=self._recovery_group)
+        return every
+
+    def _bring(
+        self,
+        chosen: int,
+        plan: list[str],
+        expected: list[str | None],
+        into: Callable[[int], str],
+        check_own: Callable[[int], None] | None,
+        set_aside_own: Callable[[int], None] | None,
+    ) -> tuple[list[tuple[int, str, str]], int]:
+        """One try at ``plan``: checks this rank's own copy, sends the verified replicas it
+        holds, receives and verifies its own; returns every rank's failures (the same list
+        on every rank) and the bytes this rank received."""
+        failed: list[tuple[int, str, str]] = []
+        if plan[self.rank] == "own" and check_own is not None:
+            try:
+                check_own(chosen)
+            except (FastCkptError, OSError, ValueError) as exc:
+                failed.append((self.rank, "own", f"{type(exc).__name__}: {exc}"))
+                if set_aside_own is not None:
+                    set_aside_own(chosen)
         outgoing: dict[int, _Share | None] = {}
         for rank, source in enumerate(plan):
             if source == f"peer {self.rank}":
-                outgoing[rank] = _replica_share(self.store, rank, chosen)
+                try:
+                    outgoing[rank] = self._verified_replica(rank, chosen, expected[rank])
+                except (FastCkptError, OSError, ValueError, KeyError, TypeError) as exc:
+                    outgoing[rank] = None  # an empty share: the receiver waits for nothing
+                    failed.append((rank, source, f"{type(exc).__name__}: {exc}"))
         incoming = [int(plan[self.rank].split()[1])] if plan[self.rank].startswith("peer") else []
-        error: BaseException | None = None
-        received: dict[int, tuple[str | None, dict[str, Any]]] = {}
+        size = 0
         try:
-            received = _exchange(
-                self._recovery_group,
-                outgoing,
-                incoming,
-                lambda source, header: _Sink(self.store.landing(), header),
-                None,
-            )
-            for landed, _ in received.values():
-                if landed is not None:
-                    os.rename(landed, into(chosen))
-        except Exception as exc:
-            error = exc
+            try:
+                received = _exchange(
+                    self._recovery_group,
+                    outgoing,
+                    incoming,
+                    lambda source, header: _Sink(self.store.landing(), header),
+                    None,
+                )
+            except Exception as exc:  # every rank hears of it below, and all go on or raise
+                received = {}
+                sent = [(r, f"peer {self.rank}") for r, s in outgoing.items() if s is not None]
+                mine = [(self.rank, plan[self.rank])] if incoming else []
+                failed += [(r, src, f"{type(exc).__name__}: {exc}") for r, src in sent + mine]
+            for landed, header in received.values():
+                if landed is None:
+                    continue  # the holder reports why
+                try:
+                    self._land(landed, header, chosen, expected[self.rank], into)
+                    size += sum(int(s) for _, s in header["files"])
+                except (FastCkptError, OSError, ValueError, KeyError, TypeError) as exc:
+                    remove_own_dir(landed)
+                    failed.append((self.rank, plan[self.rank], f"{type(exc).__name__}: {exc}"))
         finally:
             for share in outgoing.values():
                 if share is not None:
                     share.close()
-        failed = [error is not None]
-        if self._recovery_group is not None:
-            flags: list[Any] = [None] * self.world
-            text = f"{type(error).__name__}: {error}" if error is not None else None
-            torch.distributed.all_gather_object(flags, text, group=self._recovery_group)
-            failures = [f"rank {r}: {t}" for r, t in enumerate(flags) if t is not None]
-            failed = [bool(failures)]
-            if failures and error is None:
-                raise RuntimeError(f"recovering step {chosen} from peers failed: {failures}")
-        if error is not None:
-            raise error
-        assert not failed[0]
-        size = sum(sum(s for _, s in info["files"]) for _, info in received.values())
-        return Recovery(chosen, plan, time.perf_counter() - started, size)
+        every = self._gather(failed)
+        return [f for mine in every for f in mine], size
+
+    def _verified_replica(self, rank: int, step: int, expected: str | None) -> _Share:
+        """The replica this rank holds of ``rank``'s ``step``, opened without following a
+        link and verified (every CRC32C, and its identity ``expected``)."""
+        info, fds = self.store.open_replica(rank, step)
+        share = _Share(
+            {"step": step, "rank": rank, "node": info["node"], "files": info["files"]}, fds
+        )
+        try:
+            if int(info["step"]) != step or int(info["rank"]) != rank:
+                raise ValueError(f"its marker names rank {info['rank']}'s step {info['step']}")
+            where = os.path.join(self.store.directory, f"from-rank-{rank:05d}", f"step-{step:012d}")
+            verify_share([name for name, _ in info["files"]], fds, where, expected)
+        except BaseException:
+            share.close()
+            raise
+        return share
+
+    def _land(
+        self,
+        landed: str,
+        header: dict[str, Any],
+        step: int,
+        expected: str | None,
+        into: Callable[[int], str],
+    ) -> None:
+        """Verifies a received step (data from elsewhere) and renames it into place."""
+        if int(header["step"]) != step or int(header["rank"]) != self.rank:
+            raise ValueError(f"received rank {header['rank']}'s step {header['step']}")
+        names = [plain_name(name) for name, _ in header["files"]]
+        fds: list[int] = []
+        try:
+            for name in names:
+                fds.append(os.open(os.path.join(landed, name), os.O_RDONLY | os.O_NOFOLLOW))
+            verify_share(names, fds, landed, expected)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        os.rename(landed, into(step))
+
+    def _discard_replicas(self, steps: list[int]) -> None:
+        """Removes the replicas this rank holds of ``steps`` (set aside by every rank): a
+        step number saved again later must never be restored from the old copy."""
+        for rank, held in self.store.held().items():
+            for step in held:
+                if step in steps:
+                    self.store.discard(rank, step, f"step {step} was set aside by every rank")
+
+
+def _identities(steps: Iterable[int] | Mapping[int, str | None]) -> dict[int, str | None]:
+    """Steps with their content's identity (None: not known)."""
+    if isinstance(steps, Mapping):
+        return {int(s): i for s, i in steps.items()}
+    return dict.fromkeys((int(s) for s in steps), None)
+
+
+def _check_same_request(every: list[dict[str, Any]]) -> None:
+    """Raises, on every rank at once, when the ranks asked ``restore()`` for different
+    steps: each would restore its own, and the run would go on mixed."""
+    asked = [e["asked"] for e in every]
+    if len(set(asked)) > 1:
+        named = ", ".join(f"rank {r}: step={a}" for r, a in enumerate(asked))
+        raise ValueError(
+            f"the ranks asked restore() for different steps ({named}): every rank must pass "
+            "the same step= (or none)"
+        )
+
+
+def _choose(
+    every: list[dict[str, Any]], step: int | None, bad: set[tuple[int, str]]
+) -> tuple[int | None, list[str], list[str | None]]:
+    """The step to restore (``step``, or the newest every rank can get), each rank's source
+    and the identity its copy must have; ``(None, [], [])`` when there is none."""
+    for candidate in [step] if step is not None else sorted(_listed(every), reverse=True):
+        found = _sources_of(every, candidate, bad)
+        if found is not None:
+            return candidate, found[0], found[1]
+    return None, [], []
+
+
+def _listed(every: list[dict[str, Any]]) -> set[int]:
+    steps = {s for e in every for s in (*e["own"], *e["fallback"])}
+    return steps | {s for e in every for held in e["held"].values() for s in held}
+
+
+def _unavailable_newer(
+    every: list[dict[str, Any]], chosen: int, bad: set[tuple[int, str]]
+) -> list[int]:
+    return sorted(s for s in _listed(every) if s > chosen and _sources_of(every, s, bad) is None)
+
+
+def _sources_of(
+    every: list[dict[str, Any]], candidate: int, bad: set[tuple[int, str]]
+) -> tuple[list[str], list[str | None]] | None:
+    """Where each rank gets ``candidate`` (own tier, a peer's replica of the same content,
+    the root), or None when some rank cannot get it."""
+    plan: list[str] = []
+    expected: list[str | None] = []
+    load = collections.Counter[int]()
+    for rank, info in enumerate(every):
+        own, fallback = info["own"], info["fallback"]
+        if candidate in own and (rank, "own") not in bad:
+            plan.append("own")
+            expected.append(own[candidate])
+            continue
+        known = candidate in own or candidate in fallback
+        committed = own[candidate] if candidate in own else fallback.get(candidate)
+        copies = {
+            holder: held[rank][candidate]
+            for holder, held in enumerate(e["held"] for e in every)
+            if candidate in held.get(rank, {}) and (rank, f"peer {holder}") not in bad
+        }
+        usable = [
+            holder
+            for holder, (identity, run) in copies.items()
+            if identity is not None and run == info["run"] and (not known or identity == committed)
+        ]
+        if not known and len({copies[h][0] for h in usable}) > 1:
+            usable = []  # replicas that disagree, and nothing to tell the true one by
+        if usable:  # the least loaded holder sends (spreads a lost node's ranks)
+            holder = min(usable, key=lambda h: (load[h], h))
+            load[holder] += 1
+            plan.append(f"peer {holder}")
+            expected.append(copies[holder][0])
+        elif candidate in fallback and (rank, "fallback") not in bad:
+            plan.append("fallback")
+            expected.append(fallback[candidate])
+        else:
+            return None
+    return plan, expected
 
 
 class _Sink:
@@ -451,12 +651,6 @@ def _open_share(step: int, rank: int, node: int, directory: str, names: Sequence
             os.close(fd)
         raise
     return _Share({"step": step, "rank": rank, "node": node, "files": files}, fds)
-
-
-def _replica_share(store: ReplicaStore, rank: int, step: int) -> _Share:
-    info = store.info(rank, step)
-    directory = os.path.dirname(store.files(rank, step)[0][1]) if info["files"] else ""
-    return _open_share(step, rank, info["node"], directory, [n for n, _ in info["files"]])
 
 
 def _exchange(

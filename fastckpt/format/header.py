@@ -15,6 +15,7 @@ import struct
 from typing import Any, Callable
 
 from fastckpt.errors import HeaderError
+from fastckpt.format.other_formats import other_format
 from fastckpt.format.schema import (
     _ENTRY_KEYS,
     COMPRESSED_DTYPE,
@@ -40,7 +41,7 @@ from fastckpt.format.schema import (
     short,
     tensor_nbytes,
 )
-from fastckpt.format.torch_save import torch_save_format
+from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
 # a compressed tensor's blob is one more dtype here, of bytes (see compressed.py)
 _DTYPE_NAMES = {name: name for name in DTYPES | {COMPRESSED_DTYPE}}
@@ -48,16 +49,21 @@ _DTYPE_NAMES = {name: name for name in DTYPES | {COMPRESSED_DTYPE}}
 _TORCH_SAVE_KINDS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a tar archive"}
 
 
-def _torch_save_hint(first8: bytes) -> str | None:
-    """The message for a torch.save file, or None when ``first8`` does not look like one."""
-    kind = torch_save_format(first8)
-    if kind is None:
+def _format_hint(head: bytes) -> str | None:
+    """The message for another tool's file (a torch.save file, NumPy's, GGUF, JSON, a
+    pickle), or None when ``head`` (its first bytes) looks like none of them."""
+    kind = torch_save_format(head)
+    other = other_format(head)
+    if other is None:
         return None
-    return (
-        f"this is a torch.save file ({_TORCH_SAVE_KINDS[kind]}), not a safetensors/fastckpt "
-        "file: convert it with `fastckpt convert FILE OUT.safetensors`, or load it with "
-        "torch.load"
-    )
+    if kind is not None and other.reader == "torch.load":
+        return (
+            f"this is a torch.save file ({_TORCH_SAVE_KINDS[kind]}), not a safetensors/fastckpt "
+            "file: convert it with `fastckpt convert FILE OUT.safetensors`, or load it with "
+            "torch.load"
+        )
+    read = f": read it with {other.reader}" if other.reader else ""
+    return f"this is {other.description}, not a safetensors/fastckpt file{read}"
 
 
 # --------------------------------------------------------------------------- parse
@@ -82,7 +88,8 @@ def parse_header_length(first8: bytes, file_size: int) -> int:
     """Read and check the header length N from a file's first 8 bytes.
 
     Args:
-        first8: the file's first bytes (at least 8 unless the file is shorter).
+        first8: the file's first bytes (at least 8 unless the file is shorter; up to
+            512 name another tool's file better when the length is impossible).
         file_size: the whole file's size in bytes.
 
     Raises:
@@ -98,13 +105,13 @@ def parse_header_length(first8: bytes, file_size: int) -> int:
             f"not a safetensors file: {min(file_size, len(first8))} bytes, "
             "fewer than the 8-byte header length"
         )
-    first8 = bytes(first8[:8])
-    (length,) = struct.unpack("<Q", first8)
+    head = bytes(first8[:SNIFF_BYTES])
+    (length,) = struct.unpack("<Q", head[:8])
     try:
         _check_length(length, file_size)
     except HeaderError:
         # Only when the length is impossible: a real header length may begin with these bytes.
-        hint = _torch_save_hint(first8)
+        hint = _format_hint(head)
         if hint is not None:
             raise HeaderError(hint) from None
         raise
@@ -205,12 +212,12 @@ def json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
+def _parse_entry(name: str, raw: Any) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
     if type(raw) is _Packed:  # the three keys, in order, once each
         dtype, shape, offsets = raw
-        return _checked_entry(where, name, dtype, shape, offsets, data_size)
+        return _checked_entry(where, name, dtype, shape, offsets)
     if not isinstance(raw, dict):
         raise HeaderError(f"{where}: entry must be an object, got {json_type(raw)}")
     missing = [key for key in _ENTRY_KEYS if key not in raw]
@@ -220,12 +227,10 @@ def _parse_entry(name: str, raw: Any, data_size: int) -> TensorEntry:
     if extra:
         raise HeaderError(f"{where}: unexpected key(s) {', '.join(map(repr, extra))}")
 
-    return _checked_entry(where, name, raw["dtype"], raw["shape"], raw["data_offsets"], data_size)
+    return _checked_entry(where, name, raw["dtype"], raw["shape"], raw["data_offsets"])
 
 
-def _checked_entry(
-    where: str, name: str, dtype: Any, shape: Any, offsets: Any, data_size: int
-) -> TensorEntry:
+def _checked_entry(where: str, name: str, dtype: Any, shape: Any, offsets: Any) -> TensorEntry:
     if type(dtype) is not str or dtype not in _DTYPE_NAMES:
         raise HeaderError(f"{where}: unknown dtype {short(dtype)}")
     sized_as = "U8" if dtype == COMPRESSED_DTYPE else dtype  # a compressed blob counts bytes
@@ -238,10 +243,6 @@ def _checked_entry(
     begin, end = offsets
     if begin > end:
         raise HeaderError(f"{where}: data_offsets [{begin}, {end}] begin after they end")
-    if end > data_size:
-        raise HeaderError(
-            f"{where}: data_offsets [{begin}, {end}] run past the data section of {data_size} bytes"
-        )
     too_big = int64_dims_error(shape)
     if too_big is not None:
         raise HeaderError(f"{where}: shape {short(shape)}: {too_big}, the most torch can hold")
@@ -258,6 +259,19 @@ def _checked_entry(
         )
     # The table's own string for the dtype: one shared object instead of one per entry.
     return TensorEntry(name, _DTYPE_NAMES[dtype], tuple(shape), begin, end)
+
+
+def _check_data_end(entries: list[TensorEntry], data_offset: int, file_size: int) -> None:
+    """The tensors must end within the file; one that ends past it says the file was cut
+    short (or its header damaged), with the size the header expects."""
+    last = max(entries, key=lambda entry: entry.end, default=None)
+    data_size = file_size - data_offset
+    if last is not None and last.end > data_size:
+        raise HeaderError(
+            f"truncated: the file is {file_size} bytes, its header says the data ends at "
+            f"{data_offset + last.end} (tensor {short(last.name)}: data_offsets "
+            f"[{last.begin}, {last.end}] run past the data section of {data_size} bytes)"
+        )
 
 
 def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
@@ -409,10 +423,11 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
     parsed = []
     while document:  # popping keeps one copy of each entry alive, not two
         name, raw = document.popitem()
-        parsed.append(_parse_entry(name, raw, data_size))
+        parsed.append(_parse_entry(name, raw))
     parsed.reverse()
     # Stable sort: zero-size tensors sharing an offset keep their header order.
     parsed.sort(key=lambda entry: (entry.begin, entry.end))
+    _check_data_end(parsed, data_offset, file_size)
     _check_coverage(parsed, data_size)
     return Header(
         entries={entry.name: entry for entry in parsed},
@@ -425,6 +440,18 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
 #: ``read_at(offset, nbytes)``: bytes ``[offset, offset + nbytes)`` of a file (fewer, or
 #: ``EOFError``, where the file ends).
 ReadAt = Callable[[int, int], bytes]
+
+
+def _name_other_format(read_at: ReadAt, file_size: int) -> None:
+    """Raises the HeaderError that names the tool whose file this is (a NumPy ``.npz``
+    archive needs its first member's name, past the 8 bytes of a length), if any."""
+    try:
+        head = read_at(0, min(file_size, SNIFF_BYTES))
+    except (EOFError, OSError):
+        return  # the first error stands
+    hint = _format_hint(head)
+    if hint is not None:
+        raise HeaderError(hint)
 
 
 def read_header_from(
@@ -462,7 +489,11 @@ def read_header_from(
     prefix = "" if where is None else f"{where}: "
     try:
         first = read_at(0, min(file_size, max(8, probe))) if file_size else b""
-        length = parse_header_length(first[:8], file_size)
+        try:
+            length = parse_header_length(first[:8], file_size)
+        except HeaderError:
+            _name_other_format(read_at, file_size)  # not safetensors: which tool wrote it?
+            raise
         raw = first[8 : 8 + length] if len(first) >= 8 + length else read_at(8, length)
         if len(raw) < length:
             raise EOFError

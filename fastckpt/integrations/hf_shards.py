@@ -69,6 +69,7 @@ from fastckpt.errors import HeaderError
 from fastckpt.integrations import remote
 from fastckpt.io import commit_set
 from fastckpt.io.commit import AtomicFile
+from fastckpt.storage.directory_kinds import directory_kind
 
 __all__ = [
     "INDEX_NAME",
@@ -598,7 +599,17 @@ def _resolve(
     single = storage.join(directory, WEIGHTS_NAME)
     if storage.exists(single, storage_options):
         return directory, None, single
-    raise FileNotFoundError(2, f"{path}: no {INDEX_NAME} or {WEIGHTS_NAME} in this directory", path)
+    raise FileNotFoundError(errno.ENOENT, _not_hugging_face(path), path)
+
+
+def _not_hugging_face(path: str) -> str:
+    """Why the directory ``path`` is not read as a Hugging Face one: what it is and what reads
+    it (a DCP checkpoint, a series or one of its steps), or what it lacks."""
+    kind = directory_kind(path)
+    missing = f"no {INDEX_NAME} or {WEIGHTS_NAME}"
+    if kind is None:
+        return f"{path}: {missing} in this directory"
+    return f"{path}: {kind.what}, not a Hugging Face directory ({missing}); read it with {kind.read_with}"
 
 
 def _read_index_document(
@@ -890,6 +901,11 @@ class ShardedReader(RoutedReads, Reader):
     def open_count(self) -> int:
         """How many shard files are open now (at most ``open_files`` between reads)."""
         return self._cache.open_count
+
+    def shard_headers(self) -> list[HeaderOnly]:
+        """The header of each shard file (its ``path``), in the index's order: what ranks
+        compare before they share a read of the directory."""
+        return self._live()
 
     def _live(self) -> list[HeaderOnly]:
         if self._closed:

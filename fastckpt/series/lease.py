@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +47,34 @@ LOCK_NAME = ".fastckpt-manager.lock"
 _log = logging.getLogger("fastckpt")
 
 
+def launcher_hint(environ: Mapping[str, str] | None = None) -> str:
+    """What to do when a tier is taken because this process is one of several that a
+    launcher started (torchrun, Lightning's DDP) and made its manager before the process
+    group existed: each such process then takes the tiers as a run of its own. Empty
+    otherwise.
+
+    Example:
+        >>> launcher_hint({"RANK": "1", "WORLD_SIZE": "2"})[:48]
+        ': this process is rank 1 of 2 launched processes'
+        >>> launcher_hint({})
+        ''
+    """
+    env = os.environ if environ is None else environ
+    rank, world = env.get("RANK"), env.get("WORLD_SIZE")
+    if rank is None or world is None or world.strip() in ("", "0", "1"):
+        return ""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return ""
+    return (
+        f": this process is rank {rank} of {world} launched processes and no process group "
+        "was initialized when its manager was made, so it took the tiers as a run of its "
+        "own; make the manager after torch.distributed.init_process_group on every rank, "
+        "or under Lightning's DDP pass a factory: FastCkptCheckpoint(manager="
+        "functools.partial(CheckpointManager, root, ...)) (docs/lightning.md)"
+    )
+
+
 class LocalLock:
     """An exclusive ``flock`` on a local tier for the manager's life."""
 
@@ -58,7 +87,7 @@ class LocalLock:
             os.close(self._fd)
             raise RuntimeError(
                 f"another CheckpointManager manages {directory}; close it first "
-                "(one writer per tier)"
+                f"(one writer per tier){launcher_hint()}"
             ) from None
 
     def check(self) -> None:
@@ -95,6 +124,7 @@ class UrlLease:
                 f"another CheckpointManager manages {location} (host {held.get('host')}, "
                 f"pid {held.get('pid')}, lease renewed {time.time() - held['renewed']:.0f} s "
                 f"ago, held for {self._seconds:.0f} s); close it first (one writer per root)"
+                f"{launcher_hint()}"
             )
         if held is not None:
             _log.info("taking over %s from %s (its holder is gone)", location, held)

@@ -70,15 +70,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastckpt import api
-from fastckpt.errors import ChecksumError, FastCkptError
+from fastckpt.distributed.handshake import handshake
+from fastckpt.errors import ChecksumError, FastCkptError, RestoreError
 from fastckpt.io import spare_files
 from fastckpt.series import replicas as peer_copies
 from fastckpt.series import steps as layout
 from fastckpt.series import transfer
 from fastckpt.series.bases import needed_steps, own_damage
+from fastckpt.series.common_step import CommonStep
 from fastckpt.series.lease import LocalLock, UrlLease
 from fastckpt.series.retention import Retention, kept_bases
 from fastckpt.series.sharded import DCP_LAYOUT, Ranks, StepSaver, load_step
+from fastckpt.series.shared_tiers import check_shared_tiers
 from fastckpt.series.steps import Tier
 
 __all__ = ["CheckpointManager"]
@@ -214,9 +217,17 @@ class CheckpointManager:
         self._first_reports: set[tuple[str, int, str]] = set()  # see _first_report
         self._last_commit: concurrent.futures.Future[None] | None = None
         self._ranks = Ranks(False if replicas and distributed is None else distributed)
+        if self._ranks.group or replicas:  # it makes groups (collectives): every rank comes
+            handshake(
+                "CheckpointManager(...)",
+                verb="created",
+                advice="create it on every rank, or pass distributed=False on a rank that "
+                "saves alone",
+            )
         # the checkpoint group is made here, on every rank in the same order
         self._steps = StepSaver(self._ranks) if self._ranks.sharded else None
         self._last_sharded: StepFuture | None = None
+        self._sharded_failed = False  # a multi-rank save failed: its ranks may be gone
         self._locks: list[Any] = []
         self._guard = threading.Lock()  # retention and drains never race on a tier
         # collective: every rank makes its replication groups here, in the same order
@@ -226,6 +237,7 @@ class CheckpointManager:
             sharded=self._ranks.sharded,
             incremental=incremental,
             rate=replication_bytes_per_second,
+            run=self.root,  # a replica another run made is never restored
         )
         self.recovery: peer_copies.Recovery | None = None  # the last restore from peers
         self._kept_for_peers: list[tuple[str, int]] = []  # see _keep_replicated
@@ -233,6 +245,14 @@ class CheckpointManager:
             self._replicator.on_replicated = self._keep_replicated
             # until the ranks agree (a restore) or replicate: any step may be the one to agree on
             self._keep_replicated(*(s for t in self._tiers() for s in layout.committed_steps(t)))
+        # ranks saving at their own pace agree on the newest step all hold, which retention
+        # keeps (collective: made by every rank here, after the replication groups)
+        self._kept_common: list[tuple[str, int]] = []  # see _keep_common
+        self._common = (
+            None
+            if self._replicator is None
+            else CommonStep(self._restorable, self._pin, self._unpin, self._keep_common)
+        )
         self._saves = concurrent.futures.ThreadPoolExecutor(1, "fastckpt-manager-save")
         self._drains = concurrent.futures.ThreadPoolExecutor(
             1,
@@ -252,6 +272,8 @@ class CheckpointManager:
         self.max_undrained = max_undrained
         self._closed = False
         try:
+            # every rank's tiers are rank 0's (a step would else lack ranks' files)
+            check_shared_tiers({"root": self._root, "fast": self._fast}, self._ranks)
             self._ranks.agree(lambda: self._take_over(lease_seconds))
         except BaseException:
             self._closed = True
@@ -376,6 +398,8 @@ class CheckpointManager:
                 self._release_base(tier, base)
             if tier == self._fast:  # opened now: retention may delete it at once
                 peer_copies.replicate(self._replicator, tier, step)
+            if self._common is not None:  # reported (and pinned) before retention runs
+                self._common.report()
             self._retain(tier)
             if self._fast is not None:
                 self._submit_drain(step)
@@ -401,6 +425,37 @@ class CheckpointManager:
             self._kept_for_peers = [(t.location, s) for t in self._tiers() for s in steps]
             for key in self._kept_for_peers:
                 self._bases_in_use[key] += 1
+
+    def _keep_common(self, step: int) -> None:
+        """Keeps ``step``, the newest step every rank holds (agreed by
+        :class:`~fastckpt.series.common_step.CommonStep`, or restored by every rank), in
+        root (and in the fast tier while root lacks it: not drained yet), instead of the
+        step kept so before: a restore always finds a step every rank can load."""
+        with self._guard:
+            for key in self._kept_common:
+                self._bases_in_use[key] -= 1
+                if self._bases_in_use[key] <= 0:
+                    del self._bases_in_use[key]
+            self._kept_common = [(self._root.location, step)]
+            self._bases_in_use[(self._root.location, step)] += 1
+
+    def _restorable(self) -> list[int]:
+        """The steps this rank can restore from its own tiers."""
+        return sorted({s for tier in self._tiers() for s in layout.committed_steps(tier)})
+
+    def _pin(self, steps: list[int]) -> None:
+        """Keeps ``steps`` in root from retention until :meth:`_unpin` (a fast step is
+        either not drained yet, which its tier keeps, or also in root)."""
+        with self._guard:
+            for key in [(self._root.location, s) for s in steps]:
+                self._bases_in_use[key] += 1
+
+    def _unpin(self, steps: list[int]) -> None:
+        with self._guard:
+            for key in [(self._root.location, s) for s in steps]:
+                self._bases_in_use[key] -= 1
+                if self._bases_in_use[key] <= 0:
+                    del self._bases_in_use[key]
 
     def _choose_base(self, tier: Tier, step: int) -> tuple[int | None, int]:
         """The step to save ``step`` against (the previous committed single-file step of
@@ -450,9 +505,7 @@ class CheckpointManager:
 
     def _clear_for(self, tier: Tier, step: int) -> None:
         self._check_lease()
-        committed = layout.committed_steps(tier)
-        if tier == self._fast:  # a step in root would be replaced by this one's drain
-            committed = sorted({*committed, *self._root_steps()})
+        committed = self._committed_before(tier, step)
         if step in committed:
             raise ValueError(
                 f"step {step} is already saved in {tier if step in layout.committed_steps(tier) else self._root}"
@@ -465,6 +518,24 @@ class CheckpointManager:
         layout.remove_step(tier, step)  # a save of this step cut short
         self._markers.pop((tier.location, step), None)
 
+    def _committed_before(self, tier: Tier, step: int) -> list[int]:
+        """The committed steps a save of ``step`` into ``tier`` must not repeat or go back
+        behind (root's too, for the fast tier: a step in root would be replaced by this one's
+        drain). A step among them that would refuse the save is first checked (its files
+        against its marker, its own file's checksums) and set aside when it fails: a marker
+        planted beside no state, or a damaged step, is never taken for "already saved"."""
+        tiers = [tier, self._root] if tier == self._fast else [tier]
+        listed = [(t, layout.committed_steps(t)) for t in tiers]
+        if self._ranks.group:  # every rank reaches the same verdict: nothing is moved here
+            return sorted({s for _, steps in listed for s in steps})
+        moved = False
+        for where, steps in listed:
+            for blocking in [s for s in steps if s >= step]:
+                moved |= self._set_aside_if_broken(where, blocking, verify=True)
+        if moved:
+            listed = [(t, layout.committed_steps(t)) for t in tiers]
+        return sorted({s for _, steps in listed for s in steps})
+
     def _save_sharded(
         self,
         tier: Tier,
@@ -476,6 +547,17 @@ class CheckpointManager:
         """Captures this rank's share (see :meth:`save`) and returns; in the background every
         rank writes its file on the checkpoint group and rank 0 commits once every rank's is
         durable. The previous step's save is finished first (its error raised here, once)."""
+        assert self._steps is not None  # made in __init__ for a sharded manager
+        if self._ranks.group:  # no rank goes on to the collective save alone
+            digests = handshake(
+                "CheckpointManager.save",
+                agree_on={"step": step},
+                advice="call save() on every rank, each with its share of the state (or make "
+                "the manager with distributed=False where one process saves alone)",
+                report=self._steps.replicas_digest(state),
+            )
+            if len(set(digests)) > 1:  # some rank holds other replicated items
+                self._steps.replicas_differ()
         self._finish_sharded()
         self._check_step(tier, step)  # the same verdict on every rank: no collective needed
         assert self._steps is not None  # made in __init__ for a sharded manager
@@ -508,7 +590,12 @@ class CheckpointManager:
         self._pending.append(future)
         self._last_commit = future
         self._last_sharded = future
+        future.add_done_callback(self._note_sharded_failure)
         return future
+
+    def _note_sharded_failure(self, future: concurrent.futures.Future[Any]) -> None:
+        if concurrent.futures.Future.exception(future) is not None:
+            self._sharded_failed = True
 
     def _finish_sharded(self) -> None:
         """Waits for the previous multi-rank save and raises its error: every rank's save of
@@ -527,9 +614,7 @@ class CheckpointManager:
         """Refuses a step already saved or older than the newest (the checks of
         :meth:`_clear_for`, without removing anything: rank 0 does that in the background)."""
         self._check_lease()
-        committed = layout.committed_steps(tier)
-        if tier == self._fast:
-            committed = sorted({*committed, *self._root_steps()})
+        committed = self._committed_before(tier, step)
         if step in committed:
             raise ValueError(f"step {step} is already saved in {tier}")
         if committed and step < committed[-1]:
@@ -692,20 +777,41 @@ class CheckpointManager:
         return set(added)
 
     def _set_aside_unreadable(self, tier: Tier) -> None:
-        """Sets aside (:func:`~fastckpt.series.steps.set_aside`, logged) each step of a local
-        ``tier`` whose marker cannot be read: planted or damaged, it would count as the
-        newest step and refuse every save, keep every older step through retention, and
-        fail the drain at every start. Nothing is deleted; a URL tier keeps such steps."""
-        if tier.is_url:
-            return
+        """Sets aside (:func:`~fastckpt.series.steps.set_aside`, logged) each step of
+        ``tier`` whose marker cannot be read (``.unreadable-``) or whose files are not those
+        its marker records (``.damaged-``: missing, or of another size): planted or damaged,
+        it would count as the newest step and refuse every save, keep every older step
+        through retention, and fail the drain at every start. Nothing is deleted (at a URL
+        the objects are moved within the tier)."""
         for step in layout.committed_steps(tier):
+            self._set_aside_if_broken(tier, step)
+
+    def _set_aside_if_broken(self, tier: Tier, step: int, *, verify: bool = False) -> bool:
+        """Sets ``step`` of ``tier`` aside when its marker cannot be read or its files do not
+        match it (with ``verify``, also when its own file fails its checksums); whether it
+        did. A step that cannot be reached (an I/O error) is left as it is."""
+        problem: str | None
+        try:
+            marker = layout.marker_of(tier, step)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as exc:
+            why, problem = "unreadable", str(exc)
+        else:
             try:
-                layout.marker_of(tier, step)
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError) as exc:
-                moved = layout.set_aside(tier, step)
-                _log.error("step %d in %s set aside as %s: %s", step, tier, moved, exc)
+                why, problem = "damaged", layout.files_problem(tier, step, marker)
+                if problem is None and verify and marker.get("layout") == layout.FILE_LAYOUT:
+                    problem = own_damage(tier, step)
+            except OSError as exc:
+                _log.warning("step %d in %s could not be checked: %s", step, tier, exc)
+                return False
+            if problem is None:
+                return False
+        with self._guard:
+            moved = layout.set_aside(tier, step, why)
+            self._markers.pop((tier.location, step), None)
+        _log.error("step %d in %s set aside as %s: %s", step, tier, moved, problem)
+        return True
 
     def _first_report(self, tier: Tier, step: int, kind: str) -> bool:
         """Whether ``kind`` is news for ``step`` of ``tier``: retention runs at every save, and
@@ -787,8 +893,21 @@ class CheckpointManager:
         again. A step that fails only because a base is missing or damaged is left as it is.
 
         Raises:
-            FileNotFoundError: no step (or not ``step``) is committed, or none loads.
+            ValueError: in a process group, ``state`` is None: a step saved by several ranks
+                loads only into the sharded state it is to fill (pass ``state=``, the same
+                state dict each rank passed to :meth:`save`).
+            RestoreError: steps are committed but none loads (a ``FileNotFoundError``
+                naming each step tried, its directory and why).
+            FileNotFoundError: no step (or not ``step``) is committed.
         """
+        if self._ranks.group and state is None:  # every rank: before any collective
+            raise ValueError(
+                f"restore() in a process group of {self._ranks.world} ranks needs state=: the "
+                "sharded state to load the step into (each rank's own state dict, as passed "
+                "to save(): DTensors or this rank's tensors); without it no step can load"
+            )
+        if self._ranks.group or self._replicator is not None:  # collective: every rank comes
+            handshake("CheckpointManager.restore", agree_on={"step": step})
         if self._replicator is not None and self._fast is not None:  # every rank: the same step
             concurrent.futures.wait(list(self._pending))
             self.recovery = peer_copies.recover(self._replicator, self._fast, self._root, step)
@@ -796,12 +915,15 @@ class CheckpointManager:
                 raise FileNotFoundError(f"no step is available to every rank ({self.fast})")
             step = self.recovery.step
             self._keep_replicated(step)  # (no drain's retention removes it before the load)
+            if self._common is not None:  # every rank holds it now: the common step
+                self._keep_common(step)
             if step not in self._root_steps():  # its node died before the drain
                 self._submit_drain(step)
         if self._last_sharded is not None:  # its collectives end before the load's begin
             concurrent.futures.wait([self._last_sharded])  # (its error stays for save())
         candidates = self._ranks.agree(lambda: self._candidates(step))
         errors: list[str] = []
+        files: list[str | None] = []  # the file each failure names, if any
         failed: list[tuple[Tier, int]] = []
         restored: tuple[int, Any] | None = None
         for candidate, index in candidates:
@@ -820,17 +942,25 @@ class CheckpointManager:
             _log.warning(
                 "step %d in %s cannot be restored (%s); trying the next", candidate, tier, reason
             )
-            errors.append(f"{directory}: {reason}")
+            errors.append(f"step {candidate} ({directory}): {reason}")
+            files.append(getattr(error, "filename", None) if not ok else None)
             failed.append((tier, candidate))
         if failed and not self._ranks.sharded:
             self._quarantine_damaged(failed)
+        if self._replicator is not None:  # every rank restored the step, or every rank raises
+            why = None if restored is not None else "; ".join(errors) or f"no step {step} here"
+            peer_copies.agree_restored(self._replicator, step, why)
         if restored is not None:
             return restored
         where = self.root if self.fast is None else f"{self.fast} or {self.root}"
         if not errors:
             wanted = "no committed step" if step is None else f"no committed step {step}"
             raise FileNotFoundError(f"{wanted} in {where}")
-        raise FileNotFoundError(f"no step in {where} could be restored: " + "; ".join(errors))
+        raise RestoreError(
+            errno.ENOENT,
+            f"no step in {where} could be restored: " + "; ".join(errors),
+            next((f for f in files if f), None),
+        )
 
     def _quarantine_damaged(self, failed: list[tuple[Tier, int]]) -> None:
         """Moves out of the series the single-file steps of ``failed`` (steps that did not
@@ -921,26 +1051,46 @@ class CheckpointManager:
             saver = self._steps if state is not None else None
             if self._ranks.group and tier is self._root:  # shared by every node (a fast
                 options = {"group": True, **options}  # tier may be a node's own): read once
-            return load_step(
-                directory, state, self._ranks, tier.storage_options, saver=saver, **options
-            )
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                return load_step(
+                    directory, state, self._ranks, tier.storage_options, saver=saver, **options
+                )
+            except CheckpointException as exc:  # a BaseException: a damaged step like any
+                raise _dcp_failure(step, directory, exc) from exc
         options = dict(options)
         if tier.is_url:
             options.setdefault("storage_options", tier.storage_options)
+        else:  # a link planted in a step is never followed into another run's checkpoint
+            os.close(transfer.open_own_file(os.path.join(directory, layout.STATE_FILE)))
         return api.load(layout.join(directory, layout.STATE_FILE), verify=True, **options)
 
     # -- lifetime --------------------------------------------------------------------------
     def wait(self) -> None:
         """Waits for every save and drain started so far; raises the first error not raised
-        already (by a save future's ``result()`` or by :meth:`save`)."""
-        while self._pending:
+        already (by a save future's ``result()`` or by :meth:`save`).
+
+        In a multi-rank run every rank calls it: it ends with a barrier, once rank 0's
+        drains and retention are done, so that :meth:`steps` then lists the same steps on
+        every rank (no barrier once a multi-rank save failed: its ranks may be gone)."""
+        error: BaseException | None = None
+        while self._pending and error is None:
             future = self._pending.pop(0)
-            error = concurrent.futures.Future.exception(future)  # (not marked retrieved)
-            if error is None:
+            failure = concurrent.futures.Future.exception(future)  # (not marked retrieved)
+            if failure is None:
                 continue
             retrieved = getattr(future, "retrieved", False) or id(future) in self._delivered
             if not retrieved:
-                raise error
+                error = failure  # the others stay pending, for the next wait() to raise
+        if self._ranks.group:
+            concurrent.futures.wait(list(self._pending))
+            if not self._sharded_failed:
+                # a wait() on a subset of ranks fails in seconds, not at the group's timeout
+                handshake("CheckpointManager.wait")
+                self._ranks.barrier()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Waits for saves and drains, then lets another manager own the tiers."""
@@ -950,8 +1100,15 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._common is not None:  # ends every rank's rounds
+                self._common.close(timeout=60.0)
             if self._replicator is not None:  # replicates the newest step, then stops
                 self._replicator.close(timeout=60.0)
+                peer_copies.prune(self._replicator)
+                if self._fast is not None:  # the step peers hold moved on: keep_fast applies
+                    self._retain_at_close(self._fast)
+            elif self._fast is not None and self._ranks.coordinator:
+                self._retain_at_close(self._fast)  # the last drain's step may have come late
             self._saves.shutdown()
             self._drains.shutdown()
             if self._steps is not None:
@@ -966,6 +1123,14 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _retain_at_close(self, tier: Tier) -> None:
+        """Applies ``tier``'s retention once more, every save and drain done (logged, not
+        raised: the manager is closing, and its steps are committed)."""
+        try:
+            self._retain(tier)
+        except (OSError, ValueError) as exc:
+            _log.error("retention of %s at close: %s", tier, exc)
 
     def _tiers(self) -> list[Tier]:
         return [self._root] if self._fast is None else [self._fast, self._root]
@@ -1004,3 +1169,19 @@ def _same(a: Tier, b: Tier) -> bool:
     if a.is_url or b.is_url:
         return a.location == b.location
     return os.path.realpath(a.location) == os.path.realpath(b.location)
+
+
+def _dcp_failure(step: int, directory: str, exc: BaseException) -> FastCkptError:
+    """DCP's ``CheckpointException`` (a ``BaseException``, each rank's error inside) as a
+    :class:`FastCkptError` naming the step, and the file of the first error that names one."""
+    failures = getattr(exc, "failures", {}) or {}
+    causes = [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+    named = [c for c in causes if getattr(c, "filename", None)]
+    cause = (named or causes or [exc])[0]
+    what = f"{type(cause).__name__}: {getattr(cause, 'strerror', None) or cause}"
+    filename = getattr(cause, "filename", None)
+    if filename:
+        what += f" ({filename})"
+    error = FastCkptError(f"step {step} ({directory}): loading the DCP checkpoint failed: {what}")
+    error.filename = filename  # type: ignore[attr-defined]
+    return error

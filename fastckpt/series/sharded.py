@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -45,6 +45,7 @@ from fastckpt.distributed.collective_save import save_collectively
 from fastckpt.distributed.collective_save import timings as plan_timings
 from fastckpt.distributed.groups import checkpoint_group
 from fastckpt.distributed.plan_cache import PlanCache, structure_hash
+from fastckpt.distributed.replicated_items import AllBut, assign
 from fastckpt.errors import FastCkptError
 
 __all__ = ["DCP_LAYOUT", "Captured", "Ranks", "StepSaver", "load_step", "save_step"]
@@ -82,7 +83,7 @@ class Ranks:
     def barrier(self) -> None:
         """Waits for every rank (raises when one died)."""
         if self.group:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=checkpoint_group())
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0 runs ``decide``; every rank returns its result, or raises its error (other
@@ -97,7 +98,8 @@ class Ranks:
             except Exception as exc:
                 error = exc
                 outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
-        torch.distributed.broadcast_object_list(outcome, src=0)
+        # on the checkpoint group: bounded by FASTCKPT_GROUP_TIMEOUT, not the training group's
+        torch.distributed.broadcast_object_list(outcome, src=0, group=checkpoint_group())
         if error is not None:
             raise error
         kind, value = outcome[0]
@@ -110,7 +112,9 @@ class Ranks:
         if not self.group:
             return ok
         flag = torch.tensor([0 if ok else 1])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MAX, group=checkpoint_group()
+        )
         return int(flag.item()) == 0
 
 
@@ -217,11 +221,15 @@ def _state_dicts_of(state: Any) -> Any:
 class Captured:
     """One rank's state as :meth:`StepSaver.capture` took it: the state dict DCP plans on
     (stand-ins over the staged copies, or over the live tensors of a lazy save) and the
-    writer that holds the copies."""
+    writer that holds the copies; ``items``: the write items copied when only some were
+    (those of the plan the save expected to reuse, or all but the replicated items other
+    ranks write), None when all were (or the stage is lazy: every item is read under the
+    fence)."""
 
     staged: Any
     writer: Any
     lazy: bool
+    items: Container[Any] | None = None
 
 
 class StepSaver:
@@ -259,6 +267,7 @@ class StepSaver:
         self.plan_seconds: list[float] = []
         self._writer: Any = None
         self._writer_key: Any = None
+        self._assigned: dict[int, Any] = {}  # id(state) -> its assignment, for one capture
         self._stagers: list[Any] = []
 
     def capture(
@@ -274,6 +283,8 @@ class StepSaver:
         to :class:`~fastckpt.integrations.dcp.FastCkptWriter`."""
         from fastckpt.integrations.dcp import FastCkptLazyStager, FastCkptWriter
 
+        assigned = self._assigned.pop(id(state), None)  # by replicas_digest(), if it ran
+        self._assigned.clear()
         state = _state_dicts_of(state)
         options = dict(options)
         fence = options.pop("fence", None)
@@ -292,13 +303,53 @@ class StepSaver:
         if fence is None:
             # a plan this save will reuse says which items are this rank's to write
             reused = self.plans.plan if self.plans.matches(structure_hash(state)) else None
+            items: Container[Any] | None = None
+            skip = None
+            if reused is not None:
+                items = frozenset(i.index for i in reused.items)
+            elif self._own_replicas_only():
+                replicas = assigned or assign(state, self.ranks.world)
+                skip = replicas.others(self.ranks.rank)  # not copied: other ranks write them
+                # values saved as bytes are captured all the same (the staged state holds
+                # deep copies), so a rank may still write one when the owners do not hold
+                items = AllBut(replicas.others_tensors(self.ranks.rank))
             with _one_process(self.ranks):
-                return Captured(writer.stage(state, reuse=reused), writer, lazy=False)
+                staged = writer.stage(state, reuse=reused, skip=skip)
+                return Captured(staged, writer, False, items)
         stager = FastCkptLazyStager(
             fence=fence, fence_bytes=fence_bytes, staging_bytes=options.get("staging_bytes")
         )
         self._stagers.append(stager)
         return Captured(stager.stage(state), writer, lazy=True)
+
+    def replicas_digest(self, state: Any) -> int | None:
+        """What this rank tells the others before a capture that would copy only its own
+        replicated items (None when it copies them all): the digest of the items every rank
+        must hold alike for the rule to hold. The ranks compare it in the save's foreground
+        handshake and, where any differs, :meth:`replicas_differ` makes every rank copy
+        them all, so no value is left uncopied on the first save of a structure."""
+        self._assigned.clear()
+        plain = _state_dicts_of(state)
+        if not self._own_replicas_only() or self.plans.matches(structure_hash(plain)):
+            return None
+        replicas = assign(plain, self.ranks.world)
+        self._assigned[id(state)] = replicas  # the caller's object: capture() gets it again
+        return replicas.digest
+
+    def replicas_differ(self) -> None:
+        """The ranks' replicated items differ (:meth:`replicas_digest`): this capture, and
+        the next ones until the ranks agree again, copy every replicated item."""
+        self._assigned.clear()
+        self.plans.replicas_differ = True
+
+    def _own_replicas_only(self) -> bool:
+        """Whether a capture without a plan to reuse copies, of the replicated items, only
+        those this rank writes (:mod:`fastckpt.distributed.replicated_items`): with no
+        plans cached (the first save of this saver, or the one after a failure), unless
+        the ranks' replicated items differed at the last save. A rank whose structure
+        changed since its cached plans copies them all: the other ranks may hold the old
+        structure, whose replicated items are not this one's."""
+        return self.ranks.world > 1 and self.plans.hash is None and not self.plans.replicas_differ
 
     def write(
         self,
@@ -325,6 +376,7 @@ class StepSaver:
                         group=self.group,
                         prepare=prepare,
                         commit=commit,
+                        captured=captured.items,
                     )
             finally:
                 captured.staged = None  # a lazy stage ends once its stand-ins are gone

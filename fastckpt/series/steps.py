@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -49,9 +50,12 @@ from fastckpt.io.commit import fsync_directory, write_atomically
 from fastckpt.storage import join
 from fastckpt.storage.url import url_errors
 
+_log = logging.getLogger("fastckpt")
+
 __all__ = [
     "FILE_LAYOUT",
     "MARKER",
+    "SET_ASIDE",
     "SPARE_FILE",
     "STATE_FILE",
     "Tier",
@@ -59,11 +63,13 @@ __all__ = [
     "check_file_name",
     "commit",
     "committed_steps",
+    "files_problem",
     "join",
     "marker_of",
     "quarantine_step",
-    "set_aside",
     "remove_step",
+    "set_aside",
+    "set_aside_dirs",
     "step_dir",
     "step_files",
     "uncommitted_dirs",
@@ -308,12 +314,17 @@ def remove_step(tier: Tier | str, step: int, *, spare: str | None = None) -> Non
         fs.invalidate_cache(path)
         return
     if os.path.lexists(directory) and not _real_directory(directory):
-        raise FileExistsError(
-            errno.EEXIST,
-            f"{directory} in tier {tier} is not a step directory fastckpt made (a symbolic "
-            "link or a file): not followed, not removed",
+        # another tool's link or file where the step goes: moved out of the way as it is
+        # (a link renamed is never followed), never removed, and the run goes on
+        moved = _rename_aside(tier, directory, "foreign")
+        _log.warning(
+            "%s in tier %s is not a step directory fastckpt made (a symbolic link or a file): "
+            "not followed, not removed; moved aside as %s",
             directory,
+            tier,
+            moved,
         )
+        return
     try:
         os.unlink(os.path.join(directory, MARKER))
         fsync_directory(directory)
@@ -370,12 +381,22 @@ def quarantine_step(tier: Tier | str, step: int) -> str:
     return target
 
 
-def set_aside(tier: Tier | str, step: int) -> str:
-    """Moves a local step whose marker cannot be read out of the series, marker and all: its
-    directory is renamed ``step-<12 digits>.unreadable-<UTC time>`` (one atomic rename, so
-    nothing is deleted and a person can look at it, or rename it back). Such a step, planted
-    or damaged, would otherwise count as the newest step (refusing every save) and keep every
-    older step through retention. Returns the new location.
+#: Why a step was set aside: the suffix its directory takes (``step-<12 digits>.<why>-<time>``).
+SET_ASIDE = ("unreadable", "damaged", "abandoned", "foreign")
+_SET_ASIDE = re.compile(
+    r"step-([0-9]{12})\.(unreadable|damaged|abandoned|foreign)-([0-9A-Za-z-]+)", re.ASCII
+)
+
+
+def set_aside(tier: Tier | str, step: int, why: str = "unreadable") -> str:
+    """Moves a step out of the series, marker and all, without deleting anything: a local
+    step's directory is renamed ``step-<12 digits>.<why>-<UTC time>`` (one atomic rename);
+    at a URL the marker object is moved first (copied, then deleted: the step leaves the
+    series at once), then the step's other objects, each within the tier. ``why`` is
+    ``"unreadable"`` (its marker cannot be read) or ``"damaged"`` (its files are missing or
+    fail verification). Such a step, planted or damaged, would otherwise count as the newest
+    step (refusing every save) and keep every older step through retention; a person can
+    look at it, or move it back. Returns the new location.
 
     Example:
         >>> import tempfile, os
@@ -386,16 +407,112 @@ def set_aside(tier: Tier | str, step: int) -> str:
         >>> moved = set_aside(tier, 8)
         >>> committed_steps(tier), sorted(os.listdir(moved))
         ([], ['COMMITTED'])
+        >>> url = Tier("memory://doc-set-aside/run")
+        >>> storage.write_whole(join(step_dir(url, 9), MARKER), b"{}")
+        >>> moved = set_aside(url, 9, "damaged")
+        >>> committed_steps(url), [s for s, _, _ in set_aside_dirs(url)]
+        ([], [9])
     """
-    directory = step_dir(_tier(tier), step)
+    if why not in SET_ASIDE[:2]:
+        raise ValueError(f"why must be 'unreadable' or 'damaged', got {why!r}")
+    tier = _tier(tier)
+    directory = step_dir(tier, step)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target, attempt = f"{directory}.unreadable-{stamp}", 1
+    if tier.is_url:
+        return _set_aside_url(tier, directory, f"{why}-{stamp}")
+    return _rename_aside(tier, directory, why)
+
+
+def _rename_aside(tier: Tier, directory: str, why: str) -> str:
+    """Renames a local step's ``directory`` (or whatever stands at its name: a link is
+    renamed itself) to ``<name>.<why>-<UTC time>``, durably; the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, attempt = f"{directory}.{why}-{stamp}", 1
     while os.path.lexists(target):  # set aside twice within a second
         attempt += 1
-        target = f"{directory}.unreadable-{stamp}-{attempt}"
+        target = f"{directory}.{why}-{stamp}-{attempt}"
     os.rename(directory, target)
-    fsync_directory(_tier(tier).location)
+    fsync_directory(tier.location)
     return target
+
+
+def _set_aside_url(tier: Tier, directory: str, suffix: str) -> str:
+    """:func:`set_aside` at a URL: the marker object moved first, then the rest."""
+    fs, path = tier.fs()
+    base = f"{path}/{os.path.basename(directory)}"
+    target, attempt = f"{base}.{suffix}", 1
+    with url_errors(directory, "setting aside"):
+        while fs.exists(f"{target}/{MARKER}"):  # set aside twice within a second
+            attempt += 1
+            target = f"{base}.{suffix}-{attempt}"
+        fs.mv(f"{base}/{MARKER}", f"{target}/{MARKER}")
+        fs.invalidate_cache(path)
+        for name in sorted(fs.find(base)):
+            fs.mv(name, target + name[len(base) :])
+    fs.invalidate_cache(path)
+    return join(tier.location, os.path.basename(target))
+
+
+def set_aside_dirs(tier: Tier | str) -> list[tuple[int, str, str]]:
+    """The steps set aside in ``tier`` (:func:`set_aside`, :func:`quarantine_step`, and
+    those a restore of replicated steps abandoned), as ``(step, why, location)`` sorted:
+    no longer steps of the series, but kept for a person to look at.
+
+    Example:
+        >>> import tempfile, os
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(step_dir(tier, 2) + ".damaged-20260101T000000Z")
+        >>> [(s, why) for s, why, _ in set_aside_dirs(tier)]
+        [(2, 'damaged')]
+    """
+    tier = _tier(tier)
+    names: set[str] = set()
+    if tier.is_url:
+        fs, path = tier.fs()
+        with url_errors(tier.location, "listing"):
+            try:
+                found = fs.find(path)
+            except FileNotFoundError:
+                found = []
+        names = {n.rstrip("/")[len(path) :].strip("/").split("/")[0] for n in found}
+    else:
+        try:
+            listed = os.listdir(tier.location)
+        except FileNotFoundError:
+            listed = []
+        names = {n for n in listed if _real_directory(os.path.join(tier.location, n))}
+    aside = []
+    for name in names:
+        match = _SET_ASIDE.fullmatch(name)
+        if match is not None:
+            aside.append((int(match.group(1)), match.group(2), join(tier.location, name)))
+    return sorted(aside)
+
+
+def files_problem(tier: Tier | str, step: int, marker: Mapping[str, Any]) -> str | None:
+    """What is wrong with the files of committed ``step`` against its ``marker``'s record
+    (a file missing, or of another size), or None when each is there at its size. A marker
+    planted beside no files (or another run's) is caught here without reading any data.
+
+    Example:
+        >>> import tempfile, os
+        >>> tier = tempfile.mkdtemp()
+        >>> os.makedirs(step_dir(tier, 3))
+        >>> files_problem(tier, 3, {"files": {"state.safetensors": 10}})
+        'state.safetensors is missing'
+        >>> files_problem(tier, 3, {"step": 3})
+        'its marker records no files'
+    """
+    recorded = dict(marker.get("files", {}))
+    if not recorded:  # every commit records its files: a step of nothing restores nothing
+        return "its marker records no files"
+    present = step_files(tier, step)
+    for name, size in sorted(recorded.items()):
+        if name not in present:
+            return f"{name} is missing"
+        if present[name] != size:
+            return f"{name} holds {present[name]} bytes, its marker says {size}"
+    return None
 
 
 def abort_unfinished_uploads(tier: Tier | str) -> int:

@@ -37,8 +37,10 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
+import stat
 import sys
 import threading
 import time
@@ -58,7 +60,7 @@ from fastckpt.io.files import File
 from fastckpt.io.parallel_io import MAP_POPULATE
 from fastckpt.storage.url import UrlStorage
 
-__all__ = ["COPY_MEMORY", "copy_file", "lower_thread_priority", "verify_copy"]
+__all__ = ["COPY_MEMORY", "copy_file", "lower_thread_priority", "open_own_file", "verify_copy"]
 
 #: The most bytes a copy or its verification holds at once.
 COPY_MEMORY = 256 << 20
@@ -235,7 +237,24 @@ def copy_file(
 ) -> int:
     """Copies ``source`` to ``target`` (each a local path or a URL) with bounded memory, at
     most ``rate`` bytes a second; returns the CRC32C of the bytes sent. A local target is
-    fsynced; a URL target appears whole or not at all."""
+    fsynced; a URL target appears whole or not at all. A local source must be a regular
+    file of its own (:func:`open_own_file`): a link is never followed.
+
+    Raises:
+        OSError: the source is a link or not a file fastckpt wrote (``ELOOP``/``EINVAL``,
+            naming it).
+    """
+    source_local = storage.to_local(source)
+    local = storage.to_local(target)
+    if source_local is not None:
+        fd = open_own_file(source_local)
+        try:
+            if local is not None:
+                return _copy_local(fd, source_local, local, os.fstat(fd).st_size, rate)
+            with os.fdopen(os.dup(fd), "rb") as opened:
+                return _copy_to_url(opened, source, target, target_options, rate)
+        finally:
+            os.close(fd)
     total = _size(source, source_options)
     crc = 0
 
@@ -246,10 +265,6 @@ def copy_file(
             crc = _C.crc32c(_address(chunk), len(chunk), crc)
             yield chunk
 
-    local = storage.to_local(target)
-    source_local = storage.to_local(source)
-    if local is not None and source_local is not None:
-        return _copy_local(source_local, local, total, rate)
     if local is None:
         part, parallel = _upload_shape(total)
         sink = UrlStorage(target, storage_options=target_options, part_size=part, parallel=parallel)
@@ -266,12 +281,72 @@ def copy_file(
     return crc
 
 
-def _windows(source: str, total: int) -> Iterator[memoryview]:
+def open_own_file(path: str) -> int:
+    """A descriptor of the local file ``path``, opened without following a link; it must be
+    a regular file, so that a symbolic link planted in a step never carries another file
+    (or a device, a FIFO) into a copy.
+
+    Raises:
+        OSError: ``ELOOP`` for a link, ``EINVAL`` for anything else that is not such a
+            file, naming ``path``.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "a")
+        >>> open(path, "w").close(); os.symlink(path, path + ".link")
+        >>> os.close(open_own_file(path))
+        >>> open_own_file(path + ".link")
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 40] a symbolic link, not a file fastckpt wrote: not followed: '/...a.link'
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(
+                errno.ELOOP, "a symbolic link, not a file fastckpt wrote: not followed", path
+            ) from None
+        raise
+    info = os.fstat(fd)
+    # A second name (a user's hard link kept as a backup) leaves the bytes fastckpt wrote:
+    # they are copied and verified like any other; only reuse and removal look at links.
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(
+            errno.EINVAL, "not a regular file, not a file fastckpt wrote: not copied", path
+        )
+    return fd
+
+
+def _copy_to_url(
+    opened: Any, source: str, target: str, target_options: Options, rate: float | None
+) -> int:
+    """Uploads the open local file ``opened`` (``source``) to the URL ``target``."""
+    total = os.fstat(opened.fileno()).st_size
+    crc = 0
+    pace = _Pace(rate)
+
+    def counted() -> Iterator[bytes]:
+        nonlocal crc
+        while chunk := opened.read(_CHUNK):
+            crc = _C.crc32c(_address(chunk), len(chunk), crc)
+            yield chunk
+            pace(len(chunk))
+
+    part, parallel = _upload_shape(total)
+    sink = UrlStorage(target, storage_options=target_options, part_size=part, parallel=parallel)
+    sink.write_atomically(counted(), total)
+    return crc
+
+
+def _windows(source: str | int, total: int) -> Iterator[memoryview]:
     """The file's bytes ``_CHUNK`` at a time, each a read-only mapping of the file (faulted
     in at once), unmapped before the next: the copy holds at most ``_CHUNK`` of it mapped,
     and copies none of it. A file with a kept mapping (a fast tier's, on a memory file
     system: :mod:`fastckpt.io.kept_mappings`) is read from it instead, mapping nothing."""
-    with open(source, "rb") as f, kept_mappings.borrow(f.fileno()) as kept:
+    opened = os.fdopen(os.dup(source), "rb") if isinstance(source, int) else open(source, "rb")
+    with opened as f, kept_mappings.borrow(f.fileno()) as kept:
         if kept is not None:
             yield from _kept_windows(kept, total)
         else:
@@ -307,7 +382,7 @@ def _mapped_windows(fd: int, total: int) -> Iterator[memoryview]:
                 window.close()
 
 
-def _copy_local(source: str, target: str, total: int, rate: float | None) -> int:
+def _copy_local(fd: int, source: str, target: str, total: int, rate: float | None) -> int:
     """Copies a local file to a local file from mappings of the source: O_DIRECT writes of
     its aligned part where the target's file system takes them (the tail, and every byte
     elsewhere, through the page cache); fsynced. Returns the CRC32C of the bytes; each
@@ -317,10 +392,10 @@ def _copy_local(source: str, target: str, total: int, rate: float | None) -> int
         ChecksumError: the source is damaged (named, with its tensors).
     """
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    pace, offset, checker = _Pace(rate), 0, _Checker(source, None)
+    pace, offset, checker = _Pace(rate), 0, _Checker(source, None, opened=fd)
     with File(target, write=True, create=True, truncate=True, direct=True) as out:
         direct_fd, align = (out.direct_fd, out.alignment) if out.direct else (-1, 1)
-        for view in _windows(source, total):
+        for view in _windows(fd, total):
             n = len(view)
             checker.feed(_address(view), n)
             aligned = n - n % align if direct_fd >= 0 else 0
@@ -348,13 +423,18 @@ class _Checker:
     tensor's, checked against its header: every byte is read once, its segment's CRC32C
     combined into the whole file's and, inside a tensor, into the tensor's."""
 
-    def __init__(self, location: str, options: Options):
+    def __init__(self, location: str, options: Options, *, opened: int | None = None):
         self.entries: list[Any] = []
         self.expected: dict[str, int] = {}
         self.data_offset = 0
         if location.endswith(".safetensors"):
             # the file alone: an incremental file's bases are checked by the drain, in root
-            with CheckpointReader(location, storage_options=options) as reader:
+            # (``opened``: the header of the very file copied, not what its name holds now)
+            with contextlib.ExitStack() as stack:
+                source: Any = location
+                if opened is not None:
+                    source = stack.enter_context(os.fdopen(os.dup(opened), "rb"))
+                reader = stack.enter_context(CheckpointReader(source, storage_options=options))
                 if reader.has_checksums:
                     self.entries = sorted(reader.header.entries.values(), key=lambda e: e.begin)
                     self.expected = dict(reader.meta.crcs or {})

@@ -22,6 +22,7 @@ from fastckpt.checkpoint import tensor_records
 from fastckpt.checkpoint.incremental import dependencies
 from fastckpt.cli import main as cli_main
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
+from tests._false_hashes import record_false_xxh3
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -594,3 +595,69 @@ def test_a_file_reached_along_many_paths_is_opened_once(tmp_path, monkeypatch):
     assert len(opened) == 24 and len(set(opened)) == 24
     back = fastckpt.load(tmp_path / "0.safetensors", verify=True)
     assert torch.equal(back["b"], torch.zeros(4))
+
+
+def test_a_base_recording_a_false_xxh3_is_not_referred_to(tmp_path, caplog):
+    import logging
+
+    state = _state()
+    base = str(tmp_path / "0.safetensors")
+    fastckpt.save(state, base)
+    assert fastckpt.load(base, verify=True)  # well-formed
+    stored = state["base.weight"].clone()
+    state["base.weight"] = stored * 2  # in memory now: other values than the base's bytes
+    # the base claims to hold the tensor now in memory, over its old bytes
+    record_false_xxh3(base, "base.weight", xxhash.xxh3_128_hexdigest(state["base.weight"].numpy()))
+    assert torch.equal(fastckpt.load(base, verify=True)["base.weight"], stored)  # still loads
+    path = str(tmp_path / "1.safetensors")
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        fastckpt.save(state, path, base=base)
+    assert "base.weight" in safetensors.torch.load_file(path)  # written in full
+    back = fastckpt.load(path, verify=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert base in caplog.text and "'base.weight'" in caplog.text
+    assert "base.bias" not in safetensors.torch.load_file(path)  # the honest ones referred to
+
+
+def test_a_base_whose_referred_bytes_fail_their_crc_is_not_referred_to(tmp_path, caplog):
+    import logging
+
+    state = _state()
+    base = str(tmp_path / "0.safetensors")
+    fastckpt.save(state, base)
+    with fastckpt.open(base) as reader:
+        at = reader.header.data_offset + reader.header.entries["base.bias"].begin
+    with open(base, "r+b") as f:  # one byte of the stored bias damaged
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    tensor_records.forget()
+    from fastckpt.checkpoint import known_indexes
+
+    known_indexes.forget()  # as in a new process: the base's header is parsed
+    path = str(tmp_path / "1.safetensors")
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        fastckpt.save(state, path, base=base)
+    assert "base.bias" in safetensors.torch.load_file(path)
+    assert "CRC32C" in caplog.text and "'base.bias'" in caplog.text
+    back = fastckpt.load(path, verify=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("saved_here", [True, False], ids=["saved-here", "saved-elsewhere"])
+def test_a_parsed_base_has_its_referred_bytes_read_at_most_once(tmp_path, saved_here):
+    from fastckpt.checkpoint import known_indexes
+
+    state = _state()
+    base = str(tmp_path / "0.safetensors")
+    fastckpt.save(state, base)
+    if not saved_here:
+        tensor_records.forget()  # as in a new process
+    for step in (1, 2):
+        known_indexes.forget()  # parsed each time, as a base at a URL always is
+        before = len(tensor_records._intact)
+        fastckpt.save(state, str(tmp_path / f"{step}.safetensors"), base=base)
+        read = len(tensor_records._intact) - before  # tensors read back and hashed
+        assert read == (len(state) if step == 1 and not saved_here else 0)
+        assert not safetensors.torch.load_file(str(tmp_path / f"{step}.safetensors"))

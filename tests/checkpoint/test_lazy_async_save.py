@@ -259,3 +259,51 @@ def test_the_next_checkpoints_fence_copies_into_the_memory_the_last_one_used(tmp
         assert fence_memory.idle_bytes() == 16 << 20  # kept for the next fence
     fastckpt.release_staging()
     assert fence_memory.idle_bytes() == 0
+
+
+@pytest.mark.parametrize("late_kind", ["fused", "foreach", "for-loop"])
+def test_an_optimizer_made_after_the_call_is_fenced_too(tmp_path, late_kind):
+    # A fused kernel moves no version counter: were its step not fenced, the file would
+    # hold the values after it, unseen by every check.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    state = model.state_dict()
+    expected = {k: v.clone() for k, v in state.items()}
+    path = tmp_path / "late.safetensors"
+    ring = asynchronous.lazy_ring(4 << 20)  # held: the writer cannot copy a byte yet
+    held = []
+    while (buffer := ring.try_acquire()) is not None:
+        held.append(buffer)
+    try:
+        future = fastckpt.async_save(
+            state, path, fence=owner(model.parameters()), staging_bytes=4 << 20
+        )
+        guard = future._guard
+        options = {"fused": {"fused": True}, "foreach": {"foreach": True}}
+        late = torch.optim.Adam(model.parameters(), lr=0.5, **options.get(late_kind, {}))
+        model(torch.randn(4, 512)).sum().backward()
+        late.step()  # at once, before the writer copied anything
+        assert not torch.equal(model[0].weight, expected["0.weight"])
+    finally:
+        for buffer in held:
+            ring.release(buffer)
+    future.result()
+    back = fastckpt.load(path)
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+    assert guard.snapshot_bytes == sum(t.nbytes for t in expected.values())
+    assert guard not in lazy_guard._reading_live  # no step looks at it any more
+
+
+def test_an_optimizer_stepping_other_tensors_does_not_fence_the_save(tmp_path):
+    state = _big_state(16)
+    other = torch.nn.Linear(8, 8)
+    future = fastckpt.async_save(
+        state, tmp_path / "w.safetensors", fence=owner(state), staging_bytes=16 << 20
+    )
+    guard = future._guard
+    optimizer = torch.optim.Adam(other.parameters(), fused=True)
+    other(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    assert guard.snapshot_bytes == 0 and not guard._settled
+    future.result()

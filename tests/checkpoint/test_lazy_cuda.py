@@ -276,6 +276,25 @@ def test_cuda_work_queued_before_the_call_is_in_the_file(tmp_path):
     assert torch.all(fastckpt.load(tmp_path / "q.safetensors")["w"] == 20)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("late_kind", ["fused", "foreach"])
+def test_a_cuda_optimizer_made_after_the_call_is_fenced_too(tmp_path, late_kind):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    state = model.state_dict()
+    expected = {k: v.clone() for k, v in state.items()}
+    path = tmp_path / "late.safetensors"
+    future = fastckpt.async_save(
+        state, path, fence=owner(model.parameters()), staging_bytes=4 * MIB
+    )
+    late = torch.optim.Adam(model.parameters(), lr=0.5, **{late_kind: True})
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    late.step()  # its kernels move no version counter (fused): only the fence keeps them out
+    future.result()
+    back = fastckpt.load(path)
+    assert all(torch.equal(back[k], v.cpu()) for k, v in expected.items())
+
+
 # -- the benchmark's lazy row ------------------------------------------------------------------
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_cuda.py")

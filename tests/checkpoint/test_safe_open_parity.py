@@ -97,3 +97,122 @@ def test_a_closed_reader_answers_nothing(tmp_path, sharded):
     for ask in (reader.keys, reader.metadata, lambda: reader.info("a")):
         with pytest.raises(ValueError, match="closed"):
             ask()
+
+
+def _stored(path, tensors):
+    if str(path).endswith("st.safetensors"):
+        safetensors.torch.save_file(tensors, str(path))
+    else:
+        fastckpt.save(tensors, path)
+    return path
+
+
+def test_keys_are_sorted_and_offset_keys_in_data_order_as_in_safe_open(tmp_path):
+    """Names out of alphabetical order and sizes that make fastckpt's layout reorder them."""
+    tensors = {
+        "zeta": torch.ones(3),
+        "alpha": torch.ones(1024),  # 4 KiB: laid out first by fastckpt
+        "mid": torch.ones(5, dtype=torch.float16),
+        "beta": torch.ones(2, dtype=torch.float64),
+    }
+    files = [_stored(tmp_path / "st.safetensors", tensors), _stored(tmp_path / "fc", tensors)]
+    w = torch.ones(4, 4)
+    nested = tmp_path / "nested.safetensors"
+    fastckpt.save({"model": {"w": w, "tied": w}, "b": [torch.zeros(1024)], "step": 1}, nested)
+    files.append(nested)
+    for path in files:
+        with safe_open(str(path), "pt") as theirs, fastckpt.open(path) as ours:
+            assert ours.keys() == theirs.keys() == sorted(theirs.keys())
+            assert ours.offset_keys() == theirs.offset_keys()
+    with fastckpt.open(tmp_path / "fc") as ours:
+        assert ours.offset_keys() != ours.keys()  # the layout put the 4 KiB tensor first
+
+
+def test_keys_of_an_incremental_checkpoint_are_sorted(tmp_path):
+    base, top = tmp_path / "0.safetensors", tmp_path / "1.safetensors"
+    fastckpt.save({"b": torch.zeros(2), "a": torch.zeros(2), "c": torch.zeros(2)}, base)
+    fastckpt.save({"b": torch.ones(2), "a": torch.zeros(2), "c": torch.zeros(2)}, top, base=base)
+    with fastckpt.open(top) as reader:
+        assert reader.keys() == ["a", "b", "c"]
+        assert reader.offset_keys()[0] == "b"  # the one tensor this file holds itself
+
+
+def test_metadata_is_safe_opens_less_fastckpts_keys(tmp_path):
+    """On every file, ``metadata()`` is what ``safe_open`` says for the same file without the
+    ``fastckpt.*`` keys: None without ``__metadata__`` (safetensors' save_file writes none
+    without metadata=), and ``format`` where the file has it (fastckpt.save writes it)."""
+    w = {"w": torch.ones(2)}
+    safetensors.torch.save_file(w, str(tmp_path / "st.safetensors"))
+    safetensors.torch.save_file(w, str(tmp_path / "st-meta.safetensors"), metadata={"a": "b"})
+    safetensors.torch.save_file(w, str(tmp_path / "hf.safetensors"), metadata={"format": "pt"})
+    fastckpt.save(w, tmp_path / "fc.safetensors")
+    fastckpt.save(w, tmp_path / "fc-meta.safetensors", metadata={"a": "b"})
+    fastckpt.save({"nested": [torch.ones(1)]}, tmp_path / "fc-tree.safetensors", checksum=False)
+    expected = {
+        "st": None,
+        "st-meta": {"a": "b"},
+        "hf": {"format": "pt"},
+        "fc": {"format": "pt"},
+        "fc-meta": {"format": "pt", "a": "b"},
+        "fc-tree": {"format": "pt"},
+    }
+    for name, want in expected.items():
+        path = str(tmp_path / f"{name}.safetensors")
+        with safe_open(path, "pt") as theirs, fastckpt.open(path) as ours:
+            raw = theirs.metadata()
+            user = (
+                None
+                if raw is None
+                else {k: v for k, v in raw.items() if not k.startswith("fastckpt.")}
+            )
+            assert ours.metadata() == user == want, name
+
+
+CHANNELS_LAST = [
+    (torch.channels_last, (2, 3, 4, 5)),
+    (torch.channels_last_3d, (2, 3, 2, 4, 5)),
+]
+
+
+@pytest.mark.parametrize("memory_format, shape", CHANNELS_LAST, ids=["2d", "3d"])
+@pytest.mark.parametrize("layout", ["flat", "single", "nested", "parameter"])
+def test_a_channels_last_tensor_loads_channels_last_as_with_torch_load(
+    tmp_path, memory_format, shape, layout
+):
+    """fastckpt.load keeps the memory format, as torch.load keeps strides; the bytes stay
+    the logical row-major ones, so safetensors reads the same values."""
+    t = torch.randn(*shape).to(memory_format=memory_format)
+    obj = {
+        "flat": {"x": t, "y": torch.zeros(3)},
+        "single": {"x": t},
+        "nested": {"model": {"x": t}, "step": 1},
+        "parameter": {"model": {"x": torch.nn.Parameter(t)}},
+    }[layout]
+    path = tmp_path / "cl.safetensors"
+    fastckpt.save(obj, path)
+    torch.save(obj, tmp_path / "cl.pt")
+    theirs = torch.load(tmp_path / "cl.pt", weights_only=True)
+    for options in ({}, {"mmap": True}):
+        ours = fastckpt.load(path, **options)
+        got, want = (
+            (ours["x"], theirs["x"]) if "x" in obj else (ours["model"]["x"], theirs["model"]["x"])
+        )
+        assert got.stride() == want.stride() == t.stride()
+        assert type(got) is type(want) and torch.equal(got, t)
+    name = "x" if "x" in obj else "model/x"
+    assert torch.equal(safetensors.torch.load_file(str(path))[name], t)
+    with safe_open(str(path), "pt") as st, fastckpt.open(path) as reader:
+        assert torch.equal(st.get_tensor(name), t) and st.get_tensor(name).is_contiguous()
+        assert torch.equal(reader.get_tensor(name), t)
+    named = fastckpt.load(path, keys=[name])[name]
+    assert named.stride() == t.stride() and torch.equal(named, t)
+
+
+def test_channels_last_on_the_meta_device_and_other_strides(tmp_path):
+    t = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    path = tmp_path / "cl.safetensors"
+    fastckpt.save({"x": t, "transposed": torch.randn(3, 4).t()}, path)
+    back = fastckpt.load(path, device="meta")
+    assert back["x"].stride() == t.stride()
+    # only channels-last formats are kept: other strides come back contiguous
+    assert fastckpt.load(path)["transposed"].is_contiguous()

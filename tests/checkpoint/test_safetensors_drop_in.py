@@ -103,3 +103,27 @@ def test_every_public_error_is_in_the_errors_page():
     ]
     assert "UnsafePickleError" in errors
     assert [name for name in errors if f"`fastckpt.{name}`" not in page] == []
+
+
+def test_a_loop_over_keys_reads_in_safe_opens_order(tmp_path):
+    """``{k: f.get_tensor(k) for k in f.keys()}``, the usual loading loop, yields the same
+    dict in the same order with either library, on a file that each of them wrote; every
+    reader type has ``offset_keys()``."""
+    tensors = {"z": torch.ones(1024), "a": torch.arange(3.0), "m": torch.zeros(2, 2)}
+    theirs_path, ours_path = str(tmp_path / "st.safetensors"), str(tmp_path / "fc.safetensors")
+    save_file(tensors, theirs_path)
+    fastckpt.save(tensors, ours_path)
+    for path in (theirs_path, ours_path):
+        with safe_open(path, "pt") as theirs, fastckpt.open(path) as ours:
+            a = {k: theirs.get_tensor(k) for k in theirs.keys()}  # noqa: SIM118 - not a dict
+            b = {k: ours.get_tensor(k) for k in ours.keys()}  # noqa: SIM118 - not a dict
+            assert list(a) == list(b) == ["a", "m", "z"]
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    url = f"memory://drop-in-order/{tmp_path.name}.safetensors"
+    fastckpt.save(tensors, url)
+    fastckpt.save(tensors, tmp_path / "shards", max_shard_size=4096)
+    for where in (url, tmp_path / "shards"):
+        with fastckpt.open(where) as reader:
+            assert sorted(reader.offset_keys()) == sorted(reader.keys()) == ["a", "m", "z"]
+    with fastckpt.open(url) as reader:
+        assert reader.keys() == ["a", "m", "z"] and reader.offset_keys()[0] == "z"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import math
 import pickle
+import typing
 import warnings
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from hypothesis import strategies as st
 
 import fastckpt
 from fastckpt import format as fmt
+from fastckpt.checkpoint import config_objects
 from fastckpt.checkpoint.tree import MAX_DEPTH, Flat, WeightsOnlyError, flatten, unflatten
 from fastckpt.errors import FastCkptError, HeaderError
 
@@ -61,6 +66,13 @@ def assert_same(a, b, where="obj"):
             assert_same(va, vb, f"{where}[{ka!r}]")
         if isinstance(a, OrderedDict):
             assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        if isinstance(a, defaultdict):
+            assert a.default_factory is b.default_factory, where
+    elif isinstance(a, (set, frozenset)):
+        assert a == b, where
+    elif isinstance(a, complex):
+        assert_same(a.real, b.real, f"{where}.real")
+        assert_same(a.imag, b.imag, f"{where}.imag")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for index, (x, y) in enumerate(zip(a, b)):
@@ -297,9 +309,9 @@ def test_unsupported_object_names_its_path():
     assert "['optimizer']['state'][0]['x']" in message
     assert "Opaque" in message and "allow_pickle=True" in message
     with pytest.raises(TypeError, match="dict key"):
-        flatten({frozenset(): 1})
+        flatten({Opaque(1): 1})
     with pytest.raises(TypeError, match="defaultdict"):
-        flatten([defaultdict(int)])
+        flatten([defaultdict(lambda: 0)])  # a factory that is no type of the table
     with pytest.raises(TypeError, match=r"tensor used as a dict key at \['k'\]"):
         flatten({"k": {torch.ones(1): 1}})
 
@@ -470,6 +482,15 @@ tags = st.sampled_from(
         "object",
         "class",
         "flat",
+        "set",
+        "frozenset",
+        "complex",
+        "bytearray",
+        "counter",
+        "ddict",
+        "dataclass",
+        "namedtuple",
+        "enum",
         "?",
     ]
 )
@@ -480,6 +501,7 @@ field_values = st.one_of(
     st.sampled_from(["x", "i", "nan", "-0x1f", "float32", "cpu", "AA==", "gAR9lC4=", "cuda:-1"]),
     st.sampled_from(["argparse.Namespace", "omegaconf.DictConfig", "omegaconf.ListConfig"]),
     st.sampled_from(["lightning.AttributeDict", "dict", "os.system", "${oc.env:HOME}", "${x}"]),
+    st.sampled_from(["os:system", "builtins:dict", "list", "channels_last", "channels_last_3d"]),
     st.text(max_size=4),
 )
 json_trees = st.recursive(
@@ -497,6 +519,7 @@ json_trees = st.recursive(
                 "g": children,
                 "type": children,
                 "c": children,
+                "f": children,
             },
         ),
     ),
@@ -514,6 +537,8 @@ def test_fuzz_trees_raise_only_header_error(tree, weights_only):
         pass
     except WeightsOnlyError:
         assert weights_only
+    except ImportError:  # a trusted file names a class (or pickles one) missing here
+        assert not weights_only
 
 
 # --------------------------------------------------------------------------- property
@@ -521,6 +546,16 @@ def test_fuzz_trees_raise_only_header_error(tree, weights_only):
 
 # NaN keys included: two NaN keys of one dict are two keys (nan != nan).
 keys = st.one_of(st.text(max_size=4), st.integers(-5, 5), st.booleans(), st.none(), st.floats())
+# A set holds no NaN here: two NaNs are two elements, and no NaN equals another on comparison.
+set_elements = st.one_of(
+    st.text(max_size=3),
+    st.integers(-(2**70), 2**70),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.complex_numbers(allow_nan=False),
+    st.tuples(st.integers(-3, 3), st.text(max_size=2)),
+    st.binary(max_size=3),
+)
 leaves = st.one_of(
     st.none(),
     st.booleans(),
@@ -528,6 +563,8 @@ leaves = st.one_of(
     st.floats(),
     st.text(max_size=5),
     st.binary(max_size=4),
+    st.binary(max_size=4).map(bytearray),
+    st.complex_numbers(),
     st.builds(lambda n, f: torch.full((n,), f), st.integers(0, 3), st.floats(-10, 10)),
 )
 objects = st.recursive(
@@ -537,6 +574,10 @@ objects = st.recursive(
         st.lists(children, max_size=3).map(tuple),
         st.dictionaries(keys, children, max_size=3),
         st.dictionaries(st.text(max_size=3), children, max_size=3).map(OrderedDict),
+        st.dictionaries(st.text(max_size=3), st.integers(-3, 3), max_size=3).map(Counter),
+        st.dictionaries(keys, children, max_size=3).map(lambda d: defaultdict(list, d)),
+        st.sets(set_elements, max_size=4),
+        st.frozensets(set_elements, max_size=4),
     ),
     max_leaves=12,
 )
@@ -751,3 +792,228 @@ def test_a_loaded_object_is_freed_without_the_garbage_collector(tmp_path):
         assert alive() is None
     finally:
         gc.enable()
+
+
+# --------------------------------------------------------------------------- torch.load's types
+
+
+def _torch_round_trip(obj, path):
+    """What torch.save then torch.load(weights_only=True) returns for ``obj``."""
+    torch.save(obj, path)
+    return torch.load(path, weights_only=True)
+
+
+def test_the_types_torch_loads_safely_are_stored_as_data(tmp_path):
+    """Sets, complex numbers, Counter, OrderedDict, bytes and bytearray: torch.load with
+    weights_only=True takes them, so fastckpt stores them with no pickle, types exact."""
+    obj = {
+        "set": {3, 1, 2},
+        "words": {"b", "a", "c"},
+        "mixed": {1, "a", None, (2, "b")},
+        "complex": 1.5 - 2j,
+        "odd complex": complex(float("inf"), -0.0),
+        "counter": Counter("abracadabra"),
+        "odict": OrderedDict(b=1, a=[2]),
+        "bytes": b"\x00\xff",
+        "bytearray": bytearray(b"\x01\x02"),
+        "w": torch.arange(4.0),
+        2j: "a complex key",
+    }
+    path = tmp_path / "types.safetensors"
+    fastckpt.save(obj, path)  # no allow_pickle
+    ours = fastckpt.load(path)  # weights_only=True
+    theirs = _torch_round_trip(obj, tmp_path / "types.pt")
+    assert_same(ours, theirs)
+    assert_same(ours, obj)
+    with fastckpt.open(path) as reader:
+        assert '"pickle"' not in json.dumps(reader.structure)
+
+
+def test_frozenset_and_defaultdict_round_trip_as_data(tmp_path):
+    """Beyond what torch.load(weights_only=True) takes: frozensets, and defaultdicts whose
+    factory is a type of the table."""
+    obj = {
+        "fs": frozenset({"x", "y"}),
+        "dd": defaultdict(list, {"a": [1]}),
+        "none": defaultdict(None, {1: 2}),
+        "counts": defaultdict(int),
+        frozenset({1, 2}): "a frozenset key",
+    }
+    path = tmp_path / "more.safetensors"
+    fastckpt.save(obj, path)
+    back = fastckpt.load(path)
+    assert_same(back, obj)
+    back["counts"]["new"] += 1  # the factory works
+    assert back["counts"] == {"new": 1}
+
+
+def test_a_set_is_written_alike_whatever_the_hash_seed(tmp_path):
+    """Set elements are sorted (or ordered by their JSON), so the file does not depend on
+    PYTHONHASHSEED: two processes write the same header."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, fastckpt\n"
+        "fastckpt.save({'s': {'pear', 'apple', 'fig', 'kiwi'}, 'm': {1, 'a', None, (2, 'b')},"
+        " 'f': frozenset({'x', 'yy', 'zzz'})}, sys.argv[1])\n"
+    )
+    headers = []
+    for seed in ("1", "2", "3"):
+        path = tmp_path / f"seed{seed}.safetensors"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "FASTCKPT_NO_PROGRESS": "1"}
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env)
+        with fastckpt.open(path) as reader:
+            headers.append(reader.structure)
+    assert headers[0] == headers[1] == headers[2]
+    assert headers[0]["v"][0]["v"] == ["apple", "fig", "kiwi", "pear"]
+
+
+@pytest.mark.parametrize(
+    "node, match",
+    [
+        ({"t": "set", "v": [[1]]}, "invalid dict key"),
+        ({"t": "set", "v": [1, 1]}, "duplicate elements"),
+        ({"t": "frozenset", "v": "ab"}, "must be a list"),
+        ({"t": "set", "v": [T]}, "invalid dict key"),
+        ({"t": "complex", "v": [1.0]}, "malformed complex"),
+        ({"t": "complex", "v": [1, 2.0]}, "malformed complex"),
+        ({"t": "complex", "v": [1.0, "x"]}, "malformed complex"),
+        ({"t": "bytearray", "v": "!!"}, "base64"),
+        ({"t": "counter", "k": [1], "v": []}, "1 keys, 0 values"),
+        ({"t": "ddict", "k": [], "v": [], "f": "os.system"}, "unknown defaultdict factory"),
+        ({"t": "ddict", "k": [], "v": [], "f": 1}, "must be a str"),
+        ({"t": "tensor", "n": "x", "f": "channels_first"}, "unknown memory format"),
+        ({"t": "tensor", "n": "x", "f": "channels_last"}, "needs 4"),
+        ({"t": "flat", "v": ["x"], "f": {"y": "channels_last"}}, "not a key"),
+        ({"t": "flat", "v": ["x"], "f": {"x": "channels_last_3d"}}, "needs 5"),
+        ({"t": "enum", "c": "os.system", "v": 1}, "malformed class name"),
+        ({"t": "enum", "c": ".os:system", "v": 1}, "malformed class name"),
+        ({"t": "dataclass", "c": "a:B", "k": ["x"], "v": []}, "malformed dataclass fields"),
+        ({"t": "dataclass", "c": "a:B", "k": ["x", "x"], "v": [1, 2]}, "malformed dataclass"),
+        ({"t": "dataclass", "c": "a:B", "v": []}, "missing 'k'"),
+        ({"t": "namedtuple", "c": "a:B", "v": {}}, "must be a list"),
+    ],
+)
+def test_malformed_new_nodes_raise_header_error(node, match):
+    tensors = {"x": torch.ones(1)}
+    with pytest.raises(HeaderError, match=match):
+        unflatten(node, tensors, {}, weights_only=False)
+
+
+# --------------------------------------------------------------------------- allowed classes
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    lr: float
+    widths: tuple = (64, 64)
+    schedule: dict = dataclasses.field(default_factory=dict)
+    steps_done: int = dataclasses.field(default=0, init=False)  # not a constructor argument
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    name: str
+
+
+class Point(typing.NamedTuple):
+    x: float
+    y: float
+
+
+Pair = namedtuple("Pair", "left right")
+
+
+class Mode(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Access(enum.Flag):
+    READ = 1
+    WRITE = 2
+
+
+SAFE = [TrainConfig, Frozen, Point, Pair, Mode, Access]
+
+
+@pytest.fixture
+def allowed():
+    """The test's classes allowed for the test only."""
+    fastckpt.add_safe_classes(SAFE)
+    yield
+    config_objects.remove_safe_classes(SAFE)
+
+
+def _records():
+    config = TrainConfig(0.1, schedule={"warmup": 10, "w": torch.ones(2)})
+    config.steps_done = 7
+    return {
+        "config": config,
+        "point": Point(1.0, 2.5),
+        "pair": Pair([1], Frozen("f")),
+        "mode": Mode.EVAL,
+        "access": Access.READ | Access.WRITE,
+        Mode.TRAIN: "an enum key",
+        Frozen("key"): "a frozen dataclass key",
+        "modes": {Mode.TRAIN, Mode.EVAL},
+    }
+
+
+def test_allowed_classes_round_trip_as_torch_load_with_safe_globals(tmp_path, allowed):
+    obj = _records()
+    path = tmp_path / "records.safetensors"
+    fastckpt.save(obj, path)  # no pickle: fields as data
+    back = fastckpt.load(path)
+    with torch.serialization.safe_globals(SAFE):
+        torch.save(obj, tmp_path / "records.pt")
+        theirs = torch.load(tmp_path / "records.pt", weights_only=True)
+    for key in obj:
+        assert type(back[key]) is type(theirs[key]) is type(obj[key]), key
+    assert back["config"].steps_done == 7 and back["config"].widths == (64, 64)
+    assert torch.equal(back["config"].schedule["w"], torch.ones(2))
+    assert back["point"] == theirs["point"] == Point(1.0, 2.5)
+    assert back["pair"] == Pair([1], Frozen("f"))
+    assert back["mode"] is Mode.EVAL and back["access"] == Access.READ | Access.WRITE
+    assert back[Mode.TRAIN] == "an enum key" and back[Frozen("key")] == "a frozen dataclass key"
+    assert back["modes"] == {Mode.TRAIN, Mode.EVAL}
+    with fastckpt.open(path) as reader:
+        tree = reader.structure
+    assert '"pickle"' not in json.dumps(tree)
+    assert f"{__name__}:TrainConfig" in json.dumps(tree)
+
+
+def test_a_class_not_allowed_is_refused_on_save_and_on_load(tmp_path, allowed):
+    path = tmp_path / "records.safetensors"
+    fastckpt.save({"config": TrainConfig(0.5)}, path)
+    config_objects.remove_safe_classes([TrainConfig])
+    with pytest.raises(WeightsOnlyError) as info:
+        fastckpt.load(path)
+    message = str(info.value)
+    assert "add_safe_classes" in message and "TrainConfig" in message and "['config']" in message
+    # a trusted file: the class is imported by the name the file records
+    assert fastckpt.load(path, weights_only=False)["config"] == TrainConfig(0.5)
+    with pytest.raises(TypeError, match=r"add_safe_classes\(\[.*TrainConfig\]\)"):
+        fastckpt.save({"config": TrainConfig(0.5)}, tmp_path / "refused.safetensors")
+    with pytest.raises(TypeError, match="not a dataclass, named tuple or enum"):
+        fastckpt.add_safe_classes([Opaque])
+    with pytest.raises(TypeError, match="list of classes"):
+        fastckpt.add_safe_classes(TrainConfig)
+
+
+def test_a_record_of_a_class_of_another_kind_is_refused(allowed):
+    node = {"t": "dataclass", "c": f"{__name__}:Mode", "k": [], "v": []}
+    with pytest.raises(HeaderError, match="is a enum here"):
+        unflatten(node, {}, {})
+    missing = {"t": "dataclass", "c": f"{__name__}:TrainConfig", "k": ["nope"], "v": [1]}
+    with pytest.raises(HeaderError, match="no field 'nope'"):
+        unflatten(missing, {}, {})
+    bad_enum = {"t": "enum", "c": f"{__name__}:Mode", "v": "test"}
+    with pytest.raises(HeaderError, match="cannot rebuild"):
+        unflatten(bad_enum, {}, {})
+    with pytest.raises(ImportError, match="cannot be imported"):
+        unflatten(
+            {"t": "enum", "c": "no_such_module_here:Mode", "v": 1}, {}, {}, weights_only=False
+        )

@@ -637,3 +637,85 @@ def test_seeded_sweep_of_damaged_files_never_verifies_what_load_refuses(tmp_path
             assert status != 0, (how, out)
         status, out, err = run_main(capsys, "inspect", path)
         assert status in (0, 1, 2) and "Traceback" not in out + err, how
+
+
+# ----------------------------------------------------------------- other tools' files
+
+
+def _other_tools_files(folder) -> dict[str, str]:
+    """One file of each format a user may point the commands at by mistake -> its name."""
+    import numpy as np
+
+    with open(folder / "arrays.npz", "wb") as f:
+        np.savez(f, x=np.ones(3))
+    with open(folder / "array.npy", "wb") as f:
+        np.save(f, np.ones(3))
+    (folder / "model.gguf").write_bytes(b"GGUF\x03\0\0\0" + bytes(64))
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    (folder / "state.pkl").write_bytes(pickle.dumps({"w": [1.0]}, protocol=4))
+    return {
+        "arrays.npz": "a NumPy .npz archive (a zip of .npy files)",
+        "array.npy": "a NumPy .npy file",
+        "model.gguf": "a GGUF file (llama.cpp)",
+        "config.json": "a JSON document",
+        "state.pkl": "a Python pickle (protocol 4, not torch.save)",
+    }
+
+
+def test_inspect_names_other_tools_files_it_skips(tmp_path, capsys):
+    named = _other_tools_files(tmp_path)
+    fastckpt.save({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    status, _, err = run_main(capsys, "inspect", str(tmp_path))
+    assert status == 0
+    for name, described in named.items():
+        assert f"{name}: {described}" in err
+    assert "a torch.save file" not in err
+
+
+@pytest.mark.parametrize(
+    "name", ["arrays.npz", "array.npy", "model.gguf", "config.json", "state.pkl"]
+)
+def test_convert_refuses_other_tools_files_naming_the_format(tmp_path, capsys, name):
+    described = _other_tools_files(tmp_path)[name]
+    status, _, err = run_main(
+        capsys, "convert", str(tmp_path / name), str(tmp_path / "out.safetensors")
+    )
+    assert status == 2
+    assert f"{name}: {described}, not a torch.save or safetensors file" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("spelling", ["outdir/", "outdir"])
+def test_convert_into_a_directory_writes_model_safetensors(tmp_path, capsys, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.arange(3.0)}, "train.pt")
+    if spelling == "outdir":
+        os.mkdir("outdir")  # an existing directory, named without the slash
+    status, out, err = run_main(capsys, "convert", "train.pt", spelling)
+    assert status == 0, err
+    assert "-> outdir/model.safetensors" in out
+    assert fastckpt.load("outdir")["w"].tolist() == [0.0, 1.0, 2.0]
+    status, _, err = run_main(capsys, "convert", "train.pt", spelling)
+    assert status == 2 and "outdir/model.safetensors exists; pass --force" in err
+    assert run_main(capsys, "convert", "train.pt", spelling, "--force")[0] == 0
+
+
+def test_convert_into_a_directory_holding_another_tools_checkpoint_refuses(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, "train.pt")
+    os.mkdir("hf")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    status, _, err = run_main(capsys, "convert", "train.pt", "hf/")
+    assert status == 1 and "holds a checkpoint that fastckpt did not write" in err
+    assert sorted(os.listdir("hf")) == ["model.safetensors.index.json"]
+
+
+def test_inspect_of_a_series_root_says_what_reads_it(tmp_path, capsys):
+    with fastckpt.CheckpointManager(str(tmp_path / "run")) as manager:
+        manager.save(5, {"w": torch.ones(2)})
+    status, _, err = run_main(capsys, "inspect", str(tmp_path / "run"))
+    assert status == 2
+    assert "the root of a checkpoint series (1 committed step, the newest step-000000000005)" in err
+    assert "CheckpointManager(" in err and ".restore()" in err

@@ -269,3 +269,35 @@ def test_ls_verifies_a_dcp_step_as_one_checkpoint(tmp_path, capsys):
     data.write_bytes(bytes(damaged))
     status, out, _ = run_main(capsys, "ls", tmp_path, "--verify")
     assert status == 1 and "step 5: DAMAGED root:" in out
+
+
+def test_ls_shows_set_aside_steps_and_replicas_held_for_peers(tmp_path, capsys):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with CheckpointManager(root, fast=fast, keep_last=None, keep_fast=3) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": torch.full((100,), float(step))})
+    steps.set_aside(str(root), 2, "damaged")
+    os.makedirs(steps.step_dir(str(root), 3) + ".abandoned-20260101T000000Z")
+    os.makedirs(steps.step_dir(str(fast), 9))
+    (fast / "step-000000000009" / steps.MARKER).write_text("{not json")
+    steps.set_aside(str(fast), 9)
+    # a replica this node holds for rank 1 (the layout of fastckpt.distributed.replica_store)
+    replica = fast / ".replicas" / "from-rank-00001" / "step-000000000003"
+    replica.mkdir(parents=True)
+    (replica / "state.safetensors").write_bytes(b"x" * 10)
+    (replica / "REPLICA").write_text(
+        json.dumps({"step": 3, "rank": 1, "node": 1, "files": [["state.safetensors", 10]]})
+    )
+    status, out, err = run_main(capsys, "ls", root, "--fast", fast)
+    assert status == 0, err
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "root (set aside: damaged)" in lines["2"] and "fast" in lines["2"]
+    assert "root (set aside: abandoned)" in lines["3"] and "fast (replica of rank 1)" in lines["3"]
+    assert "fast (set aside: unreadable)" in lines["9"] and " no " in lines["9"]
+    status, out, _ = run_main(capsys, "ls", root, "--fast", fast, "--json")
+    listed = {s["step"]: s for s in json.loads(out)}
+    assert [(a["tier"], a["why"]) for a in listed[2]["set_aside"]] == [("root", "damaged")]
+    assert [(r["tier"], r["rank"]) for r in listed[3]["replicas"]] == [("fast", 1)]
+    assert listed[9]["committed"] is False and listed[9]["tiers"] == {}
+    assert "set_aside" not in listed[1] and "replicas" not in listed[1]
+    assert sorted(os.listdir(fast / ".replicas")) == ["from-rank-00001"]  # read, not changed

@@ -315,7 +315,7 @@ def test_tuned_file_keeps_the_format_config_reads(tmp_path):
         "loops": 1,
         "gpu": True,
         "dirs": [str(tmp_path), str(tmp_path / "missing")],
-        "cold_reads": "o_direct",
+        "cold_reads": "fadvise",
         "configurations_measured": 2,
         "configurations_total": 3,
         "read_gbps": 2.5,
@@ -438,16 +438,18 @@ def test_tune_drops_the_page_cache_only_for_reads_and_when_allowed(
     nvme.mkdir()
     args = ["tune", "--nvme_dir", nvme, "--io_size", "256K", "--sweep_config", sweep_file]
 
-    status, out, err = run_main(capsys, *args, "--no_write", "--no-drop-caches")
+    for default in ([], ["--no-drop-caches"]):  # only the files read are evicted
+        status, out, err = run_main(capsys, *args, "--no_write", *default)
+        assert status == 0, err
+        assert knob.read_text() == ""
+        assert "Cold reads: the files read are evicted from the page cache" in out
+        assert "the rest of the machine's cache is left alone" in out
+    status, out, err = run_main(capsys, *args, "--no_read", "--drop-all-caches")
     assert status == 0, err
-    assert knob.read_text() == ""
-    assert "page cache not dropped (--no-drop-caches): read figures are not cold" in out
-    status, out, err = run_main(capsys, *args, "--no_read")  # writes need no cold cache
+    assert knob.read_text() == ""  # writes need no cold cache
+    status, out, err = run_main(capsys, *args, "--no_write", "--drop_all_caches")
     assert status == 0, err
-    assert knob.read_text() == ""
-    status, out, err = run_main(capsys, *args, "--no_write")
-    assert status == 0, err
-    assert knob.read_text() == "3\n" and "Cold reads: page cache dropped before every read" in out
+    assert knob.read_text() == "3\n" and "Cold reads: the whole page cache dropped" in out
 
     status, _, err = run_main(capsys, *args, "--no-drop-caches", "--flush_page_cache")
     assert status == 2 and "--no-drop-caches" in err

@@ -5,8 +5,11 @@ apart from the test module so each spawned process imports only torch and fastck
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing
 import os
+import resource
+import shutil
 import socket
 import warnings
 
@@ -15,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
+from fastckpt.distributed.group_reader import GroupReader, read_into_shared
+from fastckpt.distributed.groups import checkpoint_group
 
 # -- values -------------------------------------------------------------------------------------
 
@@ -226,6 +231,165 @@ def read_once_cases(rank: int, world: int, base: str) -> None:
         assert "differ" in str(e), e
     else:
         raise AssertionError("different checkpoints were not noticed")
+
+
+# -- checkpoints alike in shape, not in content -------------------------------------------------
+
+
+def step_values(step: int) -> dict[str, torch.Tensor]:
+    """Step ``step`` of a run: the same names, dtypes and shapes at every step; step 2 differs
+    from step 1 in one tensor only (so in one shard of a sharded directory)."""
+    g = torch.Generator().manual_seed(11)
+    values = {f"layers.{i}.weight": torch.randn(64, 512, generator=g) for i in range(8)}
+    if step == 2:
+        values["layers.5.weight"] += 1
+    return values
+
+
+def write_steps(base: str) -> None:
+    """Two steps of a run as single files, copies, sharded directories (a tensor a shard),
+    incremental files and files without checksums (their step in their metadata)."""
+    for step in (1, 2):
+        values = step_values(step)
+        fastckpt.save(values, f"{base}/step{step}.safetensors")
+        fastckpt.save(values, f"{base}/sharded{step}", max_shard_size=128 << 10)
+        changed = dict(values, **{"layers.0.weight": values["layers.0.weight"] * 2})
+        fastckpt.save(
+            changed, f"{base}/incremental{step}.safetensors", base=f"{base}/step{step}.safetensors"
+        )
+        fastckpt.save(
+            values, f"{base}/plain{step}.safetensors", checksum=False, metadata={"step": str(step)}
+        )
+    shutil.copyfile(f"{base}/step1.safetensors", f"{base}/copy1.safetensors")
+    shutil.copyfile(f"{base}/step1.safetensors", f"{base}/replaced.safetensors")
+    shutil.copytree(f"{base}/sharded1", f"{base}/resaved")
+
+
+def _lower_open_files(soft: int) -> None:
+    """The soft limit on open files of this rank: its reads must fit ``soft`` descriptors."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _refused(rank: int, attempt, *named: str) -> str:
+    """``attempt()`` raises ValueError on this rank, naming every one of ``named``."""
+    try:
+        attempt()
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: a mix of {named} was not noticed")
+    for text in named:
+        assert text in message, (rank, text, message)
+    return message
+
+
+def differing_content_cases(rank: int, world: int, base: str) -> None:
+    """Ranks that opened checkpoints with the same names, dtypes and shapes but other bytes
+    (two steps of a run; a file saved over the path between their opens) stop, every rank,
+    with an error naming the ranks and both files; copies of one checkpoint still agree."""
+    _lower_open_files(256)
+    others = f"ranks {list(range(1, world))}"
+
+    def mine(kind: str) -> str:
+        return f"{base}/{kind}{1 if rank == 0 else 2}"
+
+    # copies of one checkpoint at other paths: one shared read
+    copy = f"{base}/step1.safetensors" if rank == 0 else f"{base}/copy1.safetensors"
+    same(fastckpt.load(copy, group=True), step_values(1))
+
+    # two steps of a run: every way of sharing a read refuses, on every rank
+    step = mine("step") + ".safetensors"
+    zeros = {k: torch.zeros(64, 512) for k in step_values(1)}
+    steps = (f"{base}/step1.safetensors", f"{base}/step2.safetensors", others, "CRC32C")
+
+    def read_all() -> None:
+        with fastckpt.open(step, group=True) as r:
+            r.read()
+
+    def verify_all() -> None:
+        with fastckpt.open(step, group=True) as r:
+            r.verify()
+
+    for attempt in (
+        lambda: fastckpt.load(step, group=True),
+        lambda: fastckpt.load_into(zeros, step, group=True),
+        read_all,
+        verify_all,
+    ):
+        _refused(rank, attempt, *steps)
+    assert all(not t.any() for t in zeros.values())  # nothing read into the model
+
+    # a sharded directory: the shard that differs, in both directories
+    with open(f"{base}/sharded1/model.safetensors.index.json") as f:
+        shard = json.load(f)["weight_map"]["layers.5.weight"]
+    _refused(
+        rank,
+        lambda: fastckpt.load(mine("sharded"), group=True),
+        f"shard {shard}",
+        f"{base}/sharded1/{shard}",
+        f"{base}/sharded2/{shard}",
+    )
+
+    # incremental files: the file of the chain that differs
+    incremental = mine("incremental") + ".safetensors"
+    _refused(
+        rank,
+        lambda: fastckpt.load(incremental, group=True),
+        "chain file 1",
+        f"{base}/incremental1.safetensors",
+        f"{base}/incremental2.safetensors",
+    )
+
+    # files without checksums: their whole headers compared (their metadata differs here)
+    plain = mine("plain") + ".safetensors"
+    _refused(
+        rank,
+        lambda: fastckpt.load(plain, group=True),
+        f"{base}/plain1.safetensors",
+        f"{base}/plain2.safetensors",
+        "headers differ",
+    )
+
+    # a file saved over the path after rank 0 opened it, before the others did
+    path = f"{base}/replaced.safetensors"
+    reader = fastckpt.open(path) if rank == 0 else None
+    dist.barrier()
+    if rank == 0:
+        fastckpt.save(step_values(2), path)
+    dist.barrier()
+    if reader is None:
+        reader = fastckpt.open(path)
+    inode = os.fstat(reader.storage.local_file().fd).st_ino
+    inodes = [None] * world
+    dist.all_gather_object(inodes, inode)
+    assert len(set(inodes)) == 2, inodes
+    shared = GroupReader(reader, checkpoint_group())
+    named = (path, others, f"inode {inodes[0]}", f"inode {inodes[-1]}")
+    _refused(rank, lambda: fastckpt.load(reader, group=True), *named)
+    _refused(rank, shared.verify, *named)
+    _refused(rank, lambda: read_into_shared(zeros, reader, shared.group), *named)
+    assert all(not t.any() for t in zeros.values())
+    reader.close()
+
+    # a sharded directory removed and saved again after rank 0 opened it
+    directory = f"{base}/resaved"
+    reader = fastckpt.open(directory) if rank == 0 else None
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory)
+        fastckpt.save(step_values(2), directory, max_shard_size=128 << 10)
+    dist.barrier()
+    if reader is None:
+        reader = fastckpt.open(directory)
+    _refused(
+        rank,
+        lambda: fastckpt.load(reader, group=True),
+        f"shard {shard}",
+        f"{directory}/{shard}",
+        others,
+    )
+    reader.close()
 
 
 def dcp_cases(rank: int, world: int, base: str) -> None:

@@ -6,13 +6,15 @@ the step on every rank (the step absent)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
-from collective_ranks import REPLICATED, ROWS, full
+from collective_ranks import COLS, DDP_SIZES, REPLICATED, ROWS, UNEVEN_ROWS, full
 
 import fastckpt
 from fastckpt.distributed.collective_save import CollectiveSaveError
@@ -28,18 +30,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(case: str, root: pathlib.Path, world: int = 2) -> list[str]:
-    """Runs ``world`` ranks of collective_ranks.py; every rank's stdout (each must exit 0)."""
+def _start(
+    case: str, root: pathlib.Path, world: int, nofile: int = 0, env: dict | None = None
+) -> list[subprocess.Popen]:
     port = _free_port()
-    children = [
+    return [
         subprocess.Popen(
-            [sys.executable, str(RANKS), str(rank), str(world), str(port), case, str(root)],
+            [sys.executable, str(RANKS), str(rank), str(world), str(port), case, str(root)]
+            + ([str(nofile)] if nofile else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         for rank in range(world)
     ]
+
+
+def _run(case: str, root: pathlib.Path, world: int = 2, nofile: int = 0) -> list[str]:
+    """Runs ``world`` ranks of collective_ranks.py; every rank's stdout (each must exit 0)."""
+    children = _start(case, root, world, nofile)
     outputs = [child.communicate(timeout=240) for child in children]
     for child, (_, err) in zip(children, outputs):
         assert child.returncode == 0, err[-4000:]
@@ -122,3 +132,133 @@ def test_stateful_values_are_saved_and_loaded_through_their_state_dicts(tmp_path
         target = {"model": fresh, "step": 0}
         assert manager.restore(1, state=target)[0] == 1
     assert target["step"] == 1 and torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize(
+    ("changer", "nofile"), [(0, 256), pytest.param(1, 0, marks=pytest.mark.slow)]
+)
+def test_a_structure_change_on_one_rank_saves_the_values_at_the_call(tmp_path, changer, nofile):
+    # one rank gains a key at step 2, the other does not (it copies only its cached plan's
+    # items), the plans are made again and give the replicated tensors to the other rank,
+    # and every tensor changes right after save() returns (NOFILE: under 256 open files)
+    outputs = _run(f"replan{changer}", tmp_path, nofile=nofile)
+    failed = [out for out in outputs if "CollectiveSaveError" in out]
+    if failed:  # refused on every rank, naming the rank and the key, and nothing committed
+        assert len(failed) == 2 and "would write" in outputs[0] + outputs[1], outputs
+        assert 2 not in layout.committed_steps(str(tmp_path))
+        return
+    for rank, out in enumerate(outputs):
+        assert f"rank {rank}: every step holds the values at its call" in out, out
+        assert f"rank {rank}: outcomes planned planned cached" in out, out
+    assert layout.committed_steps(str(tmp_path)) == [1, 2, 3]
+
+
+def test_a_rank_that_hangs_in_a_save_fails_the_others_after_the_group_timeout(tmp_path):
+    children = _start("hang", tmp_path, 2, env={"FASTCKPT_GROUP_TIMEOUT": "5"})
+    try:
+        out, err = children[0].communicate(timeout=120)  # not torch's 30 minutes
+    finally:
+        children[1].kill()  # still asleep in its write
+        children[1].communicate()
+    assert children[0].returncode == 0, err[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("rank 0: step 2 failed after"))
+    assert float(line.split()[6]) < 60, line  # the group's 5 s, and slack for a busy machine
+    assert "rank 0: steps [1]" in out
+
+
+def _index(name: str):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(name, torch.Size([0]))
+
+
+def test_an_item_not_captured_at_the_call_is_never_written_from_the_live_tensors(tmp_path):
+    from fastckpt.dcp import FastCkptWriter, is_dcp_checkpoint
+    from fastckpt.distributed.collective_save import save_collectively
+
+    writer, cache = FastCkptWriter(tmp_path / "a"), PlanCache()
+    state = {"w": torch.zeros(ROWS), "b": torch.ones(ROWS)}
+    assert save_collectively(state, writer, cache) == "planned"
+    # the cached plan is reused, but "b" was not copied at the call: refused, naming it
+    writer.reset(str(tmp_path / "b"))
+    with pytest.raises(CollectiveSaveError, match=r"rank 0 would write 'b' from the live"):
+        save_collectively(state, writer, cache, captured={_index("w")})
+    assert not is_dcp_checkpoint(str(tmp_path / "b")) and cache.hash is None
+    # planned afresh, "b" is offered by no rank that copied it: refused too, nothing published
+    writer.reset(str(tmp_path / "c"))
+    with pytest.raises(CollectiveSaveError, match=r"rank 0: 'b' is saved by no rank"):
+        save_collectively(state, writer, cache, captured={_index("w")})
+    assert not is_dcp_checkpoint(str(tmp_path / "c"))
+    writer.reset(str(tmp_path / "d"))
+    captured = {_index("w"), _index("b")}
+    assert save_collectively(state, writer, cache, captured=captured) == "planned"
+    assert save_collectively(state, writer, cache, captured=captured) == "cached"
+    writer.close()
+
+
+def _bytes_per_name(step_dir: str, files: list[str]) -> dict[str, list[int]]:
+    """Each stored name's base (a shard's ``@offset`` dropped) -> the bytes of every copy
+    in the step's rank files, read from their headers."""
+    found: dict[str, list[int]] = {}
+    for name in files:
+        if name.endswith(".safetensors"):
+            with fastckpt.open(pathlib.Path(step_dir) / name) as reader:
+                for key in reader.keys():
+                    found.setdefault(key, []).append(reader.info(key).nbytes)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicated_values_are_staged_and_written_once_from_the_first_save(tmp_path, world):
+    outputs = _run("ddp", tmp_path, world=world)
+    replicated = {f"ddp.p{i}" for i in range(len(DDP_SIZES))} | {"replicated.r", "step"}
+    staged: list[str] = []
+    for rank, out in enumerate(outputs):
+        assert f"rank {rank}: ddp steps restored" in out, out
+        assert f"rank {rank}: outcomes planned cached cached" in out, out
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {rank}: staged"))
+        staged += line.split()[3:]
+    # each replicated item copied at the first capture by one rank alone, spread over ranks
+    assert sorted(staged) == sorted(replicated), outputs
+    root = str(tmp_path / "steps")
+    expected_tensors = {
+        "model.w": ROWS * COLS * 4,
+        "model.uneven": UNEVEN_ROWS * 8 * 4,
+        "replicated.r": ROWS * COLS * 4,
+        **{f"ddp.p{i}": n * 4 for i, n in enumerate(DDP_SIZES)},
+    }
+    for step in (1, 2, 3):  # the first step of the structure as every later one
+        found = _bytes_per_name(layout.step_dir(root, step), layout.marker_of(root, step)["files"])
+        copies = {k: v for k, v in found.items() if k.split("@")[0] in replicated}
+        assert sorted(copies) == sorted(replicated) and all(len(v) == 1 for v in copies.values())
+        written = sum(sum(v) for v in found.values())
+        per_tensor: dict[str, int] = {}
+        for key, sizes in found.items():
+            per_tensor[key.split("@")[0]] = per_tensor.get(key.split("@")[0], 0) + sum(sizes)
+        step_bytes = per_tensor.pop("step")
+        assert per_tensor == expected_tensors, (step, per_tensor)
+        assert written == sum(expected_tensors.values()) + step_bytes  # unique bytes, 1.00x
+    # one process restores every step (another world size: every value whole)
+    with fastckpt.CheckpointManager(root) as manager:
+        for step in (1, 2, 3):
+            got, state = manager.restore(step)
+            assert got == step and state["step"] == step
+            assert torch.equal(state["model"]["w"], full(step))
+            assert torch.equal(state["replicated"]["r"], full(step, 9))
+            uneven = torch.arange(UNEVEN_ROWS * 8, dtype=torch.float32).reshape(UNEVEN_ROWS, 8)
+            assert torch.equal(state["model"]["uneven"], uneven + step)
+            for i, n in enumerate(DDP_SIZES):
+                assert torch.equal(state["ddp"][f"p{i}"], torch.full((n,), float(step * 10 + i)))
+
+
+def test_ranks_holding_different_replicated_items_fall_back_to_copying_them_all(tmp_path):
+    # rank 1 alone holds a large plain tensor and a list: the ranks would compute different
+    # owners. The save's handshake carries each rank's digest of its replicated items, so
+    # the first save already copies them all on every rank and every step is saved.
+    outputs = _run("ddp-differ", tmp_path)
+    for rank, out in enumerate(outputs):
+        for step in (1, 2, 3):
+            assert f"rank {rank}: step {step} saved" in out, out
+        assert f"rank {rank}: outcomes planned cached cached\n" in out, out
+        assert f"rank {rank}: saved steps [1, 2, 3] restored" in out, out
+    assert layout.committed_steps(str(tmp_path)) == [1, 2, 3]

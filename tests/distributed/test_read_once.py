@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 from read_once_ranks import (
     dcp_cases,
+    differing_content_cases,
     manager_case,
     read_once_cases,
     run_ranks,
     write_checkpoints,
+    write_steps,
 )
 
 from fastckpt.distributed.read_once import plan_pieces
@@ -31,6 +33,15 @@ def test_read_once_matches_reading_alone(checkpoints, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_dcp_reader_reads_every_stored_byte_once(tmp_path, world):
     run_ranks(world, dcp_cases, str(tmp_path))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_opened_other_content_all_stop_naming_both_files(tmp_path, world):
+    """Two steps of a run with the same shapes, a file saved over the path between the
+    ranks' opens, a sharded directory saved again: every rank raises, naming the ranks and
+    both files (the shard, the file of a chain), and nothing is read into the model."""
+    write_steps(str(tmp_path))
+    run_ranks(world, differing_content_cases, str(tmp_path))
 
 
 def test_manager_restore_reads_once_across_ranks(tmp_path):

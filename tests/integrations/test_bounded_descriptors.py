@@ -176,6 +176,177 @@ def test_a_shard_replaced_after_opening_is_named_not_read_by_the_old_header(tmp_
         set_defaults(open_files=None)
 
 
+def _shard_of(directory, name: str):
+    """The shard file of a sharded directory that holds tensor ``name``."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return directory / index["weight_map"][name]
+
+
+def _steps():
+    import torch
+
+    old = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    return old, {k: v + 100 for k, v in old.items()}
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_sharded_directory_saved_again_is_refused_not_read_by_the_old_headers(tmp_path, checksum):
+    """The directory removed and saved again with the same shapes (the file system may hand
+    the freed inode numbers out again): every shard the bounded cache closed raises when it
+    is read, naming it and saying to open the checkpoint again; no new byte is returned."""
+    import shutil
+
+    import torch
+
+    import fastckpt
+    from fastckpt.config import set_defaults
+
+    old, new = _steps()
+    directory = tmp_path / "ckpt"
+    fastckpt.save(old, directory, max_shard_size=4096, checksum=checksum)
+    set_defaults(open_files=1)
+    try:
+        with fastckpt.open(directory) as reader:
+            for name in old:  # each opened and closed again; t3's shard is left open
+                assert torch.equal(reader.get_tensor(name), old[name])
+            shutil.rmtree(directory)
+            fastckpt.save(new, directory, max_shard_size=4096, checksum=checksum)
+            # the shard still open reads the file it opened (removed, alive while open)
+            assert torch.equal(reader.get_tensor("t3"), old["t3"])
+            for name in ("t0", "t1", "t2", "t3"):
+                with pytest.raises(FileNotFoundError, match="since the checkpoint was opened"):
+                    reader.get_tensor(name)
+            with pytest.raises(FileNotFoundError, match="open the checkpoint again") as caught:
+                reader.read(["t1"])
+            assert caught.value.filename == str(_shard_of(directory, "t1"))
+        with fastckpt.open(directory) as reader:  # opened again: the new checkpoint
+            assert all(torch.equal(reader.get_tensor(n), new[n]) for n in new)
+    finally:
+        set_defaults(open_files=None)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_shard_rewritten_in_place_is_refused_not_read_by_its_old_header(tmp_path, checksum):
+    """One shard overwritten in place (same inode, same size; without checksums even the same
+    header) while a reader holds the directory: reading it once the cache closed it raises,
+    naming it; the other shards read as before."""
+    import time
+
+    import torch
+
+    import fastckpt
+    from fastckpt.config import set_defaults
+
+    old, new = _steps()
+    fastckpt.save(old, tmp_path / "ckpt", max_shard_size=4096, checksum=checksum)
+    fastckpt.save(new, tmp_path / "new", max_shard_size=4096, checksum=checksum)
+    shard = _shard_of(tmp_path / "ckpt", "t0")
+    set_defaults(open_files=1)
+    try:
+        with fastckpt.open(tmp_path / "ckpt") as reader:
+            for name in old:  # t0's shard is closed again by the time t3's is read
+                assert torch.equal(reader.get_tensor(name), old[name])
+            inode = shard.stat().st_ino
+            time.sleep(0.05)  # file times tick at the kernel's clock tick: let one pass
+            with open(shard, "r+b") as f:
+                f.write(_shard_of(tmp_path / "new", "t0").read_bytes())
+            assert shard.stat().st_ino == inode
+            with pytest.raises(FileNotFoundError, match="changed in place") as caught:
+                reader.get_tensor("t0")
+            assert caught.value.filename == str(shard)
+            assert "open the checkpoint again" in str(caught.value)
+            for name in ("t1", "t2", "t3"):
+                assert torch.equal(reader.get_tensor(name), old[name])
+    finally:
+        set_defaults(open_files=None)
+
+
+def test_reads_of_more_files_than_the_bound_wait_for_a_free_reader(tmp_path):
+    """Eight threads reading eight files through a cache of two: never more than two open
+    (a read of another file waits for a lease to end), each read gets its own file, and a
+    read nested in another (one thread, two files) opens past the bound instead of waiting
+    on itself."""
+    import concurrent.futures
+    import time
+
+    import torch
+
+    import fastckpt
+    from fastckpt.checkpoint.open_readers import ReaderCache
+    from fastckpt.checkpoint.read import open_checkpoint
+
+    paths = [str(tmp_path / f"{i}.safetensors") for i in range(8)]
+    for i, path in enumerate(paths):
+        fastckpt.save({"x": torch.full((4,), float(i))}, path)
+    cache = ReaderCache(open_checkpoint, limit=2)
+    seen = []
+
+    def read(i: int) -> float:
+        def work(reader) -> float:
+            seen.append(cache.open_count)
+            time.sleep(0.01)  # the others' reads overlap this one
+            return reader.get_tensor("x")[0].item()
+
+        return cache.call(paths[i], work)
+
+    order = list(range(8)) * 3
+    single = ReaderCache(open_checkpoint, limit=1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(read, order)) == [float(i) for i in order]
+        assert max(seen) <= 2, seen
+
+        def first(a) -> list[float]:
+            return single.call(paths[5], lambda b: [r.get_tensor("x")[0].item() for r in (a, b)])
+
+        assert single.call(paths[0], first) == [0.0, 5.0]
+        assert single.open_count == 1
+    finally:
+        cache.close()
+        single.close()
+
+
+def test_an_8_shard_load_fits_a_soft_limit_of_20_open_files(tmp_path):
+    """The cache's bound follows the soft limit on open files, read when it is used: a load
+    and reads of an 8-shard directory in a process whose soft limit was lowered to 20 after
+    it started (EMFILE if every shard were kept open)."""
+    import torch
+
+    import fastckpt
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}
+    fastckpt.save(state, tmp_path / "ckpt", max_shard_size=4096)
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) == 8
+    code = textwrap.dedent(
+        """
+        import os, resource, sys
+        import torch, fastckpt
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20, hard))
+        directory = sys.argv[1]
+        loaded = fastckpt.load(directory)
+        assert sorted(loaded) == [f"t{i}" for i in range(8)]
+        assert all(torch.equal(v, torch.full((1024,), float(k[1:]))) for k, v in loaded.items())
+        with fastckpt.open(directory) as reader:
+            assert reader.open_count <= 4, reader.open_count
+            assert torch.equal(reader.get_tensor("t0"), loaded["t0"])
+            assert all(torch.equal(reader.read()[k], v) for k, v in loaded.items())
+            assert reader.open_count <= 4, reader.open_count
+        print("fds", len(os.listdir("/proc/self/fd")))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FASTCKPT_NO_PROGRESS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith("fds"), done.stdout
+
+
 def test_a_group_member_lives_while_its_anchor_is_locked(tmp_path):
     """A staged file that holds no descriptor is kept alive by its set's one lock: cleaners
     leave it while the writer lives and remove the whole set once the writer is gone."""

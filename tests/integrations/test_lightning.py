@@ -401,13 +401,54 @@ class _Activation(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_unsupported_hyperparameter_is_refused_with_its_place(tmp_path):
-    trainer = _trainer(tmp_path, 1, [FastCkptCheckpoint(dirpath=tmp_path / "ckpt")])
+class _WithObjects(pl.LightningModule):
+    """Hyper-parameters that hold objects, not data: a file system and a loss module."""
+
+    def __init__(self, fs=None, loss=None, cfg=None, lr: float = 0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+@pytest.mark.filterwarnings("ignore:Attribute 'loss' is an instance of `nn.Module`")
+def test_hyperparameters_that_are_no_data_are_left_out_with_one_warning(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    dirpath = tmp_path / "ckpt"
+    callback = FastCkptCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
+    model = _WithObjects(
+        fs=fsspec.filesystem("memory"),
+        loss=torch.nn.MSELoss(),
+        cfg={"fs": fsspec.filesystem("memory"), "k": 2},
+    )
+    with pytest.warns(UserWarning, match="left out") as record:
+        _trainer(tmp_path, 1, [callback]).fit(model, _loader())
+    ours = [str(w.message) for w in record if "left out" in str(w.message)]
+    assert len(ours) == 1  # one warning for the run, naming each
+    message = ours[0]
+    assert all(
+        n in message
+        for n in ("hyper_parameters.fs", "hyper_parameters.loss", "hyper_parameters.cfg.fs")
+    )
+    assert len(os.listdir(dirpath)) == 4  # every step saved
+    saved = fastckpt.load(str(dirpath / "epoch=0-step=4.ckpt"))
+    assert saved["hyper_parameters"] == {"cfg": {"k": 2}, "lr": 0.1}
+    back = _WithObjects.load_from_checkpoint(
+        str(dirpath / "epoch=0-step=4.ckpt"), loss=torch.nn.L1Loss()
+    )
+    assert isinstance(back.hparams.loss, torch.nn.L1Loss) and back.hparams.cfg == {"k": 2}
+
+
+def test_objects_outside_the_hyperparameters_are_refused_with_their_place(tmp_path):
     with pytest.raises(TypeError) as info:
-        trainer.fit(_Activation(), _loader())
-    message = str(info.value)
-    assert "['hyper_parameters']['activation']" in message and "allow_pickle=True" in message
-    assert not list((tmp_path / "ckpt").glob("*"))  # refused before anything is written
+        FastCkptIO().save_checkpoint({"extra": {"f": object()}}, str(tmp_path / "x.ckpt"))
+    assert "['extra']['f']" in str(info.value) and "allow_pickle=True" in str(info.value)
+    assert not list(tmp_path.glob("*"))  # refused before anything is written
 
 
 def test_allow_pickle_stores_it_and_needs_weights_only_false(tmp_path):
@@ -487,9 +528,31 @@ def test_omegaconf_hyperparameters_resume(tmp_path):
     )
 
 
-def test_storage_options_are_refused(tmp_path):
+@pytest.mark.parametrize("make", [FastCkptIO, AsyncFastCkptIO], ids=["sync", "async"])
+def test_storage_options_go_to_fsspec_for_a_url(s3, tmp_path, make):
+    bucket, options, fs = s3
+    io = make()
+    checkpoint = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 3}
+    io.save_checkpoint(checkpoint, f"{bucket}/x.ckpt", storage_options=options)
+    io.save_checkpoint(checkpoint, str(tmp_path / "x.ckpt"), storage_options=options)  # unused
+    io.teardown()
+    assert fs.exists(f"{bucket}/x.ckpt".split("://", 1)[1])
+    assert fastckpt.load(str(tmp_path / "x.ckpt"))["global_step"] == 3
     with pytest.raises(TypeError, match="storage_options"):
-        FastCkptIO().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+        io.save_checkpoint(checkpoint, str(tmp_path / "y.ckpt"), storage_options="key=1")
+
+
+def test_teardown_leaves_no_thread_and_no_temporary_file(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    before = set(threading.enumerate())
+    # top-1 by a score that changes every step: a removal after every save
+    callback = FastCkptCheckpoint(
+        dirpath=dirpath, every_n_train_steps=1, monitor="step_score", mode="max", save_top_k=1
+    )
+    _trainer(tmp_path, 2, [callback]).fit(_model(), _loader())
+    assert sorted(os.listdir(dirpath)) == [os.path.basename(callback.best_model_path)]
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not [n for n in left if n.startswith(("fastckpt-remove", "fastckpt-save"))], left
 
 
 def test_callback_refuses_a_foreign_checkpoint_io(tmp_path):
@@ -503,8 +566,9 @@ def test_callback_refuses_a_foreign_checkpoint_io(tmp_path):
 def test_import_error_names_the_extra(monkeypatch):
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)
-    for name in ("fastckpt.lightning", "fastckpt.integrations.lightning"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in [n for n in sys.modules if n.startswith("fastckpt.integrations.lightning")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "fastckpt.lightning", raising=False)
     with pytest.raises(ImportError, match=r"pip install lightning .*'\.\[lightning\]'"):
         importlib.import_module("fastckpt.lightning")
 
@@ -1067,3 +1131,40 @@ def test_state_under_the_earlier_key_is_still_read(tmp_path):
     _trainer(tmp_path, 1, [resumed]).fit(_model(), _loader(), _loader(8), ckpt_path=last)
     assert resumed.best_model_path == first.best_model_path
     assert resumed.last_model_path == first.last_model_path
+
+
+@pytest.mark.slow  # a spawned worker process
+@pytest.mark.filterwarnings("ignore:.*ddp_spawn.*")
+@pytest.mark.filterwarnings("ignore:.*num_workers.*")
+def test_callback_under_ddp_spawn_returns_the_trained_weights(tmp_path):
+    """Under ``ddp_spawn`` the callback installs the plugin in the worker only; the main
+    process reads the weights the worker hands back with its own plugin, and gets them."""
+    callback = FastCkptCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    trainer = _trainer(tmp_path, 1, callbacks=[callback], strategy="ddp_spawn")
+    model = _model()
+    trainer.fit(model, _loader())
+    assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO  # the main process's own
+    last = fastckpt.load(str(tmp_path / "ckpts" / "last.ckpt"))  # written by the worker
+    assert last["global_step"] == 4
+    _assert_same(last["state_dict"], model.state_dict(), "weights returned to the main process")
+    assert not list((tmp_path / "ckpts").glob("*.tmp"))
+
+
+def test_a_removal_with_no_teardown_to_come_leaves_no_thread(tmp_path):
+    """The main process of a ``ddp_spawn`` run removes the worker's weights file after
+    ``fit``, and no teardown follows: the deletion's thread ends with the deletion."""
+    io = AsyncFastCkptIO()
+    path = str(tmp_path / "weights.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, path)
+    io.settle()
+    assert not _save_threads()
+    io.remove_checkpoint(path)
+    for _ in range(500):  # the unlink of a small file: well under the 5 s allowed
+        if not os.path.exists(path) and not _save_threads():
+            break
+        threading.Event().wait(0.01)
+    assert not os.path.exists(path)
+    assert not _save_threads()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, path)  # the name is free again
+    io.teardown()
+    assert os.path.exists(path)

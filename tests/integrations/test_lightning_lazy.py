@@ -1,5 +1,6 @@
-"""AsyncFastCkptIO's lazy saves with a real Lightning Trainer: each file holds the state at
-its save call while training goes on, and a change the fence does not cover fails the save."""
+"""AsyncFastCkptIO's saves with a real Lightning Trainer: each file holds the state at its
+save call while training goes on; a snapshot by default, lazy when declared, and a change
+the fence does not cover costs that save (with a warning), never the run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt.checkpoint import asynchronous, lazy_guard  # noqa: E402
-from fastckpt.errors import LazySaveError  # noqa: E402
 from fastckpt.lightning import AsyncFastCkptIO  # noqa: E402
 
 pytestmark = [
@@ -191,7 +191,7 @@ def test_each_file_holds_the_state_at_its_save_call(tmp_path, lazy):
 
 
 def test_a_capped_fence_waits_and_still_saves_the_state_at_the_call(tmp_path):
-    io = AsyncFastCkptIO(staging_bytes=RING, fence_bytes=0)
+    io = AsyncFastCkptIO(lazy=True, staging_bytes=RING, fence_bytes=0)
     trainer, capture, dirpath = _run(tmp_path, io, 3)
     trainer.fit(WideModel(), _loader(3))
     for step, expected in capture.at_save.items():
@@ -199,22 +199,129 @@ def test_a_capped_fence_waits_and_still_saves_the_state_at_the_call(tmp_path):
         _assert_equal(saved["state_dict"], expected["state_dict"], f"step {step} weights")
 
 
-def test_a_change_outside_the_optimizer_fails_the_save(tmp_path):
-    io = AsyncFastCkptIO(staging_bytes=RING)
-    trainer, _, dirpath = _run(tmp_path, io, 3, _ChangeWeightsAtBatchStart())
-    with pytest.raises(LazySaveError, match="changed after async_save"):
+def test_a_change_outside_the_optimizer_costs_that_save_not_the_run(tmp_path):
+    io = AsyncFastCkptIO(lazy=True, staging_bytes=RING)
+    trainer, capture, dirpath = _run(tmp_path, io, 3, _ChangeWeightsAtBatchStart())
+    with pytest.warns(UserWarning, match="was not committed") as record:
         trainer.fit(WideModel(), _loader(3))
-    for name in os.listdir(dirpath):  # whatever was committed is a complete, valid file
+    assert any("step=1.ckpt was not committed" in str(w.message) for w in record)
+    assert trainer.global_step == 3
+    names = sorted(os.listdir(dirpath))
+    assert "step=1.ckpt" not in names and "step=3.ckpt" in names
+    for name in names:  # whatever was committed is a complete file of the state at its call
         assert not name.endswith(".tmp")
-        fastckpt.load(os.path.join(dirpath, name))
+        saved = fastckpt.load(os.path.join(dirpath, name))
+        expected = capture.at_save[saved["global_step"]]
+        _assert_equal(saved["state_dict"], expected["state_dict"], name)
+    assert io._withdrawn  # the saves after the warning were snapshots
 
 
-def test_without_the_fence_the_optimizer_step_fails_the_save(tmp_path, monkeypatch):
+def test_without_the_fence_the_optimizer_step_costs_the_save(tmp_path, monkeypatch):
     monkeypatch.setattr(lazy_guard, "_fence_pending_saves", lambda *_: None)
-    io = AsyncFastCkptIO(staging_bytes=RING)
-    trainer, _, _ = _run(tmp_path, io, 3, _LetGoAfterTheStep())
-    with pytest.raises(LazySaveError, match="changed after async_save"):
+    io = AsyncFastCkptIO(lazy=True, staging_bytes=RING)
+    trainer, _, dirpath = _run(tmp_path, io, 3, _LetGoAfterTheStep())
+    with pytest.warns(UserWarning, match="changed after async_save"):
         trainer.fit(WideModel(), _loader(3))
+    assert not os.path.exists(os.path.join(dirpath, "step=1.ckpt"))
+
+
+class ClampedModel(WideModel):
+    """Clamps its weights after every batch, outside the optimizer step (as a WGAN critic)."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.02, 0.02)
+
+
+@pytest.mark.parametrize("lazy", [None, True], ids=["default", "lazy"])
+def test_a_module_that_clamps_outside_the_step_saves_the_state_at_each_call(tmp_path, lazy):
+    """Files of every save call (default), or of every call but the lazy one the clamp
+    spoiled, saved again at the end of training when it was the last (lazy)."""
+    from fastckpt.lightning import FastCkptCheckpoint
+
+    io = AsyncFastCkptIO(lazy=lazy, staging_bytes=RING)
+    dirpath = str(tmp_path / "ckpt")
+    capture = _StateAtSave(dirpath)
+    checkpoint = FastCkptCheckpoint(
+        dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=-1
+    )
+    hold = _HoldTheRing()  # step 1's lazy save waits until the clamp has run
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[capture, hold, checkpoint],
+        plugins=[io],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    model = ClampedModel()
+    # the clamp has run: let step 1's save go on, and see how it ended before step 2's save
+    model.on_train_batch_start = lambda batch, batch_idx: (hold.let_go(), io.settle())
+    if lazy:
+        with pytest.warns(UserWarning, match=r"lazy save of .*step=1\.ckpt was not committed"):
+            trainer.fit(model, _loader(3))
+    else:
+        trainer.fit(model, _loader(3))
+    names = sorted(os.listdir(dirpath))
+    assert names == (
+        ["step=2.ckpt", "step=3.ckpt"] if lazy else [f"step={s}.ckpt" for s in (1, 2, 3)]
+    )
+    for name in names:
+        saved = fastckpt.load(os.path.join(dirpath, name))
+        expected = capture.at_save[saved["global_step"]]
+        _assert_equal(saved["state_dict"], expected["state_dict"], name)
+        _assert_equal(saved["optimizer_states"], expected["optimizer_states"], name)
+
+
+class _ClampedFromStep2(ClampedModel):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.global_step >= 2:
+            super().on_train_batch_end(outputs, batch, batch_idx)
+
+
+class _HoldTheLastSave(_HoldTheRing):
+    """Holds the ring from the save of step 2 (the last) on, so the clamp after it spoils
+    that save; lets go when training ends (before the callback's end, listed after)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if checkpoint["global_step"] == 2 and self.ring is None:
+            self.ring = asynchronous.lazy_ring(RING)
+            while (buf := self.ring.try_acquire()) is not None:
+                self.held.append(buf)
+
+    def on_train_end(self, trainer, pl_module):
+        self.let_go()
+
+
+def test_a_spoiled_lazy_save_of_the_last_step_is_saved_again_at_the_end(tmp_path):
+    from fastckpt.lightning import FastCkptCheckpoint
+
+    io = AsyncFastCkptIO(lazy=True, staging_bytes=RING)
+    dirpath = str(tmp_path / "ckpt")
+    checkpoint = FastCkptCheckpoint(dirpath=dirpath, filename="last", every_n_train_steps=1)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[_HoldTheLastSave(), checkpoint],
+        plugins=[io],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    model = _ClampedFromStep2()
+    with pytest.warns(UserWarning, match="was not committed"):
+        trainer.fit(model, _loader(2))
+    saved = fastckpt.load(os.path.join(dirpath, "last.ckpt"))
+    assert saved["global_step"] == 2
+    assert torch.equal(saved["state_dict"]["net.0.weight"], model.net[0].weight)
 
 
 class _OwnStep(torch.optim.SGD):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 
 MODULE = """
 import lightning.pytorch as pl
@@ -86,3 +88,100 @@ def test_the_modules_own_load_from_checkpoint_reads_a_fastckpt_file(tmp_path):
     loaded = run(LOAD, tmp_path)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.strip().endswith("loaded")
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, width: int = 4, extra: bool = False):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, 1)
+        if extra:
+            self.extra = torch.nn.Linear(2, 2)
+
+
+def _saved(tmp_path: Path, **hparams) -> tuple[str, dict]:
+    from fastckpt.lightning import FastCkptIO
+
+    net = _Net(**hparams)
+    path = str(tmp_path / "net.ckpt")
+    checkpoint = {
+        "state_dict": net.state_dict(),
+        "hyper_parameters": dict(net.hparams),
+        "pytorch-lightning_version": "2.6.0",
+    }
+    FastCkptIO().save_checkpoint(checkpoint, path)
+    return path, net.state_dict()
+
+
+def test_hparams_file_overrides_the_saved_hyperparameters(tmp_path):
+    path, weights = _saved(tmp_path, width=3)
+    (tmp_path / "hparams.yaml").write_text("width: 3\nextra: true\n")
+    with pytest.warns(UserWarning, match="not in the checkpoint"):
+        net = _Net.load_from_checkpoint(
+            path, hparams_file=str(tmp_path / "hparams.yaml"), strict=False
+        )
+    assert net.hparams.extra is True and hasattr(net, "extra")
+    assert torch.equal(net.layer.weight, weights["layer.weight"])
+    with pytest.raises(ValueError, match="hparams_file"):
+        _Net.load_from_checkpoint(path, hparams_file=str(tmp_path / "hparams.txt"))
+
+
+@pytest.mark.parametrize("saved_extra", [False, True], ids=["missing-keys", "extra-keys"])
+def test_strict_false_loads_the_weights_there_are(tmp_path, saved_extra):
+    from fastckpt.lightning import load_from_checkpoint
+
+    path, weights = _saved(tmp_path, width=3, extra=saved_extra)
+    with pytest.warns(UserWarning, match="Found keys"):
+        net = load_from_checkpoint(_Net, path, strict=False, extra=not saved_extra)
+    assert torch.equal(net.layer.weight, weights["layer.weight"])
+    assert torch.equal(net.layer.bias, weights["layer.bias"])
+    with pytest.raises(RuntimeError, match="extra"):
+        load_from_checkpoint(_Net, path, extra=not saved_extra)  # strict by default
+
+
+class _Data(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 4, rows: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(torch.randn(self.hparams.rows, 3)), self.hparams.batch_size)
+
+
+class _Trained(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, _):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+@pytest.mark.filterwarnings("ignore:.*is smaller than the logging interval.*")
+def test_the_datamodules_own_load_from_checkpoint_reads_a_fastckpt_file(tmp_path):
+    from fastckpt.lightning import FastCkptIO
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        plugins=[FastCkptIO()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_Trained(), datamodule=_Data(batch_size=2, rows=6))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    data = _Data.load_from_checkpoint(tmp_path / "run.ckpt")
+    assert isinstance(data, _Data) and dict(data.hparams) == {"batch_size": 2, "rows": 6}
+    assert _Data.load_from_checkpoint(tmp_path / "run.ckpt", rows=10).hparams.rows == 10
+    trainer.strategy.checkpoint_io = None  # Lightning's own format loads as before
+    trainer.save_checkpoint(tmp_path / "torch.ckpt")
+    assert _Data.load_from_checkpoint(tmp_path / "torch.ckpt", weights_only=False).hparams.rows == 6

@@ -219,3 +219,172 @@ def test_an_s3_root_without_a_fast_tier_resumes_from_last(s3, tmp_path):
         )
         assert manager.steps() == [4, 8]
     _assert_same(resumed.start, first.end)
+
+
+class _StateAtSave(Callback):
+    """The weights at each save call, by global step."""
+
+    def __init__(self):
+        self.at_save: dict[int, dict] = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        weights = checkpoint["state_dict"]
+        self.at_save[checkpoint["global_step"]] = {k: v.clone() for k, v in weights.items()}
+
+
+def test_best_loads_the_managers_best_step(tmp_path):
+    scores = [0.1, 0.9, 0.3, 0.2, 0.2]  # (validate() after fit logs one more)
+    saved = _StateAtSave()
+    with fastckpt.CheckpointManager(tmp_path / "root", keep_last=1, best=("score", "max", 1)) as m:
+        callback = FastCkptCheckpoint(manager=m, monitor="score", mode="max")
+        trainer = _trainer(tmp_path, 3, [callback, saved])
+        model = _model(scores=scores)
+        trainer.fit(model, _loader(), _loader(8))
+        assert callback.best_model_path.endswith("#step=8")  # epoch 1's step
+        trainer.validate(model, _loader(8), ckpt_path="best")
+        for key, value in saved.at_save[8].items():
+            assert torch.equal(model.state_dict()[key], value), key
+        assert not torch.equal(saved.at_save[8]["net.0.weight"], saved.at_save[12]["net.0.weight"])
+
+
+def test_best_without_a_best_metric_says_to_keep_one(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root", keep_last=2) as manager:
+        callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=4)
+        trainer = _trainer(tmp_path, 1, [callback])
+        model = _model()
+        trainer.fit(model, _loader(), _loader(8))
+        with pytest.raises(ValueError, match=r"best=\(monitor"):
+            trainer.validate(model, _loader(8), ckpt_path="best")
+
+
+def test_a_factory_makes_the_manager_at_setup_and_closes_it_after(tmp_path):
+    root = tmp_path / "root"
+    made = []
+
+    def factory(**options):
+        made.append(options)
+        return fastckpt.CheckpointManager(root, keep_last=2, **options)
+
+    first = _Capture()
+    callback = FastCkptCheckpoint(manager=factory, every_n_train_steps=2)
+    with pytest.warns(UserWarning, match="no last checkpoint"):  # a fresh start
+        _trainer(tmp_path, 1, [callback, first]).fit(
+            _model(), _loader(), _loader(8), ckpt_path="last"
+        )
+    assert made == [{"distributed": False}] and callback.manager is None  # closed
+    resumed = _Capture()
+    callback = FastCkptCheckpoint(manager=factory, every_n_train_steps=2)
+    _trainer(tmp_path, 2, [callback, resumed]).fit(
+        _model(), _loader(), _loader(8), ckpt_path="last"
+    )
+    _assert_same(resumed.start, first.end)
+    with fastckpt.CheckpointManager(root) as manager:  # no other manager holds the root
+        assert manager.steps() == [6, 8]
+
+
+def test_a_manager_made_before_a_multi_process_run_names_the_recipe(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root") as manager:
+        callback = FastCkptCheckpoint(manager=manager, every_n_train_steps=2)
+        trainer = pl.Trainer(
+            strategy="ddp",
+            accelerator="cpu",
+            devices=2,
+            callbacks=[callback],
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+        )
+        with pytest.raises(ValueError, match=r"functools\.partial\(fastckpt\.CheckpointManager"):
+            callback.setup(trainer, _model(), "fit")
+
+
+_DDP_SCRIPT = """
+import functools, json, sys
+
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastckpt
+from fastckpt.lightning import FastCkptCheckpoint
+
+root, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Record(pl.Callback):
+    def on_train_start(self, trainer, module):
+        self.start = trainer.global_step
+
+    def on_train_end(self, trainer, module):
+        if trainer.global_rank == 0:
+            with open(out, "w") as f:
+                json.dump({"start": self.start, "end": trainer.global_step,
+                           "weight": module.net.weight.tolist()}, f)
+
+
+x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+callback = FastCkptCheckpoint(
+    manager=functools.partial(fastckpt.CheckpointManager, root, keep_last=2),
+    every_n_train_steps=2,
+)
+trainer = pl.Trainer(
+    strategy="ddp", accelerator="cpu", devices=2, max_steps=max_steps,
+    callbacks=[callback, Record()], logger=False, enable_progress_bar=False,
+    enable_model_summary=False, enable_checkpointing=True, default_root_dir=sys.argv[4],
+)
+torch.manual_seed(0)
+trainer.fit(Net(), loader, ckpt_path="last")
+"""
+
+
+@pytest.mark.slow
+def test_the_ddp_recipe_saves_on_rank_0_and_resumes_every_rank(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_DDP_SCRIPT)
+    root = tmp_path / "root"
+
+    def run(max_steps: int, out: str) -> dict:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                str(root),
+                str(tmp_path / out),
+                str(max_steps),
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads((tmp_path / out).read_text())
+
+    first = run(4, "first.json")  # ckpt_path="last" with no step yet: a fresh start
+    assert first["start"] == 0 and first["end"] == 4
+    second = run(8, "second.json")
+    assert second["start"] == 4 and second["end"] == 8
+    with fastckpt.CheckpointManager(root) as manager:
+        assert manager.steps() == [6, 8]
+        step, state = manager.restore()
+        assert step == 8 and state["global_step"] == 8
+        assert torch.equal(state["state_dict"]["net.weight"], torch.tensor(second["weight"]))

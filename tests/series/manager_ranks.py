@@ -1,5 +1,7 @@
 """One rank of the multi-rank manager tests, run as its own process (gloo on loopback):
-``python manager_ranks.py RANK WORLD PORT local ROOT FAST`` or ``... url ROOT OPTIONS_JSON``. Every rank builds the same values, so
+``python manager_ranks.py RANK WORLD PORT CASE ARGS...`` with CASE ``local ROOT FAST``,
+``url ROOT OPTIONS_JSON``, ``split BASE``, ``same ROOT FAST`` or ``replicas BASE`` (with
+``FASTCKPT_NODE`` set to the rank). Every rank builds the same values, so
 each process knows what a step must hold; the test reads what the ranks report on stdout."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -17,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt
+from fastckpt.series import steps as layout
 
 ROWS, COLS = 64, 256
 
@@ -67,6 +71,88 @@ def url_root(rank: int, world: int, mesh, root: str, options: str) -> None:
     dist.destroy_process_group()
 
 
+def split_tiers(rank: int, world: int, mesh, base: str) -> None:
+    """Each rank is given a root of its own (as a node-local path would be): the manager
+    refuses on every rank, before any step is saved."""
+    root = os.path.join(base, f"root-{rank}")
+    try:
+        fastckpt.CheckpointManager(root, keep_last=3)
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}", flush=True)
+    else:
+        print(f"rank {rank} made a manager", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def same_listing(rank: int, world: int, mesh, root: str, fast: str) -> None:
+    """Steps 1..5 saved with keep_last=2: after wait() every rank lists the same steps;
+    restore() without state= is refused at once on every rank."""
+    manager = fastckpt.CheckpointManager(root, fast=fast, keep_last=2, keep_fast=1)
+    for step in range(1, 6):
+        manager.save(step, sharded_state(mesh, step))
+    manager.wait()
+    print(f"rank {rank} steps {manager.steps()}", flush=True)
+    try:
+        manager.restore()
+    except ValueError as exc:
+        print(f"rank {rank} restore refused: {exc}", flush=True)
+    step, _ = manager.restore(state=sharded_state(mesh, 0))
+    print(f"rank {rank} restored {step}", flush=True)
+    manager.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def own_state(rank: int, step: int) -> dict:
+    return {"w": torch.full((1024,), float(rank * 1000 + step))}
+
+
+def replicas_pace(rank: int, world: int, mesh, base: str) -> None:
+    """Per-rank managers (replicas=1, each rank on its own node, ``FASTCKPT_NODE``): steps
+    1..4 saved by every rank, then closed (keep_fast=1 holds); then, in new tiers, rank 0
+    saves steps 1..6 before rank 1 saves 1..3, and every rank restores."""
+    tiers = (os.path.join(base, "a", f"root-{rank}"), os.path.join(base, "a", f"node-{rank}"))
+    manager = fastckpt.CheckpointManager(  # replication slower than the saves: it lags
+        tiers[0],
+        fast=tiers[1],
+        replicas=1,
+        keep_last=3,
+        keep_fast=1,
+        replication_bytes_per_second=40_000,
+    )
+    manager.save(1, own_state(rank, 1)).result()
+    time.sleep(2)  # step 1 is replicated: the fast tier keeps it for the peers
+    for step in range(2, 5):  # committed and drained before the peers hold step 4
+        manager.save(step, own_state(rank, step)).result()
+    manager.wait()
+    manager.close()
+    print(f"rank {rank} fast after close {layout.committed_steps(tiers[1])}", flush=True)
+    tiers = (os.path.join(base, "b", f"root-{rank}"), os.path.join(base, "b", f"node-{rank}"))
+    manager = fastckpt.CheckpointManager(
+        tiers[0], fast=tiers[1], replicas=1, keep_last=3, keep_fast=1
+    )
+    if rank == 0:  # ahead of rank 1 by more than retention keeps
+        for step in range(1, 7):
+            manager.save(step, own_state(rank, step)).result()
+        manager.wait()
+    dist.barrier()
+    if rank == 1:
+        for step in range(1, 4):
+            manager.save(step, own_state(rank, step)).result()
+        manager.wait()
+    try:
+        step, state = manager.restore()
+    except FileNotFoundError as exc:
+        print(f"rank {rank} restore failed: {exc}", flush=True)
+    else:
+        same = torch.equal(state["w"], own_state(rank, step)["w"])
+        print(f"rank {rank} restored {step} {'intact' if same else 'WRONG'}", flush=True)
+    manager.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(rank: int, world: int, port: int, case: str, *args: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -78,7 +164,14 @@ def main(rank: int, world: int, port: int, case: str, *args: str) -> None:
         timeout=datetime.timedelta(seconds=30),
     )
     mesh = init_device_mesh("cpu", (world,))
-    {"local": local_tiers, "url": url_root}[case](rank, world, mesh, *args)
+    cases = {
+        "local": local_tiers,
+        "url": url_root,
+        "split": split_tiers,
+        "same": same_listing,
+        "replicas": replicas_pace,
+    }
+    cases[case](rank, world, mesh, *args)
 
 
 if __name__ == "__main__":

@@ -285,3 +285,77 @@ def test_a_marker_made_unreadable_while_running_is_logged_once(tmp_path, caplog)
             manager.save(step, _state()).result()
     assert caplog.text.count("commit marker cannot be read") == 1
     assert (planted / MARKER).read_text() == "{not json"
+
+
+def _plant_marker(tier, step: int, files: dict) -> str:
+    """A parseable marker for ``step`` naming ``files``, beside whatever the directory holds."""
+    directory = layout.step_dir(str(tier), step)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump({"step": step, "layout": "file", "files": files, "metrics": {}}, f)
+    return directory
+
+
+def test_a_planted_marker_at_a_high_step_beside_no_state_is_set_aside_at_start(tmp_path):
+    root = tmp_path / "root"
+    _plant_marker(root, 999999999999, {layout.STATE_FILE: 4096})  # no state file at all
+    with fastckpt.CheckpointManager(root) as manager:
+        assert manager.steps() == []
+        manager.save(1, _state(1.0)).result()  # a fresh run saves
+        assert manager.restore()[0] == 1
+    (aside,) = root.glob("step-999999999999.damaged-*")  # kept, marker and all
+    assert sorted(os.listdir(aside)) == [MARKER]
+
+
+def test_a_planted_marker_over_another_runs_state_is_not_taken_for_a_saved_step(tmp_path):
+    root = tmp_path / "root"
+    with fastckpt.CheckpointManager(root) as manager:
+        manager.save(1, _state(1.0)).result()
+    # another run's state file, damaged, under a marker that matches its size: it passes the
+    # start's check, and the save it refuses checks it through
+    other = _plant_step(root, 999999999999, {})
+    state_file = os.path.join(other, layout.STATE_FILE)
+    size = os.path.getsize(state_file)
+    with open(state_file, "r+b") as f:
+        f.seek(size - 4)
+        f.write(b"\xff\xff\xff\xff")
+    _plant_marker(root, 999999999999, {layout.STATE_FILE: size})
+    with fastckpt.CheckpointManager(root) as manager:
+        assert manager.steps() == [1, 999999999999]
+        manager.save(2, _state(2.0)).result()  # no "older than the newest saved step"
+        assert manager.steps() == [1, 2]
+        assert torch.equal(manager.restore()[1]["w"], _state(2.0)["w"])
+    (aside,) = root.glob("step-999999999999.damaged-*")
+    assert sorted(os.listdir(aside)) == [MARKER, layout.STATE_FILE]  # nothing deleted
+
+
+def test_a_verified_step_still_refuses_an_older_save(tmp_path):
+    with fastckpt.CheckpointManager(tmp_path / "root") as manager:
+        manager.save(5, _state()).result()
+        with pytest.raises(ValueError, match="already saved"):
+            manager.save(5, _state())
+        assert manager.steps() == [5]
+
+
+def test_a_url_tier_sets_aside_an_unreadable_or_planted_marker(caplog):
+    import fsspec
+
+    url = "memory://series-hostile/set-aside"
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"/series-hostile/set-aside/step-{999999999999:012d}/{MARKER}", b"{not json")
+    fs.pipe(
+        f"/series-hostile/set-aside/step-{999999999998:012d}/{MARKER}",
+        json.dumps(
+            {"step": 999999999998, "layout": "file", "files": {layout.STATE_FILE: 10}}
+        ).encode(),
+    )
+    with fastckpt.CheckpointManager(url) as manager:
+        assert manager.steps() == []
+        manager.save(1, _state(1.0)).result()
+        assert manager.steps() == [1]
+    aside = {(s, why) for s, why, _ in layout.set_aside_dirs(layout.Tier(url))}
+    assert aside == {(999999999999, "unreadable"), (999999999998, "damaged")}
+    fs.invalidate_cache()
+    moved = [p for p in fs.find("/series-hostile/set-aside") if ".unreadable-" in p]
+    assert len(moved) == 1 and moved[0].endswith(f"/{MARKER}")
+    assert fs.cat(moved[0]) == b"{not json"  # moved, not deleted

@@ -243,3 +243,51 @@ def test_distributed_true_in_one_process_saves_dcp_steps_and_drains_them(tmp_pat
         assert step == 2 and state["step"] == 2 and torch.equal(state["w"], torch.full((4, 3), 2.0))
         target = {"w": torch.zeros(4, 3), "step": 0}
         assert manager.restore(2, state=target)[1] is target and target["step"] == 2
+
+
+@pytest.mark.parametrize("distributed", [None, True])
+def test_a_dcp_step_missing_a_file_falls_back_and_raises_a_restore_error_naming_it(
+    tmp_path, distributed
+):
+    with fastckpt.CheckpointManager(tmp_path, distributed=True) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step)).result()
+    with fastckpt.CheckpointManager(tmp_path, distributed=distributed) as manager:
+        # lost while the manager runs (one missing at its start would be set aside)
+        (missing,) = (tmp_path / "step-000000000002").glob("*.safetensors")
+        missing.unlink()
+        step, state = manager.restore()  # state=None: every value, loaded in one process
+        assert step == 1 and torch.equal(state["w"], _state(1)["w"])
+        (other,) = (tmp_path / "step-000000000001").glob("*.safetensors")
+        other.unlink()
+        with pytest.raises(fastckpt.errors.RestoreError) as caught:
+            manager.restore()
+    assert isinstance(caught.value, FileNotFoundError)
+    assert "step 2" in str(caught.value) and missing.name in str(caught.value)
+    assert "step 1" in str(caught.value) and other.name in str(caught.value)
+    assert caught.value.filename == str(missing)
+
+
+def test_close_applies_keep_fast_once_the_last_drain_is_done(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with fastckpt.CheckpointManager(root, fast=fast, keep_fast=1, keep_last=5) as manager:
+        for step in range(1, 6):
+            manager.save(step, _state(step))
+    assert layout.committed_steps(str(fast)) == [5]
+    assert layout.committed_steps(str(root)) == [1, 2, 3, 4, 5]
+
+
+def test_a_launched_rank_that_made_its_manager_before_the_group_is_told_what_to_do(
+    tmp_path, monkeypatch
+):
+    """The relaunched rank of Lightning's DDP (or torchrun's) makes a manager at script level,
+    before any process group exists, over a root that rank 0's manager holds: the error
+    says why and names the recipe, not only that another manager holds the root."""
+    with fastckpt.CheckpointManager(tmp_path / "root"):
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(RuntimeError, match="another CheckpointManager manages") as info:
+            fastckpt.CheckpointManager(tmp_path / "root")
+    message = str(info.value)
+    assert "rank 1 of 2 launched processes" in message
+    assert "init_process_group" in message and "functools.partial" in message

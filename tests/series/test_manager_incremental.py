@@ -225,7 +225,13 @@ def test_a_damaged_newest_step_is_quarantined_and_can_be_saved_again(tmp_path, c
     assert "moved to" in caplog.text and "step 3" in caplog.text
     assert cli(["ls", str(tmp_path), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert "damaged" not in json.dumps(listed)
+    # the copy moved out is shown as such, beside the step saved again
+    (three,) = [s for s in listed if s["step"] == 3]
+    assert three["committed"] and three["tiers"] == {"root": "committed"}
+    assert [(a["why"], os.path.basename(a["directory"])) for a in three["set_aside"]] == [
+        ("damaged", moved[0])
+    ]
+    assert all("set_aside" not in s for s in listed if s["step"] != 3)
     assert os.path.isdir(tmp_path / moved[0])  # kept for a person to look at
 
 

@@ -29,8 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(*args: str) -> tuple[list[int], list[tuple[str, str]]]:
-    """Runs 2 ranks of manager_ranks.py; their exit codes and (stdout, stderr)."""
+def _run_ranks(*args: str, nodes: bool = False) -> tuple[list[int], list[tuple[str, str]]]:
+    """Runs 2 ranks of manager_ranks.py (with ``nodes``, each as a node of its own); their
+    exit codes and (stdout, stderr)."""
     port = _free_port()
     children = [
         subprocess.Popen(
@@ -38,6 +39,7 @@ def _run_ranks(*args: str) -> tuple[list[int], list[tuple[str, str]]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "FASTCKPT_NODE": str(rank)} if nodes else None,
         )
         for rank in (0, 1)
     ]
@@ -107,3 +109,43 @@ def test_two_ranks_save_to_an_s3_root_and_one_restores_it(s3):
         target = {"model": {"w": torch.zeros(ROWS, COLS)}, "step": 0}
         step, state = manager.restore(state=target)
         assert step == 5 and state["step"] == 5 and torch.equal(target["model"]["w"], full(5))
+
+
+def test_ranks_whose_roots_are_not_one_directory_are_refused_on_every_rank(tmp_path):
+    codes, outputs = _run_ranks("split", str(tmp_path))
+    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    for rank in (0, 1):
+        out = outputs[rank][0]
+        assert f"rank {rank} refused" in out, out
+        assert f"rank 1 has {tmp_path / 'root-1'}" in out and str(tmp_path / "root-0") in out
+        assert "shared file system" in out and "replicas=" in out
+    assert layout.committed_steps(str(tmp_path / "root-0")) == []
+    assert sorted(os.listdir(tmp_path / "root-0")) == []  # the token file is gone
+
+
+def test_every_rank_lists_the_same_steps_after_wait_and_restore_needs_state(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    codes, outputs = _run_ranks("same", str(root), str(fast))
+    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    for rank in (0, 1):
+        out = outputs[rank][0]
+        assert f"rank {rank} steps [4, 5]" in out, out
+        assert (
+            f"rank {rank} restore refused: restore() in a process group of 2 ranks needs state="
+            in out
+        )
+        assert f"rank {rank} restored 5" in out
+
+
+def test_ranks_saving_at_their_own_pace_keep_a_step_every_rank_can_restore(tmp_path):
+    codes, outputs = _run_ranks("replicas", str(tmp_path), nodes=True)
+    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    restored = []
+    for rank in (0, 1):
+        out = outputs[rank][0]
+        # close() applies keep_fast=1 once the last step is drained and replicated
+        assert f"rank {rank} fast after close [4]" in out, out
+        (line,) = [x for x in out.splitlines() if x.startswith(f"rank {rank} restore")]
+        assert line.endswith("intact"), line  # not "no step is available to every rank"
+        restored.append(line.split()[3])
+    assert restored[0] == restored[1]

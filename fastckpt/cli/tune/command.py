@@ -54,6 +54,7 @@ from fastckpt.cli._common import (
     size_arg,
     spellings,
 )
+from fastckpt.cli.cache_options import add_cache_options, drop_all_caches
 from fastckpt.cli.tune.plot import plot_results, require_matplotlib
 from fastckpt.cli.tune.read_modes import measure_read_modes, remember_read_modes
 from fastckpt.cli.tune.sweep import (
@@ -153,17 +154,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         *spellings("--flush_page_cache"),
         dest="flush_page_cache",
         action="store_true",
-        help="insist on dropping the page cache before every read (needs root); "
-        "without it the cache is dropped when permitted, else reads rely on O_DIRECT",
+        help="--drop-all-caches, and fail when the whole page cache cannot be dropped (needs "
+        "root); by default only the files read are evicted from the cache",
     )
-    parser.add_argument(
-        *spellings("--no-drop-caches"),
-        dest="drop_caches",
-        action="store_false",
-        help="never drop the machine's page cache (by default it is dropped before every "
-        "read when running as root); reads then rely on O_DIRECT and posix_fadvise of the "
-        "files read, and the output says the figures may not be cold",
-    )
+    add_cache_options(parser)
     parser.add_argument(
         "--force",
         "--replace",
@@ -235,10 +229,11 @@ def _tune(args: argparse.Namespace) -> int:
         raise CliError(f"--budget {args.budget}: must be a positive number of seconds", USAGE)
     dirs = _check_dirs(args.nvme_dir, args.io_size)
     read, write = not args.no_read, not args.no_write
-    if args.flush_page_cache and not args.drop_caches:
+    if args.flush_page_cache and args.no_drop_caches:
         raise CliError("--flush_page_cache and --no-drop-caches ask for opposite things", USAGE)
+    drop_all = drop_all_caches(args) or args.flush_page_cache
     # Writes need no cold cache: the machine's cache is dropped only when reads are measured.
-    cache = PageCache(allow_drop=args.drop_caches and read)
+    cache = PageCache(allow_drop=drop_all and read)
     if args.flush_page_cache and not cache.can_drop:
         raise CliError(f"--flush_page_cache: cannot drop the page cache: {cache.describe()}", USAGE)
 
@@ -379,8 +374,7 @@ def _print_conditions(dirs: Sequence[str], cache: PageCache, read: bool) -> None
         print(f"Cold reads: {cache.describe()}", flush=True)
         for d in dirs:
             if not direct_io_supported(d):
-                note = "" if cache.can_drop else "; reads may come from memory"
-                print(f"  {d}: the file system refuses O_DIRECT, buffered I/O{note}", flush=True)
+                print(f"  {d}: the file system refuses O_DIRECT, buffered I/O", flush=True)
 
 
 class _Shown:

@@ -165,7 +165,7 @@ def save_winner(
         "loops": loops,
         "gpu": bool(gpu),
         "dirs": list(dirs),
-        "cold_reads": "drop_caches" if cache_dropped else "o_direct",
+        "cold_reads": "drop_caches" if cache_dropped else "fadvise",
         **coverage.fields(),
         **_figures(winner, read, write),
     }

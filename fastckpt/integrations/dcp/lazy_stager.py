@@ -14,9 +14,12 @@ then streams each tensor through fastckpt's fixed page-locked ring
   clones in device memory, the current stream made to wait on them), within
   ``fence_bytes``; past it, it waits for the writer. Other in-place updates call
   :meth:`FastCkptLazyStager.fence` first.
-- only the fenced optimizers' parameters and state are read after ``stage`` returns;
-  every other tensor of the state (BatchNorm statistics, EMA copies, buffers) is copied by
-  ``stage`` itself, since nothing holds it still. Without ``fence=`` that is everything.
+- only the fenced optimizers' parameters and state are read after ``stage`` returns
+  (DTensors too, by their local tensors' memory: FSDP2's ``fully_shard``, tensor
+  parallelism); every other tensor of the state (BatchNorm statistics, EMA copies,
+  buffers, a DTensor no fenced optimizer steps) is copied by ``stage`` itself, since
+  nothing holds it still, and named in ``call_copied``. Without ``fence=`` that is
+  everything.
 - every tensor read later is checked around its copy, at the fence, and against its bytes
   once written: a tensor changed unfenced fails the save (the DCP future raises, naming
   it, through DCP's ``CheckpointException`` when ranks coordinate), and nothing is
@@ -145,6 +148,28 @@ def claim_stage(tensors: Iterable[Any]) -> LazyStage | None:
     return None
 
 
+def _dtensors_by_local(value: Any) -> dict[int, torch.Tensor]:
+    """The DTensors in ``value`` (nested dicts, lists, tuples), by their local tensor's id.
+
+    Example:
+        >>> _dtensors_by_local({"w": torch.zeros(1), "n": [2]})
+        {}
+    """
+    found: dict[int, torch.Tensor] = {}
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            local = getattr(item, "_local_tensor", None)
+            if isinstance(local, torch.Tensor):
+                found[id(local)] = item
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return found
+
+
 class FastCkptLazyStager:
     """A DCP ``AsyncStager`` that stages without copying (see the module's description),
     for ``dcp.async_save(state, storage_writer=FastCkptWriter(path), async_stager=...)``.
@@ -192,6 +217,10 @@ class FastCkptLazyStager:
         self.fence_bytes = fence_bytes
         self.staging_bytes = staging_bytes
         self._guards: weakref.WeakSet[LazyGuard] = weakref.WeakSet()
+        #: what the last :meth:`stage` copied before returning (no fence owns it): the
+        #: labels of those tensors and their bytes; every other tensor is read afterwards
+        self.call_copied: frozenset[str] = frozenset()
+        self.call_copy_bytes = 0
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -203,7 +232,10 @@ class FastCkptLazyStager:
         (no tensor is copied; non-tensor values are)."""
         keep: list[torch.Tensor] = []
         staged, live, labels = stand_in_structure(state_dict, keep)
-        guarded = {labels[key]: tensor for key, tensor in live.items()}
+        # The guard reads a DTensor's local tensor and checks the DTensor's version counter
+        # too (an in-place op on a DTensor moves only the DTensor's).
+        wrappers = _dtensors_by_local(state_dict)
+        guarded = {labels[key]: wrappers.get(id(tensor), tensor) for key, tensor in live.items()}
         guard = LazyGuard(
             guarded,
             fence_bytes=self.fence_bytes,
@@ -211,6 +243,7 @@ class FastCkptLazyStager:
             how_to_fence=_HOW_TO_FENCE,
         )
         self._guards.add(guard)
+        self.call_copied, self.call_copy_bytes = guard.call_copied, guard.call_copy_bytes
         stand_ins = {id(t): t for t in keep}
         if not stand_ins:  # nothing to stream: no writer will claim it
             guard.finish()

@@ -23,10 +23,11 @@ import io
 import os
 import secrets
 import threading
+from collections.abc import Container
 from typing import Any, Iterable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
@@ -274,13 +275,21 @@ class FastCkptWriter(StorageWriter):
         if self._pool is not None:
             self._pool.trim()
 
-    def stage(self, state_dict: dict[str, Any], *, reuse: SavePlan | None = None) -> dict[str, Any]:
+    def stage(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        reuse: SavePlan | None = None,
+        skip: Container[MetadataIndex] | None = None,
+    ) -> dict[str, Any]:
         """Copies the tensors of ``state_dict`` into page-locked staging buffers (``async_save``).
 
         Returns a state dict of the same structure for DCP to plan on; the data it saves
         are those at the time of this call. ``reuse``: this rank's final plan of an earlier
         save of the same structure, which the coming save reuses: only its items are
-        copied (a replicated tensor that another rank writes is not).
+        copied (a replicated tensor that another rank writes is not). ``skip``: items not
+        to copy (replicated items that another rank writes, see
+        :mod:`fastckpt.distributed.replicated_items`).
         """
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -298,6 +307,8 @@ class FastCkptWriter(StorageWriter):
             name = item_name(item.index)
             if wanted is not None and name not in wanted:
                 continue  # another rank writes it (a replicated item of a reused plan)
+            if skip is not None and item.index in skip:
+                continue  # another rank writes it (a replicated item it owns)
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 flat[name] = _bytes_tensor(data)
