@@ -114,7 +114,10 @@ def test_convert_of_a_whole_model_writes_its_state_dict(tmp_path):
 @pytest.mark.parametrize(
     "args",
     [
-        ["bench", "--checkpoint", "8M", "--loops", "1", "--no-drop-caches", "--folder"],
+        pytest.param(
+            ["bench", "--checkpoint", "8M", "--loops", "1", "--no-drop-caches", "--folder"],
+            marks=pytest.mark.slow,  # the same folder handling as bench-raw, with a full bench
+        ),
         ["bench", "--io_size", "1M", "--loops", "1", "--no-drop-caches", "--folder"],
         ["tune", "--io_size", "1M", "--quick", "--no-drop-caches", "--no_read", "--nvme_dir"],
     ],

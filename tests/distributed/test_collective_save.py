@@ -208,7 +208,7 @@ def _bytes_per_name(step_dir: str, files: list[str]) -> dict[str, list[int]]:
     return found
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_replicated_values_are_staged_and_written_once_from_the_first_save(tmp_path, world):
     outputs = _run("ddp", tmp_path, world=world)
     replicated = {f"ddp.p{i}" for i in range(len(DDP_SIZES))} | {"replicated.r", "step"}

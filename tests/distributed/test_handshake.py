@@ -54,7 +54,8 @@ def _failure(out: str, rank: int) -> tuple[float, str]:
     return float(head.rsplit(" ", 1)[1]), message
 
 
-@pytest.mark.parametrize("nofile", [0, 256])
+# under a soft RLIMIT_NOFILE of 256 too (slow: the read-once tests run so by default)
+@pytest.mark.parametrize("nofile", [0, pytest.param(256, marks=pytest.mark.slow)])
 def test_a_manager_made_on_rank_0_only_fails_there_in_seconds(tmp_path, nofile):
     outputs = _run("manager", tmp_path, nofile)
     seconds, message = _failure(outputs[0], 0)

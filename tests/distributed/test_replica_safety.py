@@ -164,6 +164,7 @@ def test_a_damaged_own_copy_is_replaced_by_a_peers_intact_replica(tmp_path):
     assert any(n.startswith(f"{STEP3}.damaged-") for n in results[1]["steps"])
 
 
+@pytest.mark.slow  # the torture harness and the peer-rescue test above cover the path
 def test_no_intact_copy_left_fails_every_rank_at_once(tmp_path):
     run_ranks(tmp_path, "save", "3", "0")
     flip_last_byte(fast(tmp_path, 1) / STEP3 / "state.safetensors")
