@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt.checkpoint import asynchronous, lazy_guard  # noqa: E402
 from fastckpt.lightning import AsyncFastCkptIO  # noqa: E402
+from tests.checkpoint.test_mutation_matrix import _free, _held_ring  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
@@ -342,23 +343,28 @@ class _OwnStep(torch.optim.SGD):
 def test_the_fence_follows_the_closure_of_torch_optimizers(tmp_path, make, order):
     model = torch.nn.Linear(8, 8)
     optimizer = make(model.parameters())
-    future = fastckpt.async_save(
-        model.state_dict(), str(tmp_path / "f.safetensors"), fence=optimizer
-    )
-    events: list[str] = []
-    guard = future._guard
-    fence = guard.fence
-    guard.fence = lambda: (events.append("fence"), fence())[1]
+    held = _held_ring(8 << 20)  # the writer copies nothing before the step: its fence runs
+    try:
+        future = fastckpt.async_save(
+            model.state_dict(),
+            str(tmp_path / "f.safetensors"),
+            fence=optimizer,
+            staging_bytes=8 << 20,
+        )
+        events: list[str] = []
+        guard = future._guard
+        fence = guard.fence
+        guard.fence = lambda: (events.append("fence"), fence())[1]
 
-    def closure():
-        events.append("closure")
-        loss = model(torch.ones(2, 8)).sum()
-        loss.backward()
-        return loss
+        def closure():
+            events.append("closure")
+            loss = model(torch.ones(2, 8)).sum()
+            loss.backward()
+            return loss
 
-    if future.done():
-        pytest.skip("the save finished before the step: its fence is gone")
-    optimizer.step(closure)
+        optimizer.step(closure)
+    finally:
+        _free(held)
     future.result()
     # A subclass whose step calls super().step() runs the step hooks twice (torch patches
     # both classes' step): a second fence of the same save, at once, changes no order.
