@@ -23,6 +23,12 @@ Saves (``fastckpt.save``, ``safetensors.torch.save_file``, ``torch.save``), each
 fresh child that builds the state dict first, timed until durable (fsync of the file and
 its directory), in every regime's directory.
 
+Beside training (``--busy N``, a comma list; ``--busy`` alone: one per core): every regime is
+measured again with N processes running a training-like CPU loop (float32 matmuls on one
+torch thread each, :class:`~fastckpt.bench.training_load.TrainingLoad`), started before the
+regime's first round and running through its last; ``0`` is the quiet machine. The load
+averages at the start and end of each pass are printed with its tables.
+
 Rounds interleave the methods (the order rotates), figures are medians of ``--repeats``
 rounds. Printed per regime: GB/s (10^9 bytes of tensor data per second), how many times
 faster fastckpt is, CPU seconds per GB, peak RSS above the checkpoint's size, and the
@@ -37,6 +43,8 @@ Example::
 
     python benchmarks/bench_memory.py --size 1G --repeats 5
     python benchmarks/bench_memory.py --size 8M --repeats 1 --regime tmpfs --json out.json
+    python benchmarks/bench_memory.py --size 1G --regime tmpfs,hot,cold --busy 0,2 \
+        --loads fastckpt,safetensors,fastsafetensors,runai,preadv --saves none
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from fastckpt.bench.peers import LOADERS, SAVERS, Skip
 from fastckpt.bench.report import fmt, log, markdown_table, version_of
 from fastckpt.bench.results import rotate, summarize
 from fastckpt.bench.timed_runs import child_load, child_save
+from fastckpt.bench.training_load import TrainingLoad, load_average
 from fastckpt.bench.units import MiB, format_bytes
 from fastckpt.config import parse_size
 from fastckpt.io.page_cache import MEMORY_FILESYSTEMS
@@ -135,14 +144,20 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.raw: list[dict[str, Any]] = []
+        self.busy = 0  # training-like processes running beside the current pass
+        # (regime, busy) -> the load averages at the start and end of that pass
+        self.load_averages: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
 
     def child(self, spec: dict[str, Any]) -> dict[str, Any]:
         return spawn(__file__, spec, self.args.child_timeout)
 
     def record(self, regime: str, rnd: int, op: str, method: str, res: dict[str, Any]) -> None:
-        self.raw.append({"regime": regime, "round": rnd, "op": op, "method": method, **res})
+        self.raw.append(
+            {"regime": regime, "busy": self.busy, "round": rnd, "op": op, "method": method, **res}
+        )
         when = "sampled" if rnd < 0 else f"round {rnd + 1}"
-        head = f"{regime:5s} {when}: {op} {method:15s}"
+        beside = f" busy {self.busy}" if self.busy else ""
+        head = f"{regime:5s}{beside} {when}: {op} {method:15s}"
         if "error" in res or "skipped" in res:
             log(f"{head} {res.get('error') or 'skipped: ' + res['skipped']}")
             return
@@ -173,13 +188,31 @@ def check_regime_dir(regime: str, base: Path, size: int) -> None:
 
 
 def run_regime(run: Run, regime: str, workdir: str) -> dict[str, Any]:
-    """Prepares the files, then ``--repeats`` rounds of saves and loads, then one sampled round."""
+    """Prepares the files, then for each ``--busy`` level (training-like processes started
+    before the first round, stopped after the last) the rounds of :func:`run_rounds`."""
     args = run.args
     crc_file = os.path.join(workdir, "crc.json")
     base = {"size": args.size, "seed": args.seed, "dir": workdir, "crc_file": crc_file}
     prep = run.child({**base, "op": "prepare"})
     if "error" in prep:
         raise SystemExit(f"error: preparing the {regime} files failed: {prep['error']}")
+    for busy in args.busy:
+        run.busy = busy
+        with TrainingLoad(busy):
+            averages = run.load_averages.setdefault((regime, busy), [])
+            averages.append(load_average())
+            log(f"{regime}: {busy} busy processes; load average {averages[0]}")
+            run_rounds(run, regime, workdir, base, prep)
+            averages.append(load_average())
+    run.busy = 0
+    return prep
+
+
+def run_rounds(
+    run: Run, regime: str, workdir: str, base: dict[str, Any], prep: dict[str, Any]
+) -> None:
+    """``--repeats`` rounds of saves and loads, then one sampled round."""
+    args = run.args
     files = [os.path.join(workdir, FILES[kind]) for kind in {m.file for m in LOADERS.values()}]
     fio = None
     if regime == "cold" and fio_path() and not args.no_fio:
@@ -226,20 +259,28 @@ def run_regime(run: Run, regime: str, workdir: str) -> dict[str, Any]:
             run.record(regime, -1 if sample else rnd, "load", method, res)
             if "skipped" in res:  # it cannot run here: no need to ask again
                 loads.remove(method)
-    return prep
 
 
-def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tuple[str, list[str]]:
-    """The Markdown tables of one regime and the lines of its target checks."""
+def regime_report(
+    run: Run, regime: str, prep: dict[str, Any], where: str, busy: int = 0
+) -> tuple[str, list[str]]:
+    """The Markdown tables of one regime (at one ``--busy`` level) and the lines of its
+    target checks."""
     args = run.args
     nbytes = prep["payload_bytes"]
     gb = nbytes / 1e9
+    averages = run.load_averages.get((regime, busy), [])
+    beside = f" beside {busy} busy processes" if busy else " (quiet)"
+    if averages:
+        beside += "; load average " + " → ".join(f"{a[0]:.2f}" for a in averages)
+    title = f"{regime}, busy {busy}" if busy else regime
 
     def pick(op: str, method: str, sampled: bool = False) -> list[dict[str, Any]]:
         return [
             r
             for r in run.raw
             if r["regime"] == regime
+            and r.get("busy", 0) == busy
             and r["op"] == op
             and r["method"] == method
             and (r["round"] < 0) == sampled
@@ -301,7 +342,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
         "cold": "page cache dropped",
     }[regime]
     out = [
-        f"### {regime}: load ({cache}; {where})",
+        f"### {title}: load ({cache}; {where}){beside}",
         "",
         markdown_table(
             [
@@ -353,7 +394,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
         )
     if rows:
         out += [
-            f"### {regime}: save (timed until durable)",
+            f"### {title}: save (timed until durable)",
             "",
             markdown_table(
                 ["method", "GB/s", "fastckpt is ×", "CPU s/GB", "extra peak RSS (MiB)", "note"],
@@ -374,7 +415,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
             if value is None
             else ("met" if (value >= goal if low else value <= goal) else "NOT met")
         )
-        checks.append(f"- {regime}: {text}: {fmt(value, spec, suffix)} → {met}")
+        checks.append(f"- {title}: {text}: {fmt(value, spec, suffix)} → {met}")
 
     def best_of(methods: tuple[str, ...]) -> float | None:
         rates = [loads[m]["gbps"] for m in methods if m in loads and loads[m].get("n")]
@@ -463,6 +504,7 @@ def regime_report(run: Run, regime: str, prep: dict[str, Any], where: str) -> tu
 
 def parent_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    started = load_average()
     run = Run(args)
     made: list[Path] = []
     reports, checks, prep = [], [], {}
@@ -480,9 +522,12 @@ def parent_main(args: argparse.Namespace) -> int:
             try:
                 prep = run_regime(run, regime, workdir)
                 fs_type, source, _ = filesystem_of(workdir)
-                text, more = regime_report(run, regime, prep, f"{base} on {fs_type} {source}")
-                reports.append(text)
-                checks += more
+                for busy in args.busy:
+                    text, more = regime_report(
+                        run, regime, prep, f"{base} on {fs_type} {source}", busy
+                    )
+                    reports.append(text)
+                    checks += more
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
     finally:
@@ -519,6 +564,13 @@ def parent_main(args: argparse.Namespace) -> int:
         f"preadv ceiling: {cores} threads"
     )
     print(f"- wall time {time.perf_counter() - t0:.0f} s")
+    ended = load_average()
+    print(
+        "- load average (1, 5, 15 min) at the start: "
+        + ", ".join(f"{v:.2f}" for v in started)
+        + "; at the end: "
+        + ", ".join(f"{v:.2f}" for v in ended)
+    )
     print()
     for text in reports:
         print(text)
@@ -547,6 +599,17 @@ def _names(valid: tuple[str, ...] | dict[str, Any], *, none: bool = False) -> An
         return names
 
     return parse
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: a comma list of process counts (0 or more)."""
+    try:
+        counts = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 0,2; got {text!r}") from None
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts like 0,2; got {text!r}")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,6 +654,16 @@ def main(argv: list[str] | None = None) -> int:
         "--no-streams", action="store_true", help="skip the extra round that counts busy threads"
     )
     parser.add_argument("--no-fio", action="store_true", help="skip fio in the cold regime")
+    parser.add_argument(
+        "--busy",
+        type=_counts,
+        nargs="?",
+        const=[os.cpu_count() or 1],
+        default=[0],
+        metavar="N[,N]",
+        help="measure beside N processes running a training-like CPU loop (a comma list, "
+        "0 = quiet; --busy alone: one per core); default 0",
+    )
     parser.add_argument("--child-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

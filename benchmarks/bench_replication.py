@@ -18,12 +18,19 @@ and its step is brought back, alternately:
 
 The time is node 1's, medians of ``--rounds`` interleaved rounds.
 
-**Training** (``--train``): every rank runs a loop of CPU matmuls, saving its ``--size``
-state with ``CheckpointManager(fast=/dev/shm, root=disk)`` every ``--every`` steps, with
-``replicas=1`` and without, alternating runs; the loop's time per mode, medians.
+**Training** (``--train``): every rank runs a loop of ``--steps`` steps of ``--work`` CPU
+matmuls (one thread), saving its ``--size`` state with ``CheckpointManager(fast=/dev/shm,
+root=disk)`` every ``--every`` steps, in interleaved runs of three modes: no replication,
+``replicas=1`` with its bytes over gloo, and ``replicas=1`` over TCP (``sendfile``; the
+default transport). Per mode, medians over the runs: the loop's own step time (steps without
+a save), its wall time (the slowest rank's), and what replication takes from it: the wall
+time it adds, and its CPU time (the replication thread's and the gloo threads' beyond what
+they use without replication) as a share of the loop's CPU time, and per GiB sent (each
+rank receives as much as it sends). The last save is ``--steps % --every`` steps before the
+loop's end, so its round runs inside the loop.
 
-Run: python benchmarks/bench_replication.py [--ranks 2 4 8] [--size 64M] [--train]
-Smoke: python benchmarks/bench_replication.py --ranks 2 --size 4M --rounds 1 --train --steps 4
+Run: python benchmarks/bench_replication.py [--ranks 2 4 8] [--size 32M] [--train]
+Smoke: python benchmarks/bench_replication.py --ranks 2 --size 4M --rounds 1 --train --steps 6 --every 4
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ def _rank_recovery(rank: int, world: int, args: argparse.Namespace) -> dict[str,
     import torch.distributed as dist
 
     from fastckpt import api
+    from fastckpt.distributed.replica_store import identity
     from fastckpt.distributed.replication import Replicator
     from fastckpt.series.transfer import copy_file
 
@@ -76,6 +84,7 @@ def _rank_recovery(rank: int, world: int, args: argparse.Namespace) -> dict[str,
         f.write("{}")
     api.save(_state(rank, args.size), os.path.join(root, "state.safetensors"))
     replicator.replicate(step, directory, ["state.safetensors", "COMMITTED"]).result()
+    known = identity(os.path.join(root, "state.safetensors"))
     lost = 1
     peer, from_root = [], []
     for _ in range(args.rounds):
@@ -85,9 +94,10 @@ def _rank_recovery(rank: int, world: int, args: argparse.Namespace) -> dict[str,
                 shutil.rmtree(directory)
             dist.barrier()
             started = time.perf_counter()
-            if how == "peer":
-                own = [] if rank == lost else [step]
-                replicator.recover(own, [step], lambda s: directory, step=step)
+            if how == "peer":  # (steps named with their content's identity, as a manager does)
+                own = {} if rank == lost else {step: known}
+                recovery = replicator.recover(own, {step: known}, lambda s: directory, step=step)
+                assert recovery.sources[lost] != "fallback", recovery
             elif rank == lost:
                 os.makedirs(directory)
                 copy_file(
@@ -102,6 +112,22 @@ def _rank_recovery(rank: int, world: int, args: argparse.Namespace) -> dict[str,
     return {"peer": peer, "root": from_root}
 
 
+def _gloo_threads_cpu() -> float:
+    """CPU seconds of this process's gloo I/O threads (they move the gloo path's bytes)."""
+    total = 0.0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :]
+        if name.startswith("gloo"):
+            utime, stime = fields.split()[11:13]
+            total += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -110,7 +136,7 @@ def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
     torch.set_num_threads(1)
     fast = os.path.join(args.shm, f"node-{rank}", args.mode)
     root = os.path.join(args.dir, args.mode, f"rank-{rank:05d}")
-    replicas = 1 if args.mode == "on" else 0
+    replicas = 0 if args.mode == "off" else 1
     manager = CheckpointManager(
         root,
         fast=fast,
@@ -119,29 +145,36 @@ def _rank_train(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         distributed=False,
         replication_bytes_per_second=args.replication_bandwidth,
     )
+    replicator = manager._replicator  # the bench picks the transport and reads the counters
+    if replicator is not None:
+        replicator.transport = args.mode
     state = _state(rank, args.size)
     a = torch.randn(256, 256)
     torch.distributed.barrier()
+    steps: list[float] = []
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, args.steps + 1):
+        began = time.perf_counter()
         for _ in range(args.work):
             a = torch.tanh(a @ a) * 0.5
         state["w"].add_(1.0)
         if step % args.every == 0:
             manager.save(step, state)
-    loop = time.perf_counter() - started
-    manager.close()  # (the last step's replication and drain end here)
+        else:  # (a step without a save: the loop's own step time)
+            steps.append(time.perf_counter() - began)
+    loop, loop_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    manager.close()  # (a step's replication still running ends here)
     process_cpu = time.process_time() - cpu_started
-    replicator = manager._replicator  # the bench reads its counters
-    cpu = replicator.cpu_seconds if replicator is not None else 0.0
-    sent = replicator.bytes_sent if replicator is not None else 0
-    seconds = replicator.seconds_sending if replicator is not None else 0.0
     return {
         "loop": loop,
+        "loop_cpu_s": loop_cpu,
+        "step_s": _median(steps),
         "process_cpu_s": process_cpu,
-        "replication_cpu_s": cpu,
-        "bytes_sent": sent,
-        "replication_s": seconds,
+        "gloo_cpu_s": _gloo_threads_cpu(),
+        "replication_cpu_s": replicator.cpu_seconds if replicator is not None else 0.0,
+        "bytes_sent": replicator.bytes_sent if replicator is not None else 0,
+        "sent_by": replicator.sent_by if replicator is not None else {},
+        "replication_s": replicator.seconds_sending if replicator is not None else 0.0,
     }
 
 
@@ -203,6 +236,69 @@ def _run(world: int, mode: str, args: argparse.Namespace, shm: str, disk: str) -
     return results
 
 
+#: The training modes, interleaved: no replication, then replicas=1 over each transport.
+MODES = ("off", "gloo", "auto")
+
+
+def _train(world: int, args: argparse.Namespace, shm: str, disk: str) -> dict[str, Any]:
+    """Interleaved runs of the training loop per mode; prints and returns the medians."""
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            runs[mode].append(_run(world, mode, args, shm, disk))
+    off = _summary(runs["off"], None)
+    figures = {"off": off}
+    per_save = off["loop_cpu_s"] / args.steps * args.every
+    print(
+        f"{world} ranks: a {args.size / 2**20:.0f} MiB checkpoint every {args.every} steps = "
+        f"every {per_save:.2f} CPU-s of the loop: {args.size / per_save / 1e6:.1f} MB per "
+        "CPU-second of training"
+    )
+    print(
+        f"{world} ranks, no replication: step {1e3 * off['step_s']:.1f} ms, loop "
+        f"{off['loop_s']:.2f} s ({off['loops']}), loop CPU {off['loop_cpu_s']:.2f} s a rank"
+    )
+    for mode in MODES[1:]:
+        on = figures[mode] = _summary(runs[mode], off)
+        print(
+            f"{world} ranks, replicas=1 over {'TCP' if mode == 'auto' else 'gloo'}: step "
+            f"{1e3 * on['step_s']:.1f} ms, loop {on['loop_s']:.2f} s ({on['loops']}): "
+            f"{on['wall_pct']:+.1f} % wall; replication CPU {on['cpu_s']:.3f} s a rank = "
+            f"{on['cpu_pct']:.1f} % of the loop's CPU; {on['cpu_s_per_gib']:.2f} CPU-s per "
+            f"GiB sent (and as much received); {on['mb_s']:.0f} MB/s while sending; "
+            f"load average {os.getloadavg()[0]:.2f}"
+        )
+    return figures
+
+
+def _summary(runs: list[list[dict]], off: dict[str, Any] | None) -> dict[str, Any]:
+    """One mode's medians over its runs (each run: every rank's result). The loop's time is
+    its slowest rank's; CPU figures are per rank; replication's CPU is its thread's and the
+    gloo threads' beyond what they use without replication."""
+    loops = [max(r["loop"] for r in run) for run in runs]
+    figures: dict[str, Any] = {
+        "loop_s": _median(loops),
+        "loops": [round(x, 2) for x in loops],
+        "step_s": _median([_median([r["step_s"] for r in run]) for run in runs]),
+        "loop_cpu_s": _median([sum(r["loop_cpu_s"] for r in run) / len(run) for run in runs]),
+        "gloo_cpu_s": _median([sum(r["gloo_cpu_s"] for r in run) / len(run) for run in runs]),
+    }
+    if off is None:
+        return figures
+    ranks = [r for run in runs for r in run]
+    cpu = [r["replication_cpu_s"] + r["gloo_cpu_s"] - off["gloo_cpu_s"] for r in ranks]
+    sent = sum(r["bytes_sent"] for r in ranks)
+    figures.update(
+        wall_pct=100 * (figures["loop_s"] / off["loop_s"] - 1),
+        cpu_s=_median(cpu),
+        cpu_pct=100 * _median(cpu) / off["loop_cpu_s"],
+        cpu_s_per_gib=sum(cpu) / max(sent, 1) * 2**30,
+        mb_s=sent / max(sum(r["replication_s"] for r in ranks), 1e-9) / 1e6,
+        sent_by={way: sum(r["sent_by"].get(way, 0) for r in ranks) for way in ("tcp", "gloo")},
+    )
+    return figures
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
@@ -212,7 +308,7 @@ def _median(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--size", type=parse_size, default=parse_size("64M"), help="per rank")
+    parser.add_argument("--size", type=parse_size, default=parse_size("32M"), help="per rank")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--storage-bandwidth",
@@ -221,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         help="root's bandwidth per node, bytes/s (a cluster file system's share)",
     )
     parser.add_argument("--train", action="store_true", help="also time a training loop")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--work", type=int, default=40, help="matmuls per training step")
-    parser.add_argument("--replication-bandwidth", type=parse_size, default=None)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--work", type=int, default=150, help="matmuls per training step")
+    parser.add_argument("--replication-bandwidth", type=parse_size, default=parse_size("64M"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -258,48 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{root / peer:.1f}x; load average {os.getloadavg()[0]:.2f}"
             )
             if args.train:
-                loops: dict[str, list[float]] = {"off": [], "on": []}
-                cpus: dict[str, list[float]] = {"off": [], "on": []}
-                cpu, sent, busy = [], [], []
-                for _ in range(args.rounds):
-                    for mode in ("off", "on"):
-                        runs = _run(world, mode, args, shm, disk)
-                        loops[mode].append(max(r["loop"] for r in runs))
-                        cpus[mode].append(sum(r["process_cpu_s"] for r in runs) / len(runs))
-                        if mode == "on":
-                            cpu += [r["replication_cpu_s"] for r in runs]
-                            sent += [r["bytes_sent"] for r in runs]
-                            busy += [r["replication_s"] for r in runs]
-                off, on = _median(loops["off"]), _median(loops["on"])
-                per_gib = sum(cpu) / max(sum(sent), 1) * 2**30
-                cpu_off, cpu_on = _median(cpus["off"]), _median(cpus["on"])
-                rate = sum(sent) / max(sum(busy), 1e-9)
-                figures[f"train_{world}"] = {
-                    "off_s": off,
-                    "on_s": on,
-                    "cpu_off_s": cpu_off,
-                    "cpu_on_s": cpu_on,
-                    "cpu_s_per_gib": per_gib,
-                    "replication_bytes_per_s": rate,
-                }
-                print(
-                    f"{world} ranks: training loop {off:.2f} s without replication "
-                    f"({[round(x, 2) for x in loops['off']]}), {on:.2f} s with replicas=1 "
-                    f"({[round(x, 2) for x in loops['on']]}): {100 * (on / off - 1):+.1f} %; "
-                    f"load average {os.getloadavg()[0]:.2f}"
-                )
-                print(
-                    f"{world} ranks: CPU time per rank (loop and close) {cpu_off:.2f} s without, "
-                    f"{cpu_on:.2f} s with replication ({[round(x, 2) for x in cpus['off']]}, "
-                    f"{[round(x, 2) for x in cpus['on']]}): {100 * (cpu_on / cpu_off - 1):+.1f} %"
-                )
-                cap = args.replication_bandwidth
-                print(
-                    f"{world} ranks: replication thread CPU {per_gib:.2f} s per GiB sent (and "
-                    f"as much received); {sum(sent) / len(sent) / 2**20:.0f} MiB sent per rank "
-                    f"per run at {rate / 1e6:.0f} MB/s while sending"
-                    + (f" (cap {cap / 1e6:.0f} MB/s)" if cap else "")
-                )
+                figures[f"train_{world}"] = _train(world, args, shm, disk)
         finally:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(disk, ignore_errors=True)

@@ -67,6 +67,9 @@ __all__ = [
     "READ_MODES",
     "read_mode_override",
     "force_read_mode",
+    "ARENA_PAGES",
+    "arena_pages",
+    "force_arena_pages",
     "save_tuned_read_mode",
     "tuned_read_mode",
     "WRITE_MODES",
@@ -238,6 +241,44 @@ def read_mode_override() -> str | None:
     if mode not in READ_MODES:
         raise ValueError(f"FASTCKPT_READ_MODE must be one of {', '.join(READ_MODES)}, got {text!r}")
     return mode
+
+
+#: How a load's large arena gets its pages (see :func:`fastckpt.io.aligned_memory.arena_tensor`).
+ARENA_PAGES = ("plain", "huge", "populate")
+_forced_arena_pages: str | None = None  # force_arena_pages's, over FASTCKPT_ARENA_PAGES
+
+
+def force_arena_pages(pages: str | None) -> None:
+    """Sets how this process's load arenas get their pages (None: back to
+    ``FASTCKPT_ARENA_PAGES``). For benchmarks, which time each way.
+
+    Example:
+        >>> force_arena_pages("populate"); arena_pages()
+        'populate'
+        >>> force_arena_pages(None)
+    """
+    global _forced_arena_pages
+    if pages is not None and pages not in ARENA_PAGES:
+        raise ValueError(f"arena pages must be one of {', '.join(ARENA_PAGES)}, got {pages!r}")
+    _forced_arena_pages = pages
+
+
+def arena_pages() -> str:
+    """How load arenas get their pages: :func:`force_arena_pages`'s, else
+    ``FASTCKPT_ARENA_PAGES`` (``plain``, ``huge`` or ``populate``), else ``plain``.
+
+    Example:
+        >>> arena_pages() in ARENA_PAGES
+        True
+    """
+    if _forced_arena_pages is not None:
+        return _forced_arena_pages
+    text = (environment("ARENA_PAGES") or "plain").strip().lower()
+    if text not in ARENA_PAGES:
+        raise ValueError(
+            f"FASTCKPT_ARENA_PAGES must be one of {', '.join(ARENA_PAGES)}, got {text!r}"
+        )
+    return text
 
 
 def progress_hidden() -> bool:
@@ -487,36 +528,55 @@ def save_tuned_gds(fs_key: str, measured: Mapping[str, Any]) -> Path:
     return _write_tuned(entries)
 
 
-def save_tuned_read_mode(fs_key: str, mode: str, gbps: Mapping[str, float]) -> Path:
+def save_tuned_read_mode(
+    fs_key: str,
+    mode: str,
+    gbps: Mapping[str, float],
+    *,
+    contended: bool = False,
+    busy: Mapping[str, Any] | None = None,
+) -> Path:
     """Records which way of reading a cold file was fastest on one file system (``mode``:
-    ``"direct"``, ``"buffered"`` or ``"mapped"``) and what each measured; returns the file."""
+    ``"direct"``, ``"staged"``, ``"buffered"`` or ``"mapped"``) and what each measured;
+    returns the file. ``contended``: measured beside a training-like load on every core
+    (``busy`` says how: processes, load averages), kept apart as ``"read_busy"``."""
     if mode not in READ_MODES:
         raise ValueError(f"read mode must be one of {', '.join(READ_MODES)}, got {mode!r}")
     entries = load_tuned()
     entry = entries.setdefault(fs_key, {"config": {}, "measured": {}})
-    entry["read"] = {
+    record: dict[str, Any] = {
         "mode": mode,
         "gbps": {k: round(float(v), 3) for k, v in gbps.items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    entry.setdefault("time", entry["read"]["time"])
+    if busy is not None:
+        record["busy"] = dict(busy)
+    key = "read_busy" if contended else "read"
+    entry[key] = record
+    entry.setdefault("time", record["time"])
     return _write_tuned(entries)
 
 
-def tuned_read_mode(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+def tuned_read_mode(
+    path: str | os.PathLike[str], *, contended: bool = False
+) -> tuple[str, str] | None:
     """The way of reading a cold file that ``fastckpt tune`` found fastest on the file system
-    of ``path``, and why (the figures); None when it was not measured there.
+    of ``path``, and why (the figures); None when it was not measured there. ``contended``:
+    the winner measured beside a training-like load on every core (None when tune did not
+    measure that).
 
     Example:
-        >>> tuned_read_mode("/nonexistent/x.safetensors") is None
+        >>> tuned_read_mode("/nonexistent/x.safetensors", contended=True) is None
         True
     """
-    read = _tuned_entries().get(filesystem_key(path), {}).get("read", {})
+    key = "read_busy" if contended else "read"
+    read = _tuned_entries().get(filesystem_key(path), {}).get(key, {})
     mode, gbps = read.get("mode"), read.get("gbps", {})
     if mode not in READ_MODES or not isinstance(gbps, dict):
         return None
     figures = ", ".join(f"{k} {v} GB/s" for k, v in gbps.items())
-    return mode, f"fastckpt tune measured cold reads here: {figures}"
+    beside = " beside a busy machine" if contended else ""
+    return mode, f"fastckpt tune measured cold reads here{beside}: {figures}"
 
 
 #: The ways a save can write a local file (see :mod:`fastckpt.io.write_mode`).

@@ -19,7 +19,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# The default run's longest tests (a minute or more on 2 cores), started first so that no
+# worker is left running one of them alone at the end of the run.
+LONGEST_FIRST = (
+    "tests/test_install.py",
+    "tests/test_torture_smoke.py",
+    "tests/test_examples.py",
+    "tests/distributed/",
+    "tests/integrations/test_lightning",
+    "tests/checkpoint/test_tree.py::test_a_set_is_written_alike_whatever_the_hash_seed",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

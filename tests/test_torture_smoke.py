@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.python_processes import run
 
 TORTURE = Path(__file__).resolve().parent.parent / "benchmarks" / "torture.py"
 
 
 def _torture(tmp_path: Path, *args: str, timeout: int = 300) -> str:
     """Runs benchmarks/torture.py with ``args`` in ``tmp_path``; its output, once it exited 0."""
-    out = subprocess.run(
+    out = run(
         [sys.executable, str(TORTURE), *args, f"--dir={tmp_path}"],
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -164,7 +163,7 @@ def test_torture_smoke_adversarial_ranks(tmp_path):
     """A save called on rank 0 alone, and tiers planted with links and a marker at a high
     step: nothing silently wrong, nothing hung, nothing outside the tiers touched (the whole
     part, every scenario, is the slow test below)."""
-    out = subprocess.run(
+    out = run(
         [
             sys.executable,
             str(RANKS),
@@ -172,8 +171,6 @@ def test_torture_smoke_adversarial_ranks(tmp_path):
             "--only=planted-links-and-markers",
             f"--dir={tmp_path}",
         ],
-        capture_output=True,
-        text=True,
         timeout=400,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -228,6 +228,20 @@ def _load_fastckpt_in(mode: str) -> Callable[[str, str], Callable[[], Any]]:
     return setup
 
 
+def _load_fastckpt_pages(pages: str) -> Callable[[str, str], Callable[[], Any]]:
+    """``fastckpt.load`` with its arena's pages brought in one way (``FASTCKPT_ARENA_PAGES``:
+    huge pages, or populated on every core before the reads)."""
+
+    def setup(path: str, device: str) -> Callable[[], Any]:
+        from fastckpt.api import load
+        from fastckpt.config import force_arena_pages
+
+        force_arena_pages(pages)  # this benchmark child's arenas only
+        return lambda: load(path, map_location=device, progress=False)
+
+    return setup
+
+
 def _load_safetensors(path: str, device: str) -> Callable[[], Any]:
     _require("safetensors.torch")
     import safetensors.torch
@@ -362,6 +376,12 @@ LOADERS: dict[str, Loader] = {
         )
         for mode in READ_MODES
     },
+    "fastckpt-huge": Loader(
+        "fastckpt.load, arena in huge pages", "fastckpt", _load_fastckpt_pages("huge")
+    ),
+    "fastckpt-populate": Loader(
+        "fastckpt.load, arena populated first", "fastckpt", _load_fastckpt_pages("populate")
+    ),
     "safetensors": Loader("safetensors load_file (mmap)", "safetensors", _load_safetensors),
     "safetensors-pread": Loader(
         "safetensors load_file(backend=pread)", "safetensors", _load_safetensors_pread

@@ -25,6 +25,7 @@ from fastckpt.bench.caches import drop_page_cache
 from fastckpt.bench.checks import crc_digest, file_crc32, tensor_crc32s, touch
 from fastckpt.bench.measure import Measure, ThreadSampler
 from fastckpt.bench.peers import LOADERS, SAVERS, Loader, Saver, Skip
+from fastckpt.io.cpu_load import machine_busy
 
 __all__ = ["child_load", "child_save"]
 
@@ -86,12 +87,18 @@ def child_load(spec: dict[str, Any], loaders: dict[str, Loader] = LOADERS) -> di
     touch({"warm": torch.ones(1024)})  # first-op setup outside the timed section
     cache = drop_page_cache([path]) if spec.get("cold") else "hot"
     resident = _resident_share(path)  # a "cold" figure is proved cold: fincore's check
+    busy = machine_busy()  # what a load's read-mode choice saw (untimed: it reads again)
     sampler = ThreadSampler() if spec.get("sample") else contextlib.nullcontext()
     with sampler, Measure() as m:
         loaded = run()
         touch(loaded)
         _synchronize(device)
-    result: dict[str, Any] = {**m.as_dict(), "cache": cache, "resident_before": resident}
+    result: dict[str, Any] = {
+        **m.as_dict(),
+        "cache": cache,
+        "resident_before": resident,
+        "machine_busy": busy,
+    }
     if isinstance(sampler, ThreadSampler):
         result.update(streams=sampler.streams, streams_max=sampler.busy_max)
     whole_file = method.startswith("preadv")

@@ -16,17 +16,19 @@ from fastckpt import config
 from fastckpt.checkpoint import tree
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.reader import Reader
-from fastckpt.storage import Storage, is_url
+from fastckpt.checkpoint.small_load import NOT_HANDLED, load_small
+from fastckpt.storage import is_url
 from fastckpt.storage.file_object import FileObjectStorage
 from fastckpt.storage.resident_file import PageCacheFile, ResidentFile
 
 __all__ = ["check_target", "load", "load_bytes", "resolve_device"]
 
 MapLocation = Union[None, str, torch.device, Mapping[str, Any], Callable[..., Any]]
+_CPU = torch.device("cpu")
 
-# A file of at most this many bytes, mostly in memory, is read on the calling thread, one
-# pread per run of tensors (ResidentFile), not by the engine's worker threads: measured on
-# the 2-core benchmark VM, see docs/benchmarks.md.
+# A file of at most this many bytes, mostly in memory, is read without the engine's worker
+# threads: whole by small_load.py (ResidentFile), or one pread per run of tensors when only
+# some are asked for: measured on the 2-core benchmark VM, see docs/benchmarks.md.
 SMALL_FILE_BYTES = 64 << 20
 
 # Checking CRC32Cs costs little (each step is checksummed while still in the CPU cache, on
@@ -129,8 +131,9 @@ def load(
     offset 0 as ``torch.load``'s have (no copy). Bytes already in memory (a
     hot page cache, tmpfs) are read through the page cache at memory speed, others with
     O_DIRECT at the device's speed (see :attr:`fastckpt.Reader.read_mode`); a small file
-    in memory (at most ``SMALL_FILE_BYTES``) is read on the calling thread, one ``pread`` per
-    run of tensors, with no I/O engine set up.
+    in memory (at most ``SMALL_FILE_BYTES``) is read with no I/O engine set up: its whole
+    data section by one ``pread`` (two halves on two threads from 8 MiB), each CRC32C taken
+    in the same pass.
 
     Args:
         map_location: as ``torch.load``'s: a device string or ``torch.device``, a dict
@@ -194,6 +197,16 @@ def load(
     plain = not on_cuda and all(o is None for o in io_options + url_options)
     light = _light_storage(f, mmap=mmap) if plain else None
     if light is not None:
+        if keys is None and not pin_memory and target == _CPU:
+            # the whole file to the CPU: one pass, no reader (small_load.py)
+            try:
+                loaded = load_small(light, verify=verify, weights_only=weights_only, mmap=mmap)
+            except BaseException:
+                light.close()
+                raise
+            if loaded is not NOT_HANDLED:
+                light.close()
+                return loaded
         with open_checkpoint(light) as reader:
             return _read_object(
                 reader, target, pin_memory, weights_only, keys, verify, progress, mmap
@@ -214,7 +227,7 @@ def load(
         return _read_object(reader, target, pin_memory, weights_only, keys, verify, progress, mmap)
 
 
-def _light_storage(f: Any, *, mmap: bool) -> Storage | None:
+def _light_storage(f: Any, *, mmap: bool) -> PageCacheFile | None:
     """The storage of a load that needs no I/O engine, or None: a local file to be mapped
     (:class:`PageCacheFile`), or a small one mostly in memory (at most ``SMALL_FILE_BYTES``)
     read on this thread, one ``pread`` per run of tensors (:class:`ResidentFile`). Setting

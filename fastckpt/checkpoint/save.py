@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -22,7 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from fastckpt import _C, format
+from fastckpt import _C, config, format
 from fastckpt.checkpoint import (
     compressed_tensors,
     compressed_writer,
@@ -44,6 +45,8 @@ from fastckpt.io.parallel_io import Span
 from fastckpt.io.staging_pool import StagingBuffer, StagingPool, default_pool, zero_fill
 from fastckpt.io.write_mode import SMALL_STATE_BYTES, choose_write_mode
 from fastckpt.progress import progress_bar
+
+_log = logging.getLogger("fastckpt")
 
 __all__ = [
     "save",
@@ -673,21 +676,34 @@ def save(
         3
     """
     path = check_destination(f)
-    plan, executor = plan_and_executor(
+    plan = plan_save(
         obj,
-        path,
         metadata=metadata,
         alignment=alignment,
         checksum=checksum,
         allow_pickle=allow_pickle,
         piece_size=piece_size,
+        base=base,
+        frozen=frozen,
+        destination=path,
+        compress=compress,
+    )
+    explicit = (engine, block_size, queue_depth, intra_op_parallelism)
+    if all(o is None for o in explicit) and _small_buffered(plan, direct_io):
+        _save_small(
+            plan,
+            path,
+            progress=progress,
+            overwrite_readonly=overwrite_readonly,
+            direct_io=direct_io,
+        )
+        return
+    executor = executor_for_destination(
+        path,
         engine=engine,
         block_size=block_size,
         queue_depth=queue_depth,
         intra_op_parallelism=intra_op_parallelism,
-        base=base,
-        frozen=frozen,
-        compress=compress,
     )
     write_plan(
         plan,
@@ -862,6 +878,47 @@ def _buffered_save(plan: SavePlan, out: AtomicFile, direct_io: bool | None) -> b
     """Whether :func:`save` writes from the tensors' memory through the page cache: the
     choice of :mod:`fastckpt.io.write_mode` (small states, the tuned mode, ...), logged."""
     return _write_mode(plan, out, direct_io, by_size=True) == "buffered"
+
+
+def _small_buffered(plan: SavePlan, direct_io: bool | None) -> bool:
+    """Whether :func:`save` writes ``plan`` as a small state through the page cache
+    whatever the file system: CPU tensors, nothing compressed, at most
+    ``SMALL_STATE_BYTES``, and no O_DIRECT asked for (``direct_io=True`` or
+    ``FASTCKPT_DIRECT_IO=1``). :func:`choose_write_mode` answers "buffered" for every such
+    plan (a memory file system, one that refuses O_DIRECT, or a small state), so neither
+    the file system nor the I/O configuration need be looked up."""
+    if plan.frames or plan.file_size > SMALL_STATE_BYTES or direct_io:
+        return False
+    if direct_io is None and config.direct_io():
+        return False
+    return all(t.device.type == "cpu" for t in plan.tensors.values())
+
+
+def _save_small(
+    plan: SavePlan,
+    path: str,
+    *,
+    progress: bool | None,
+    overwrite_readonly: bool,
+    direct_io: bool | None,
+) -> None:
+    """:func:`write_plan` of a small state (:func:`_small_buffered`): the same commit (a
+    temporary file written from the tensors' memory, fsynced, renamed over ``path``, the
+    directory fsynced), without an O_DIRECT descriptor, an engine or a write-mode lookup."""
+    if _log.isEnabledFor(logging.DEBUG):  # as choose_write_mode logs its choice
+        why = (
+            "direct_io=False"
+            if direct_io is False
+            else "FASTCKPT_DIRECT_IO=0"
+            if config.direct_io() is False
+            else f"a small state ({plan.file_size / 2**20:.1f} MiB, at most "
+            f"{SMALL_STATE_BYTES >> 20} MiB): through the page cache"
+        )
+        _log.debug("saving %s: buffered (%s)", path, why)
+    if save_order.any_pending():
+        save_order.wait_for_earlier(path)
+    with AtomicFile(path, direct=False, overwrite_readonly=overwrite_readonly) as out:
+        _write_from_tensors(plan, out.file, progress=progress)
 
 
 def _write_mode(plan: SavePlan, out: AtomicFile, direct_io: bool | None, *, by_size: bool) -> str:

@@ -24,7 +24,7 @@ import threading
 
 from fastckpt.storage.locations import is_url
 
-__all__ = ["register", "finish", "wait_for_earlier", "pending_count", "path_key"]
+__all__ = ["register", "finish", "any_pending", "wait_for_earlier", "pending_count", "path_key"]
 
 _cond = threading.Condition()
 _pending: dict[str, list[object]] = {}  # path key -> tokens of saves not yet settled
@@ -62,6 +62,13 @@ def pending_count(path: str | os.PathLike[str]) -> int:
     """How many registered saves to ``path`` have not settled."""
     with _cond:
         return len(_pending.get(path_key(path), ()))
+
+
+def any_pending() -> bool:
+    """Whether any save is registered (else :func:`wait_for_earlier` has nothing to wait
+    for, whatever the path: a save can skip resolving its path's name)."""
+    with _cond:
+        return bool(_pending)
 
 
 def wait_for_earlier(path: str | os.PathLike[str]) -> None:

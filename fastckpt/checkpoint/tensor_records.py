@@ -120,9 +120,10 @@ class SaveRecord:
         """The hashes of the tensors written: the record is complete and kept. ``crcs``:
         the CRC32C recorded for each tensor whose hash was computed from the bytes written
         (the two describe the same bytes), remembered with :func:`remember_intact`."""
+        key = _key(self.destination)  # once: resolving the name stats each of its folders
         for name, crc in (crcs or {}).items():
             if hashes.get(name):
-                remember_intact(self.destination, name, hashes[name], crc)
+                _remember(key, name, hashes[name], crc)
         merged = {**self._hashes, **hashes}
         states = {}
         taken, self._states = self._states, {}  # from now on, only weak references
@@ -130,7 +131,6 @@ class SaveRecord:
             digest = merged.get(name)
             if digest is not None:
                 states[name] = TensorState(weakref.ref(storage), version, data_ptr, layout, digest)
-        key = _key(self.destination)
         with _lock:
             _records[key] = states
             _records.move_to_end(key)
@@ -157,7 +157,12 @@ def remember_intact(file: str, tensor: str, xxh3_128: str, crc32c: int) -> None:
         >>> seen_intact("/tmp/fastckpt-seen.safetensors", "w", "1" * 32, 7)
         False
     """
-    key = (_key(file), tensor, xxh3_128, crc32c)
+    _remember(_key(file), tensor, xxh3_128, crc32c)
+
+
+def _remember(file_key: str, tensor: str, xxh3_128: str, crc32c: int) -> None:
+    """:func:`remember_intact` of the file named ``file_key`` (:func:`_key`'s name)."""
+    key = (file_key, tensor, xxh3_128, crc32c)
     with _intact_lock:
         _intact[key] = None
         _intact.move_to_end(key)

@@ -16,6 +16,10 @@ parts go through the page cache or aligned bounce buffers); buffers may be torch
 arguments by position or by name and returns what DeepSpeed's returns; where it takes a file
 name, an open file descriptor works too (DeepSpeed's ``async_pwrite(buffer, fd, offset)``).
 
+This module holds the public class, its settings and DeepSpeed's methods, and the module-level
+functions; how an op is checked, started, queued, finished and validated is
+:mod:`fastckpt.deepnvme.handle_ops`'.
+
 Example:
     >>> import torch
     >>> from fastckpt.aio import aio_handle
@@ -34,22 +38,25 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import operator
 import os
 import threading
-from typing import Any, Callable, Union
+from typing import Any
 
 from fastckpt import _C
 from fastckpt.config import IOConfig, resolve_io
 from fastckpt.deepnvme import locked_memory
-from fastckpt.deepnvme.descriptors import HeldDescriptor, as_descriptor
-from fastckpt.errors import ChecksumError
-from fastckpt.io import device_copy, parallel_io
-from fastckpt.io.aligned_memory import BUFFER_ALIGNMENT, BufferRef, buffer_ref
+from fastckpt.deepnvme.handle_ops import (
+    _UNSET,
+    FileTarget,
+    _example_arg,
+    _HandleOps,
+    _PendingOp,
+    _pop_async,
+    _target,
+)
+from fastckpt.io import parallel_io
+from fastckpt.io.aligned_memory import buffer_ref
 from fastckpt.io.executor import Executor
-from fastckpt.io.files import File
 
 __all__ = [
     "aio_handle",
@@ -68,87 +75,12 @@ _DEEPSPEED_DEFAULTS = IOConfig(
     intra_op_parallelism=1,
     engine="auto",
 )
-_UNSET: Any = object()
 
 # DeepSpeed's O_DIRECT granularity: get_alignment() is this times intra_op_parallelism.
 _DEEPSPEED_SECTOR = 512
 
-# Files the handles create are private to their owner, as DeepSpeed's are: swapped tensors
-# (optimizer state, activations) are nobody else's to read.
-_CREATE_MODE = 0o600
 
-# Where DeepSpeed takes a file name, a path or an open file descriptor.
-FileTarget = Union[str, "os.PathLike[str]", int]
-
-
-def _target(filename: Any, fd: Any, method: str) -> Any:
-    """The file an op works on: ``filename`` (a path or a descriptor) or the ``fd=`` keyword."""
-    if fd is None:
-        if filename is None:
-            raise TypeError(f"{method}() missing required argument 'filename' (or 'fd')")
-        return filename
-    if filename is not None:
-        raise TypeError(f"{method}() got both 'filename' and 'fd'; pass one")
-    if as_descriptor(fd) is None:
-        raise TypeError(f"{method}(): fd must be an int, got {type(fd).__name__}")
-    return fd
-
-
-def _offset_arg(file_offset: Any) -> int:
-    """``file_offset`` as an int (numpy integers too), refusing bools, floats and negatives."""
-    if isinstance(file_offset, bool) or not hasattr(type(file_offset), "__index__"):
-        raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
-    file_offset = operator.index(file_offset)
-    if file_offset < 0:
-        raise ValueError(f"file_offset must not be negative, got {file_offset}")
-    return file_offset
-
-
-def _example_arg(example_tensor: Any, kwargs: dict[str, Any], method: str) -> Any:
-    """DeepSpeed's binding names this argument ``example_tenosr``; accept both spellings."""
-    if "example_tenosr" in kwargs:
-        if example_tensor is not _UNSET:
-            raise TypeError(f"{method}() got both 'example_tensor' and 'example_tenosr'")
-        example_tensor = kwargs.pop("example_tenosr")
-    if kwargs:
-        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
-    if example_tensor is _UNSET:
-        raise TypeError(f"{method}() missing required argument 'example_tensor'")
-    return example_tensor
-
-
-def _pop_async(async_op: Any, kwargs: dict[str, Any], method: str) -> bool:
-    """DeepSpeed names the flag ``async`` (a keyword in Python); accept both spellings."""
-    if "async" in kwargs:
-        if async_op is not _UNSET:
-            raise TypeError(f"{method}() got both 'async_op' and 'async'")
-        async_op = kwargs.pop("async")
-    if kwargs:
-        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
-    if async_op is _UNSET:
-        raise TypeError(f"{method}() missing required argument 'async_op' (DeepSpeed's 'async')")
-    return bool(async_op)
-
-
-class _PendingOp:
-    """One submitted op: ``wait_fn`` blocks until it is done and raises its error."""
-
-    __slots__ = ("wait_fn", "file", "ref", "offset", "write", "validate")
-
-    def __init__(
-        self,
-        wait_fn: Callable[[], None],
-        file: File,
-        ref: BufferRef,
-        offset: int,
-        write: bool,
-        validate: bool,
-    ):
-        self.wait_fn, self.file, self.ref = wait_fn, file, ref
-        self.offset, self.write, self.validate = offset, write, validate
-
-
-class aio_handle:  # noqa: N801 - DeepSpeed's name
+class aio_handle(_HandleOps):  # noqa: N801 - DeepSpeed's name
     """Reads and writes tensors to files, blocking or not, over a native I/O engine.
 
     Args:
@@ -238,86 +170,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         """The engine this handle runs on (``"auto"`` resolved)."""
         return self._executor.engine
 
-    # -- core -----------------------------------------------------------------------------
-    def _buffer(self, buffer: Any, *, write: bool) -> BufferRef:
-        """The I/O buffer's memory (CPU or CUDA), checked for the transfer's direction."""
-        return buffer_ref(buffer, writable=not write, argname="buffer", allow_cuda=True)
-
-    def _submit(
-        self, file: File, ref: BufferRef, file_offset: int, *, write: bool, parallel: bool
-    ) -> Callable[[], None]:
-        """Starts the transfer; returns the function that waits for it (raising its error)."""
-        max_parts = 0 if parallel else 1
-        if ref.is_cuda:
-            # Device memory is staged through page-locked host buffers.
-            return device_copy.submit_device_io(
-                self._executor, file, ref, file_offset, write=write, max_parts=max_parts
-            )
-        op_id = self._executor.submit(file, ref, file_offset, write=write, max_parts=max_parts)
-        return functools.partial(self._executor.wait, op_id)
-
-    def _start(
-        self,
-        buffer: Any,
-        target: FileTarget,
-        *,
-        write: bool,
-        file_offset: int,
-        validate: bool,
-        parallel: bool,
-    ) -> _PendingOp:
-        file_offset = _offset_arg(file_offset)
-        ref = self._buffer(buffer, write=write)
-        fd = as_descriptor(target)
-        if fd is not None:
-            file: File = HeldDescriptor(fd, write=write)
-        elif write:
-            file = _create_private(target)
-        else:
-            assert not isinstance(target, int)  # as_descriptor takes every int
-            file = File(target)
-        try:
-            aligned_end = (file_offset + ref.nbytes) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
-            # (a range past the largest file offset is left for the engine to refuse)
-            if write and ref.nbytes and file.size() < aligned_end < 2**63:
-                # Like fio's layout step: allocate the blocks first, so parallel out-of-order
-                # direct writes extend no file and leave one contiguous extent, and a full
-                # disk fails here, before any byte is written. Only whole blocks: ext4 can
-                # lose a buffered write of a partial tail block into a preallocated
-                # (unwritten) extent that direct writes of the same file are converting.
-                _C.preallocate(file.fd, aligned_end, file.path)
-            if not write and ref.nbytes:
-                size = file.size()
-                if file_offset + ref.nbytes > size:
-                    raise ValueError(
-                        f"read of {ref.nbytes} bytes at file_offset {file_offset} goes past the end "
-                        f"of {file.path!r} ({size} bytes)"
-                    )
-            wait_fn = self._submit(file, ref, file_offset, write=write, parallel=parallel)
-        except BaseException:
-            file.close()
-            raise
-        return _PendingOp(wait_fn, file, ref, file_offset, write, validate)
-
-    def _finish(self, op: _PendingOp) -> None:
-        try:
-            op.wait_fn()
-            if op.validate:
-                _validate(op)
-        finally:
-            op.file.close()
-
-    def _run(self, *args: Any, **kwargs: Any) -> int:
-        """A blocking, non-parallel op outside the queue; returns 0 as DeepSpeed's does."""
-        self._finish(self._start(*args, **kwargs))
-        return 0
-
-    def _queue(self, *args: Any, **kwargs: Any) -> int:
-        op = self._start(*args, **kwargs)
-        with self._lock:
-            self._pending.append(op)
-        return 0
-
+    # -- core (starting, queueing and finishing an op: handle_ops._HandleOps) ----------------
     def _queue_and_wait(self, *args: Any, **kwargs: Any) -> int:
         """A blocking parallel op: queued, then every queued op completed, as DeepSpeed does;
         returns how many completed (1 plus the asynchronous ops still queued before it)."""
@@ -592,46 +445,6 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
                 self.wait()
         except Exception:  # noqa: BLE001 - nothing to report to from a finalizer
             pass
-
-
-def _create_private(path: Any) -> File:
-    """``path`` opened for writing, created with mode 0600 when missing (as DeepSpeed does);
-    an existing file keeps its mode and contents."""
-    # fastckpt's File creates with 0644; creating the file here first keeps it private. The
-    # flags are File's own (O_RDWR, no O_TRUNC), so this open fails or blocks only where it would.
-    created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _CREATE_MODE)
-    try:
-        return File(path, write=True, create=True)
-    finally:
-        os.close(created)
-
-
-def _validate(op: _PendingOp) -> None:
-    """Reads the range back through the page cache and compares it with the buffer."""
-    import numpy as np
-
-    if op.ref.is_cuda:
-        import torch
-
-        expected = op.ref.owner.detach().reshape(-1).view(torch.uint8).cpu().numpy()
-    elif op.ref.nbytes:
-        raw = (ctypes.c_uint8 * op.ref.nbytes).from_address(op.ref.address)
-        expected = np.ctypeslib.as_array(raw)
-    else:
-        expected = np.empty(0, np.uint8)
-    if isinstance(op.file, HeldDescriptor):  # the caller's descriptor may be write-only
-        written = op.file.read_back(op.ref.nbytes, op.offset)
-    else:
-        written = os.pread(op.file.fd, op.ref.nbytes, op.offset)
-    actual = np.frombuffer(written, dtype=np.uint8)
-    if actual.size != expected.size or not np.array_equal(actual, expected):
-        mismatch = np.flatnonzero(actual != expected[: actual.size])
-        where = int(mismatch[0]) if mismatch.size else actual.size
-        raise ChecksumError(
-            f"validation of the {'write' if op.write else 'read'} of {op.ref.nbytes} bytes at offset "
-            f"{op.offset} in {op.file.path!r} failed: first difference at byte {where}",
-            filename=op.file.path,
-        )
 
 
 def _one_shot(

@@ -16,7 +16,8 @@ import concurrent.futures
 import functools
 from typing import Any, Callable
 
-from fastckpt.deepnvme.aio_handle import _UNSET, _example_arg, aio_handle
+from fastckpt.deepnvme.aio_handle import aio_handle
+from fastckpt.deepnvme.handle_ops import _UNSET, _example_arg
 from fastckpt.io import cufile
 from fastckpt.io.aligned_memory import BufferRef
 from fastckpt.io.files import File

@@ -12,9 +12,10 @@ the steps it saves and :meth:`Replicator.recover` at restore.
 that deletes or reuses them meanwhile changes nothing the round sends) and queues them. The
 background thread runs one round at a time: the ranks agree (one all-reduce) on the newest
 step every rank has queued, then each rank sends its files of that step to its peers
-(:func:`~fastckpt.distributed.peers.choose_peers`) and receives its sources' files, in
-chunks of :data:`CHUNK` bytes with point-to-point sends on the replication group, paced to
-``bytes_per_second``. A rank that lacks that step (its save failed) sends an empty share.
+(:func:`~fastckpt.distributed.peers.choose_peers`) and receives its sources' files, paced
+to ``bytes_per_second``: the headers over the replication group, the bytes by ``sendfile``
+over a TCP connection per pair, or over gloo where a peer cannot connect
+(:mod:`~fastckpt.distributed.replica_transport`). A rank that lacks that step (its save failed) sends an empty share.
 Older queued steps are dropped: replication keeps up with the newest step, not every step.
 Received files land in the :class:`~fastckpt.distributed.replica_store.ReplicaStore`,
 committed by their own marker only once complete.
@@ -49,7 +50,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import tempfile
@@ -63,11 +63,25 @@ import torch
 from fastckpt import config
 from fastckpt.distributed.groups import in_group, node_rank
 from fastckpt.distributed.peers import choose_peers, failure_domain
+from fastckpt.distributed.recovery_plan import (
+    check_same_request,
+    choose,
+    identities,
+    unavailable_newer,
+)
 from fastckpt.distributed.replica_store import (
     ReplicaStore,
     plain_name,
     remove_own_dir,
     verify_share,
+)
+from fastckpt.distributed.replica_transport import (
+    CHUNK,
+    TRANSPORTS,
+    Share,
+    Sink,
+    exchange,
+    open_share,
 )
 from fastckpt.errors import FastCkptError
 
@@ -75,29 +89,10 @@ __all__ = ["CHUNK", "Recovery", "Replicator"]
 
 _log = logging.getLogger("fastckpt")
 
-#: Bytes per point-to-point message (one per peer in flight at a time).
-CHUNK = 4 << 20
 #: The file in the store that names this rank's newest step its peers hold.
 REPLICATED = "REPLICATED"
 #: Steps queued beyond the one in flight; older ones are dropped (replication follows the newest).
 QUEUED = 2
-
-
-@dataclasses.dataclass
-class _Share:
-    """One rank's files of one step, opened: what a round or a recovery sends."""
-
-    header: dict[str, Any]
-    fds: list[int]
-
-    @property
-    def size(self) -> int:
-        return sum(size for _, size in self.header["files"])
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
 
 
 @dataclasses.dataclass
@@ -128,10 +123,12 @@ class Replicator:
             ``FASTCKPT_GROUP_TIMEOUT``, 5 minutes unless set).
         run: what names this run (the rank's durable root): recorded with each replica, and
             a replica recorded by another run is never restored.
+        transport: how file bytes travel: ``"auto"`` (TCP by ``sendfile`` wherever the
+            receiver can connect, else gloo) or ``"gloo"``.
 
     Raises:
         ValueError: ``replicas`` is negative or not below the number of nodes (naming it),
-            or ``bytes_per_second`` is not positive.
+            ``bytes_per_second`` is not positive, or ``transport`` is not one of those.
     """
 
     def __init__(
@@ -142,18 +139,23 @@ class Replicator:
         bytes_per_second: float | None = None,
         timeout_seconds: float | None = None,
         run: str = "",
+        transport: str = "auto",
     ):
         if bytes_per_second is not None and not bytes_per_second > 0:
             raise ValueError(f"bytes_per_second must be positive, got {bytes_per_second!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.rate = bytes_per_second
         self.run = run
+        self.transport = transport
         dist = torch.distributed
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
         self._group = self._recovery_group = None
         nodes, domains = [node_rank()], [failure_domain()]
+        if timeout_seconds is None:
+            timeout_seconds = config.group_timeout_seconds()
+        self.timeout = timeout_seconds
         if in_group():
-            if timeout_seconds is None:
-                timeout_seconds = config.group_timeout_seconds()
             timeout = datetime.timedelta(seconds=timeout_seconds)
             # made here, in the foreground, by every rank in the same order (never in a thread)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
@@ -174,9 +176,11 @@ class Replicator:
         #: Bytes this rank sent to its peers, the rounds' wall time and the replication
         #: thread's CPU time (sending, receiving, writing what it received).
         self.bytes_sent = 0
+        #: Bytes sent (rounds and recoveries) by ``"tcp"`` and by ``"gloo"``.
+        self.sent_by: dict[str, int] = {}
         self.seconds_sending = 0.0
         self.cpu_seconds = 0.0
-        self._queue: collections.deque[tuple[int, _Share, concurrent.futures.Future[Any]]] = (
+        self._queue: collections.deque[tuple[int, Share, concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
         self._wake = threading.Condition()
@@ -207,7 +211,7 @@ class Replicator:
                 self._broken or RuntimeError(f"rank {self.rank}: replication is not running")
             )
             return future
-        share = _open_share(step, self.rank, self.nodes[self.rank], directory, names)
+        share = open_share(step, self.rank, self.nodes[self.rank], directory, names)
         share.header["run"] = self.run
         with self._wake:
             self._queue.append((step, share, future))
@@ -246,8 +250,8 @@ class Replicator:
                         waiting.set_result(None)
             started, cpu = time.perf_counter(), time.thread_time()
             try:
-                outgoing: dict[int, _Share | None] = dict.fromkeys(self.targets, share)
-                received = _exchange(self._group, outgoing, self.sources, self._receive, self.rate)
+                outgoing: dict[int, Share | None] = dict.fromkeys(self.targets, share)
+                received = self._exchange(self._group, outgoing, self.sources, self._receive)
                 for incoming, info in received.values():
                     if incoming is not None:
                         self.store.commit(incoming, info)
@@ -293,8 +297,28 @@ class Replicator:
         if self.on_replicated is not None:
             self.on_replicated(step)
 
-    def _receive(self, source: int, header: dict[str, Any]) -> _Sink:
-        return _Sink(self.store.incoming(), header)
+    def _receive(self, source: int, header: dict[str, Any]) -> Sink:
+        return Sink(self.store.incoming(), header)
+
+    def _exchange(
+        self,
+        group: Any,
+        outgoing: dict[int, Share | None],
+        incoming: list[int],
+        sink: Callable[[int, dict[str, Any]], Sink],
+        paced: bool = True,
+    ) -> dict[int, tuple[str | None, dict[str, Any]]]:
+        rate = self.rate if paced else None
+        return exchange(
+            group,
+            outgoing,
+            incoming,
+            sink,
+            rate,
+            timeout=self.timeout,
+            transport=self.transport,
+            sent_by=self.sent_by,
+        )
 
     def _stop(self, error: BaseException | None) -> None:
         with self._wake:
@@ -364,16 +388,16 @@ class Replicator:
             {
                 "asked": step,
                 "run": self.run,
-                "own": _identities(own),
-                "fallback": _identities(fallback),
+                "own": identities(own),
+                "fallback": identities(fallback),
                 "held": self.store.held_identities(),
             }
         )
-        _check_same_request(every)
+        check_same_request(every)
         bad: set[tuple[int, str]] = set()
         reasons: list[str] = []
         while True:
-            chosen, plan, expected = _choose(every, step, bad)
+            chosen, plan, expected = choose(every, step, bad)
             if chosen is None:
                 if reasons:
                     asked = "the newest step" if step is None else f"step {step}"
@@ -383,7 +407,7 @@ class Replicator:
                 return Recovery(None, [], time.perf_counter() - started)
             failed, size = self._bring(chosen, plan, expected, into, check_own, set_aside_own)
             if not failed:
-                abandoned = _unavailable_newer(every, chosen, bad)
+                abandoned = unavailable_newer(every, chosen, bad)
                 self._discard_replicas(abandoned)
                 return Recovery(chosen, plan, time.perf_counter() - started, size, abandoned)
             for rank, source, text in failed:
@@ -430,7 +454,7 @@ class Replicator:
                 failed.append((self.rank, "own", f"{type(exc).__name__}: {exc}"))
                 if set_aside_own is not None:
                     set_aside_own(chosen)
-        outgoing: dict[int, _Share | None] = {}
+        outgoing: dict[int, Share | None] = {}
         for rank, source in enumerate(plan):
             if source == f"peer {self.rank}":
                 try:
@@ -442,12 +466,12 @@ class Replicator:
         size = 0
         try:
             try:
-                received = _exchange(
+                received = self._exchange(
                     self._recovery_group,
                     outgoing,
                     incoming,
-                    lambda source, header: _Sink(self.store.landing(), header),
-                    None,
+                    lambda source, header: Sink(self.store.landing(), header),
+                    paced=False,  # a restore waits for it: as fast as the network goes
                 )
             except Exception as exc:  # every rank hears of it below, and all go on or raise
                 received = {}
@@ -470,11 +494,11 @@ class Replicator:
         every = self._gather(failed)
         return [f for mine in every for f in mine], size
 
-    def _verified_replica(self, rank: int, step: int, expected: str | None) -> _Share:
+    def _verified_replica(self, rank: int, step: int, expected: str | None) -> Share:
         """The replica this rank holds of ``rank``'s ``step``, opened without following a
         link and verified (every CRC32C, and its identity ``expected``)."""
         info, fds = self.store.open_replica(rank, step)
-        share = _Share(
+        share = Share(
             {"step": step, "rank": rank, "node": info["node"], "files": info["files"]}, fds
         )
         try:
@@ -516,262 +540,3 @@ class Replicator:
             for step in held:
                 if step in steps:
                     self.store.discard(rank, step, f"step {step} was set aside by every rank")
-
-
-def _identities(steps: Iterable[int] | Mapping[int, str | None]) -> dict[int, str | None]:
-    """Steps with their content's identity (None: not known)."""
-    if isinstance(steps, Mapping):
-        return {int(s): i for s, i in steps.items()}
-    return dict.fromkeys((int(s) for s in steps), None)
-
-
-def _check_same_request(every: list[dict[str, Any]]) -> None:
-    """Raises, on every rank at once, when the ranks asked ``restore()`` for different
-    steps: each would restore its own, and the run would go on mixed."""
-    asked = [e["asked"] for e in every]
-    if len(set(asked)) > 1:
-        named = ", ".join(f"rank {r}: step={a}" for r, a in enumerate(asked))
-        raise ValueError(
-            f"the ranks asked restore() for different steps ({named}): every rank must pass "
-            "the same step= (or none)"
-        )
-
-
-def _choose(
-    every: list[dict[str, Any]], step: int | None, bad: set[tuple[int, str]]
-) -> tuple[int | None, list[str], list[str | None]]:
-    """The step to restore (``step``, or the newest every rank can get), each rank's source
-    and the identity its copy must have; ``(None, [], [])`` when there is none."""
-    for candidate in [step] if step is not None else sorted(_listed(every), reverse=True):
-        found = _sources_of(every, candidate, bad)
-        if found is not None:
-            return candidate, found[0], found[1]
-    return None, [], []
-
-
-def _listed(every: list[dict[str, Any]]) -> set[int]:
-    steps = {s for e in every for s in (*e["own"], *e["fallback"])}
-    return steps | {s for e in every for held in e["held"].values() for s in held}
-
-
-def _unavailable_newer(
-    every: list[dict[str, Any]], chosen: int, bad: set[tuple[int, str]]
-) -> list[int]:
-    return sorted(s for s in _listed(every) if s > chosen and _sources_of(every, s, bad) is None)
-
-
-def _sources_of(
-    every: list[dict[str, Any]], candidate: int, bad: set[tuple[int, str]]
-) -> tuple[list[str], list[str | None]] | None:
-    """Where each rank gets ``candidate`` (own tier, a peer's replica of the same content,
-    the root), or None when some rank cannot get it."""
-    plan: list[str] = []
-    expected: list[str | None] = []
-    load = collections.Counter[int]()
-    for rank, info in enumerate(every):
-        own, fallback = info["own"], info["fallback"]
-        if candidate in own and (rank, "own") not in bad:
-            plan.append("own")
-            expected.append(own[candidate])
-            continue
-        known = candidate in own or candidate in fallback
-        committed = own[candidate] if candidate in own else fallback.get(candidate)
-        copies = {
-            holder: held[rank][candidate]
-            for holder, held in enumerate(e["held"] for e in every)
-            if candidate in held.get(rank, {}) and (rank, f"peer {holder}") not in bad
-        }
-        usable = [
-            holder
-            for holder, (identity, run) in copies.items()
-            if identity is not None and run == info["run"] and (not known or identity == committed)
-        ]
-        if not known and len({copies[h][0] for h in usable}) > 1:
-            usable = []  # replicas that disagree, and nothing to tell the true one by
-        if usable:  # the least loaded holder sends (spreads a lost node's ranks)
-            holder = min(usable, key=lambda h: (load[h], h))
-            load[holder] += 1
-            plan.append(f"peer {holder}")
-            expected.append(copies[holder][0])
-        elif candidate in fallback and (rank, "fallback") not in bad:
-            plan.append("fallback")
-            expected.append(fallback[candidate])
-        else:
-            return None
-    return plan, expected
-
-
-class _Sink:
-    """Writes a share's byte stream into its files in a fresh directory."""
-
-    def __init__(self, directory: str, header: dict[str, Any]):
-        self.directory = directory
-        self.header = header
-        self.files = [(plain_name(name), int(size)) for name, size in header["files"]]
-        self._index, self._written, self._fd = 0, 0, -1
-        self._next_file()
-
-    def _next_file(self) -> None:
-        while self._index < len(self.files) and self._written == self.files[self._index][1]:
-            if self._fd >= 0:
-                os.close(self._fd)
-            self._fd = -1
-            self._index, self._written = self._index + 1, 0
-        if self._index < len(self.files) and self._fd < 0:
-            name = self.files[self._index][0]
-            self._fd = os.open(
-                os.path.join(self.directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
-            )
-            self._next_file()  # (an empty file is complete once created)
-
-    def write(self, data: memoryview) -> None:
-        while len(data):
-            name, size = self.files[self._index]
-            part = data[: size - self._written]
-            done = os.write(self._fd, part)
-            self._written += done
-            data = data[done:]
-            self._next_file()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _open_share(step: int, rank: int, node: int, directory: str, names: Sequence[str]) -> _Share:
-    fds, files = [], []
-    try:
-        for name in names:
-            fd = os.open(os.path.join(directory, plain_name(name)), os.O_RDONLY | os.O_NOFOLLOW)
-            fds.append(fd)
-            files.append([name, os.fstat(fd).st_size])
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return _Share({"step": step, "rank": rank, "node": node, "files": files}, fds)
-
-
-def _exchange(
-    group: Any,
-    outgoing: dict[int, _Share | None],
-    incoming: list[int],
-    sink: Callable[[int, dict[str, Any]], _Sink],
-    rate: float | None,
-) -> dict[int, tuple[str | None, dict[str, Any]]]:
-    """Sends each share of ``outgoing`` to its rank and receives one share from each rank of
-    ``incoming``, concurrently, chunk by chunk; returns, per source, the directory its files
-    were received into (None for an empty share) and its header. Every rank of a pair must
-    call this in the same round. A failure removes what was received and raises."""
-    dist = torch.distributed
-    absent = {"files": None}
-    headers = {
-        dst: json.dumps(share.header if share is not None else absent).encode()
-        for dst, share in outgoing.items()
-    }
-    lengths = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-    _wait(
-        [
-            dist.isend(torch.tensor([len(h)], dtype=torch.int64), dst, group)
-            for dst, h in headers.items()
-        ]
-        + [dist.irecv(t, src, group) for src, t in lengths.items()]
-    )
-    raw = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in lengths.items()}
-    _wait(
-        [
-            dist.isend(torch.frombuffer(bytearray(h), dtype=torch.uint8), dst, group)
-            for dst, h in headers.items()
-        ]
-        + [dist.irecv(t, src, group) for src, t in raw.items()]
-    )
-    received: dict[int, tuple[str | None, dict[str, Any]]] = {}
-    sinks: dict[int, _Sink] = {}
-    try:
-        for src, t in raw.items():
-            header = json.loads(bytes(t.numpy()))
-            if header.get("files") is None:
-                received[src] = (None, header)
-            else:
-                sinks[src] = sink(src, header)
-                received[src] = (sinks[src].directory, header)
-        # the same share going to several ranks is read once per chunk
-        by_share: dict[int, tuple[_Share, list[int]]] = {}
-        for dst, share in outgoing.items():
-            if share is not None:
-                by_share.setdefault(id(share), (share, []))[1].append(dst)
-        readers = [(_Reader(share), dsts) for share, dsts in by_share.values()]
-        totals = {src: sum(size for _, size in s.files) for src, s in sinks.items()}
-        buffers = {src: torch.empty(CHUNK, dtype=torch.uint8) for src in sinks}
-        chunks = max(
-            [-(-r.total // CHUNK) for r, _ in readers] + [-(-n // CHUNK) for n in totals.values()],
-            default=0,
-        )
-        started, sent = time.perf_counter(), 0
-        for i in range(chunks):
-            works, writes = [], []
-            for reader, dsts in readers:
-                piece = reader.chunk(i)
-                if piece is not None:
-                    works += [dist.isend(piece, dst, group) for dst in dsts]
-                    sent += piece.numel() * len(dsts)
-            for src, total in totals.items():
-                n = min(CHUNK, total - i * CHUNK)
-                if n > 0:
-                    works.append(dist.irecv(buffers[src][:n], src, group))
-                    writes.append((src, n))
-            _wait(works)
-            for src, n in writes:
-                sinks[src].write(buffers[src].numpy().data[:n])
-            if rate is not None:  # paced by what was sent so far, not per chunk
-                ahead = sent / rate - (time.perf_counter() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
-        for reader, _ in readers:
-            reader.close()
-        for s in sinks.values():
-            s.close()
-    except BaseException:
-        for s in sinks.values():
-            s.close()
-            remove_own_dir(s.directory)
-        raise
-    return received
-
-
-class _Reader:
-    """Reads a share's files as one stream, chunk by chunk, into a reused buffer."""
-
-    def __init__(self, share: _Share):
-        self.share = share
-        self.total = share.size
-        self.buffer = torch.empty(CHUNK, dtype=torch.uint8)
-        self._spans: list[tuple[int, int, int]] = []  # (stream offset, fd, size)
-        offset = 0
-        for fd, (_, size) in zip(share.fds, share.header["files"]):
-            self._spans.append((offset, fd, size))
-            offset += size
-
-    def chunk(self, i: int) -> torch.Tensor | None:
-        start = i * CHUNK
-        end = min(start + CHUNK, self.total)
-        if start >= end:
-            return None
-        view = self.buffer.numpy().data
-        for offset, fd, size in self._spans:
-            lo, hi = max(start, offset), min(end, offset + size)
-            while lo < hi:
-                done = os.preadv(fd, [view[lo - start : hi - start]], lo - offset)
-                if done == 0:
-                    raise OSError(f"file of step {self.share.header['step']} shrank while sent")
-                lo += done
-        return self.buffer[: end - start]
-
-    def close(self) -> None:
-        pass
-
-
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()

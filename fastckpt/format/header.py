@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from fastckpt.format.schema import (
     DTYPES,
     FORMAT_VERSION,
     HEADER_LIMIT,
+    ITEMSIZE,
     KEY_HEADER_CRC,
     KEY_VERSION,
     MAX_TENSORS,
@@ -29,6 +31,7 @@ from fastckpt.format.schema import (
     METADATA_KEY,
     MIN_BYTES_PER_NODE,
     MIN_BYTES_PER_TENSOR,
+    PACKED_BITS,
     READABLE_VERSIONS,
     SMALL_NODE_COUNT,
     SMALL_TENSOR_COUNT,
@@ -45,6 +48,9 @@ from fastckpt.format.torch_save import SNIFF_BYTES, torch_save_format
 
 # a compressed tensor's blob is one more dtype here, of bytes (see compressed.py)
 _DTYPE_NAMES = {name: name for name in DTYPES | {COMPRESSED_DTYPE}}
+# dtypes of whole bytes per element: bytes per element (the fast entry check, _plain_entry)
+_WHOLE_BYTES = {name: size for name, size in ITEMSIZE.items() if name not in PACKED_BITS}
+_I64, _U64 = 2**63, 2**64
 
 _TORCH_SAVE_KINDS = {"zip": "a zip archive", "pickle": "a pickle", "tar": "a tar archive"}
 
@@ -167,11 +173,18 @@ def _counting(limit: int, message: str) -> Any:
     return hook
 
 
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+
+
 def loads_strict(text: str, what: str, max_objects: int | None = None, too_many: str = "") -> Any:
     """Strict JSON: no NaN/Infinity, no duplicate keys, errors as HeaderError; at most
     ``max_objects`` JSON objects when given (else HeaderError(``too_many``))."""
-    hook = _no_duplicates if max_objects is None else _counting(max_objects, too_many)
     try:
+        if max_objects is None and type(text) is str and not text.startswith("\ufeff"):
+            # what json.loads does, with a decoder made once (making one costs more than
+            # decoding a checksum table); json.loads names a BOM, so it takes those
+            return _STRICT.decode(text)
+        hook = _no_duplicates if max_objects is None else _counting(max_objects, too_many)
         return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=hook)
     except HeaderError as exc:
         raise HeaderError(f"{what}: {exc}") from None
@@ -213,6 +226,41 @@ def json_type(value: Any) -> str:
 
 
 def _parse_entry(name: str, raw: Any) -> TensorEntry:
+    if type(raw) is _Packed:
+        entry = _plain_entry(name, *raw)
+        if entry is not None:
+            return entry
+    return _checked_parse_entry(name, raw)
+
+
+def _plain_entry(name: str, dtype: Any, shape: Any, offsets: Any) -> TensorEntry | None:
+    """The entry of the common case, checked in one pass (an ASCII name, a dtype of whole
+    bytes, at most 8 non-zero dimensions that fill the offsets), or None when any of that
+    does not hold: :func:`_checked_parse_entry` then accepts it or says what is wrong. It
+    accepts nothing that one refuses (each bound here is as tight or tighter)."""
+    itemsize = _WHOLE_BYTES.get(dtype) if type(dtype) is str else None
+    if (
+        itemsize is None
+        or not name.isascii()
+        or type(shape) is not list
+        or len(shape) > 8
+        or type(offsets) is not list
+        or len(offsets) != 2
+    ):
+        return None
+    for dim in shape:
+        if type(dim) is not int or not 0 < dim < _I64:
+            return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end < _U64:
+        return None
+    numel = math.prod(shape)
+    if numel >= _I64 or numel * itemsize != end - begin:
+        return None
+    return TensorEntry(name, _DTYPE_NAMES[dtype], tuple(shape), begin, end)
+
+
+def _checked_parse_entry(name: str, raw: Any) -> TensorEntry:
     where = f"tensor {short(name)}"
     _check_text(name, "tensor name")
     if type(raw) is _Packed:  # the three keys, in order, once each
@@ -300,13 +348,15 @@ def _check_coverage(entries: list[TensorEntry], data_size: int) -> None:
         )
 
 
-def _check_node_count(raw: bytes) -> None:
-    """Refuse a header with more JSON containers than its size allows, before decoding it."""
-    limit = max(len(raw) // MIN_BYTES_PER_NODE, SMALL_NODE_COUNT)
+def _check_node_count(raw: bytes, size: int | None = None) -> None:
+    """Refuse a header with more JSON containers than its size allows, before decoding it;
+    ``size``: the header's length when ``raw`` is it without its trailing padding."""
+    size = len(raw) if size is None else size
+    limit = max(size // MIN_BYTES_PER_NODE, SMALL_NODE_COUNT)
     nodes = raw.count(b"{") + raw.count(b"[")
     if nodes > limit:
         raise HeaderError(
-            f"header of {len(raw)} bytes holds {nodes} JSON objects/arrays, more than the "
+            f"header of {size} bytes holds {nodes} JSON objects/arrays, more than the "
             f"limit of one per {MIN_BYTES_PER_NODE} bytes: not a real header"
         )
 
@@ -394,7 +444,12 @@ def parse_header(json_bytes: bytes, file_size: int) -> Header:
             "not a safetensors file"
         )
     raw_bytes = json_bytes if type(json_bytes) is bytes else bytes(json_bytes)
-    _check_node_count(raw_bytes)
+    # The padding is JSON whitespace, but scanning it (twice) costs more than a small header's
+    # JSON: left out when spaces alone follow the last "}" (bytes.rstrip(b" ") is slower).
+    end = raw_bytes.rfind(b"}") + 1
+    if end and raw_bytes.count(b" ", end) == length - end:
+        raw_bytes = raw_bytes[:end]
+    _check_node_count(raw_bytes, length)
     try:
         text = raw_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -261,6 +261,7 @@ class CheckpointManager:
             initargs=(drain_nice,),
         )
         self._pending: list[concurrent.futures.Future[Any]] = []
+        self._drained: set[int] = set()  # steps this manager's drains committed in root
         self._drain_futures: list[concurrent.futures.Future[None]] = []  # not yet reported
         self._delivered: set[int] = set()  # ids of futures whose error a call raised
         if (
@@ -304,7 +305,7 @@ class CheckpointManager:
         if self._spare is not None and spare_files.remove_stale(self._spare):
             _log.info("removed %s: a spare an earlier manager of this tier left", self._spare)
         if self._fast is not None:
-            for step in sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps())):
+            for step in self._undrained(layout.committed_steps(self._fast)):
                 self._submit_drain(step)
 
     @property
@@ -394,6 +395,7 @@ class CheckpointManager:
                 written.result()
                 self._check_lease()
                 layout.commit(tier, step, metrics, extra=self._chain_fields(tier, step, since_full))
+                self._drained.discard(step)  # a step saved again is drained again
             finally:
                 self._release_base(tier, base)
             if tier == self._fast:  # opened now: retention may delete it at once
@@ -641,7 +643,7 @@ class CheckpointManager:
             raise failed[0].exception()  # type: ignore[misc]
         if self._fast is None:
             return
-        undrained = sorted(set(layout.committed_steps(self._fast)) - set(self._root_steps()))
+        undrained = self._undrained(layout.committed_steps(self._fast))
         if len(undrained) >= self.max_undrained and not self._drain_futures:
             raise OSError(
                 errno.EAGAIN,
@@ -706,6 +708,7 @@ class CheckpointManager:
                 extra["since_full"] = marker.get("since_full", 1)
         self._check_lease()
         layout.commit(self._root, step, marker.get("metrics"), kind, extra=extra)
+        self._drained.add(step)
         self._retain(self._root)
         self._retain(self._fast)
 
@@ -731,7 +734,7 @@ class CheckpointManager:
             committed = layout.committed_steps(tier)
             if tier == self._fast:
                 kept = self.fast_retention.kept(committed)
-                kept |= set(committed) - set(self._root_steps())  # not drained yet
+                kept |= set(self._undrained(committed))
             else:
                 kept = self.retention.kept(committed, self._metrics_of(tier, committed))
             kept |= {s for (where, s) in self._bases_in_use if where == tier.location}
@@ -1105,8 +1108,8 @@ class CheckpointManager:
             if self._replicator is not None:  # replicates the newest step, then stops
                 self._replicator.close(timeout=60.0)
                 peer_copies.prune(self._replicator)
-                if self._fast is not None:  # the step peers hold moved on: keep_fast applies
-                    self._retain_at_close(self._fast)
+                for tier in self._tiers():  # the step peers hold moved on: retention applies
+                    self._retain_at_close(tier)
             elif self._fast is not None and self._ranks.coordinator:
                 self._retain_at_close(self._fast)  # the last drain's step may have come late
             self._saves.shutdown()
@@ -1137,6 +1140,13 @@ class CheckpointManager:
 
     def _root_steps(self) -> list[int]:
         return layout.committed_steps(self._root)
+
+    def _undrained(self, fast_steps: list[int]) -> list[int]:
+        """The fast steps root still needs: those it lacks that no drain of this manager
+        copied there (root's own retention may retire a drained step before the fast tier's
+        does; keeping it as undrained would hold the fast tier above ``keep_fast`` for good)."""
+        in_root = set(self._root_steps())
+        return sorted(s for s in fast_steps if s not in in_root and s not in self._drained)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -17,6 +17,9 @@ For a cold file, which of these is fastest depends on the device: O_DIRECT with 
 queue on local NVMe, the page cache's readahead on many virtual and network disks. So it is
 measured, not assumed: ``fastckpt tune`` times a cold read in each mode and remembers the
 winner per file system; ``FASTCKPT_READ_MODE`` forces one; without either, ``"staged"``.
+When other work holds the cores (:func:`fastckpt.io.cpu_load.machine_busy`), the winner tune
+measured beside a busy machine is taken, and an untuned or quiet ``"staged"`` becomes
+``"direct"``: the staged copy is worth its CPU only where cores are free.
 
 A file system that takes O_DIRECT at open but refuses it for reads (some memory-backed and
 network file systems) is found out by one aligned read when the file is opened, so the mode
@@ -42,8 +45,9 @@ from typing import Any
 
 from fastckpt.config import direct_io as config_direct_io
 from fastckpt.config import read_mode_override, resolve_io, tuned_read_mode
-from fastckpt.io import page_cache, parallel_io
+from fastckpt.io import cpu_load, page_cache, parallel_io
 from fastckpt.io.commit import AtomicFile
+from fastckpt.io.cpu_load import contended_mode
 from fastckpt.io.executor import Executor, shared_executor
 from fastckpt.io.files import File, require_regular_file
 from fastckpt.io.parallel_io import Span
@@ -202,19 +206,28 @@ class LocalStorage(Storage):
         known = "unknown" if resident is None else f"{resident:.0%}"
         return wanted, f"{known} of the data is in memory; {why}"
 
-    def _wanted_mode(self) -> tuple[str, str]:
+    def _wanted_mode(self, busy: bool | None = None) -> tuple[str, str]:
         """How a cold file is to be read, and why: forced (``FASTCKPT_READ_MODE``), as tuned
-        for this file system, or O_DIRECT."""
+        for this file system (the contended winner when the cores are busy), or O_DIRECT;
+        ``busy`` (None: :func:`~fastckpt.io.cpu_load.machine_busy`) says whether other work
+        holds the cores (see :func:`~fastckpt.io.cpu_load.contended_mode`)."""
         forced = read_mode_override()  # a bad value is an error whatever is resident
         if forced is not None:
             return forced, f"read mode forced to {forced}"
-        tuned = tuned_read_mode(self.location)
+        busy = cpu_load.machine_busy() if busy is None else busy
+        tuned = tuned_read_mode(self.location, contended=True) if busy else None
         if tuned is not None:
             return tuned
+        tuned = tuned_read_mode(self.location)
+        if tuned is not None:
+            mode, why = contended_mode(tuned[0], busy=busy)
+            return mode, f"{tuned[1]}; {why}"
         # Untuned, O_DIRECT through the staging pool: on our virtio disk 1.31x straight
         # O_DIRECT into the load's memory (2.06 against 1.57 GB/s, 2 GiB, 4 rounds), where
-        # the copy costs a core's share of memory bandwidth; tune measures both.
-        return "staged", "no read mode tuned here"
+        # the copy costs a core's share of memory bandwidth; tune measures both. Beside a
+        # busy machine the copy has no free core: straight O_DIRECT then.
+        mode, why = contended_mode("staged", busy=busy)
+        return mode, f"no read mode tuned here; {why}"
 
     def span_bytes(self, total: int, mode: str) -> int:
         return span_bytes(total, mode)

@@ -91,6 +91,12 @@ class PageCacheFile(Storage):
         opened = _open_regular(os.fspath(path))
         return None if opened is None else cls(path, _opened=opened)
 
+    def fileno(self) -> int:
+        """The open descriptor (ValueError once closed)."""
+        if self._fd < 0:
+            raise ValueError(f"{self.location}: the file is closed")
+        return self._fd
+
     def local_file(self) -> File:
         if self._fd < 0:
             raise ValueError(f"{self.location}: the file is closed")

@@ -5,20 +5,19 @@ and the projection (per core). Figures are not checked: they are the benchmarks'
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.python_processes import run as run_python
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run(
+    done = run_python(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=dict(os.environ, FASTCKPT_NO_PROGRESS="1"),
     )

@@ -5,18 +5,19 @@ what full saves write."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.python_processes import run
 
 BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "bench_incremental.py"
 
 
 def _smoke(tmp_path: Path, part: str) -> tuple[dict, str]:
     out_json = tmp_path / "out.json"
-    out = subprocess.run(
+    out = run(
         [
             sys.executable,
             str(BENCH),
@@ -25,8 +26,6 @@ def _smoke(tmp_path: Path, part: str) -> tuple[dict, str]:
             f"--dir={tmp_path / 'run'}",
             f"--json={out_json}",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

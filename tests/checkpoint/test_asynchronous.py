@@ -15,6 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt.checkpoint import asynchronous as background
+from tests.python_processes import run
 
 
 def test_snapshot_semantics(tmp_path):
@@ -164,9 +165,7 @@ def test_pending_save_completes_at_exit(tmp_path):
         fastckpt.async_save(state, {str(path)!r}, staging_bytes=8 << 20, snapshot=True)
         # no wait: the interpreter must finish the save before it exits
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = run([sys.executable, "-c", script], timeout=120)
     assert out.returncode == 0, out.stderr
     back = fastckpt.load(path, verify=True)
     assert float(back["w15"][0]) == 15.0
@@ -192,9 +191,7 @@ def test_killed_during_save_keeps_previous_checkpoint(tmp_path):
         fastckpt.async_save(state, {str(path)!r}, staging_bytes=8 << 20)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = run([sys.executable, "-c", script], timeout=120)
     assert out.returncode == -9
     assert path.read_bytes() == before  # a stray temp file may remain, never a torn checkpoint
 
@@ -368,9 +365,7 @@ def test_ctrl_c_during_snapshot_is_raised(tmp_path):
             print("RAISED")
         fastckpt.wait_all()
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    out = run([sys.executable, "-c", script], timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "RAISED", out.stdout + out.stderr
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -23,6 +23,7 @@ from fastckpt.checkpoint.incremental import dependencies
 from fastckpt.cli import main as cli_main
 from fastckpt.errors import ChecksumError, HeaderError, MissingBaseError
 from tests._false_hashes import record_false_xxh3
+from tests.python_processes import run
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -459,9 +460,7 @@ def test_kill_9_during_an_incremental_save_leaves_base_and_previous_file_intact(
         fastckpt.async_save(state, {str(p1)!r}, base={str(p0)!r}, staging_bytes=8 << 20)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = run([sys.executable, "-c", script], timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr
     assert {p: p.read_bytes() for p in (p0, p1)} == before
     _assert_same(fastckpt.load(p1), state)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +17,7 @@ import torch
 import fastckpt
 from fastckpt.checkpoint import asynchronous, lazy_guard
 from tests._fences import owner
+from tests.python_processes import run
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -148,7 +148,7 @@ def test_kill_9_during_a_lazy_save_leaves_the_previous_checkpoint(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)  # mid-stream: the ring holds a part at most
         """
     )
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=120)
+    done = run([sys.executable, "-c", child], timeout=120)
     assert done.returncode == -signal.SIGKILL
     back = fastckpt.load(path, verify=True)
     assert int(back["generation"]) == 1

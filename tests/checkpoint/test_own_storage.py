@@ -3,7 +3,6 @@ the read landed in (no copy), and that memory is freed with the last tensor."""
 
 import gc
 import io
-import subprocess
 import sys
 import textwrap
 
@@ -14,6 +13,7 @@ from fastckpt import _C
 from fastckpt.checkpoint.load import load
 from fastckpt.checkpoint.read import open_checkpoint
 from fastckpt.checkpoint.save import save
+from tests.python_processes import run
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -44,7 +44,7 @@ def test_set_rng_state_takes_a_loaded_state(tmp_path):
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run([sys.executable, "-c", code], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 

@@ -55,7 +55,9 @@ def test_read_mode_follows_the_page_cache(tmp_path, monkeypatch):
         if reader.storage.local_file().direct_fd < 0:
             pytest.skip("this file system refuses O_DIRECT")
         drop_from_page_cache(path)
-        assert reader.read_mode == "staged"  # untuned: O_DIRECT through the staging pool
+        # untuned: O_DIRECT through the staging pool, or straight O_DIRECT when the cores
+        # are busy (tests/io/test_cpu_load.py checks which, the busy signal passed in)
+        assert reader.read_mode in ("staged", "direct")
         path.read_bytes()  # a buffered read makes it hot
         assert reader.read_mode == "buffered"
     assert fastckpt.open(path, direct_io=True).read_mode == "direct"

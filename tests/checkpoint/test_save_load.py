@@ -6,7 +6,6 @@ import json
 import math
 import os
 import struct
-import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
@@ -21,6 +20,7 @@ from safetensors import safe_open
 import fastckpt
 from fastckpt import _C, format
 from fastckpt.checkpoint import dtypes
+from tests.python_processes import run
 
 ALL_DTYPES = [
     torch.bool,
@@ -488,9 +488,7 @@ def test_write_error_keeps_existing_checkpoint(tmp_path, reserve):
             assert e.filename and e.filename.endswith(".tmp"), e.filename
             print("failed as expected")
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = run([sys.executable, "-c", script], timeout=120)
     assert "failed as expected" in out.stdout, out.stderr
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["c.safetensors"]

@@ -10,17 +10,12 @@ import sys
 
 import pytest
 
+from tests.python_processes import run
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, FASTCKPT_NO_PROGRESS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "fastckpt", *map(str, args)],
-        capture_output=True,
-        check=False,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return run([sys.executable, "-m", "fastckpt", *map(str, args)], env=env, timeout=120)
 
 
 def loop_rates(stdout: str) -> list[float]:

@@ -18,13 +18,12 @@ import torch
 
 import fastckpt
 from fastckpt.cli import main
+from tests.python_processes import run
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run(
         [sys.executable, "-m", "fastckpt", *map(str, args)],
-        capture_output=True,
-        text=True,
         env=dict(os.environ, FASTCKPT_NO_PROGRESS="1"),
         timeout=timeout,
     )

@@ -14,19 +14,14 @@ import pytest
 import torch
 
 import fastckpt
+from tests.python_processes import run
 
 
 def run_cli(*args: object, umask: int | None = None, timeout: float = 300):
-    def set_umask() -> None:
-        if umask is not None:
-            os.umask(umask)
-
-    return subprocess.run(
+    return run(
         [sys.executable, "-m", "fastckpt", *map(str, args)],
-        capture_output=True,
-        text=True,
         env=dict(os.environ, FASTCKPT_NO_PROGRESS="1"),
-        preexec_fn=set_umask,
+        umask=umask,
         timeout=timeout,
     )
 

@@ -20,6 +20,7 @@ import fastckpt
 from fastckpt.distributed.collective_save import CollectiveSaveError
 from fastckpt.distributed.plan_cache import PlanCache
 from fastckpt.series import steps as layout
+from tests.python_processes import launch
 
 RANKS = pathlib.Path(__file__).with_name("collective_ranks.py")
 
@@ -35,12 +36,9 @@ def _start(
 ) -> list[subprocess.Popen]:
     port = _free_port()
     return [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), str(world), str(port), case, str(root)]
             + ([str(nofile)] if nofile else []),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env=None if env is None else {**os.environ, **env},
         )
         for rank in range(world)

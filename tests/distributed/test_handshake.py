@@ -8,16 +8,16 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from fastckpt import config
 from fastckpt.distributed.handshake import HandshakeError, handshake
+from tests.python_processes import launch
 
 RANKS = pathlib.Path(__file__).with_name("handshake_ranks.py")
-HANDSHAKE_TIMEOUT = 3  # seconds; the default is 10
+HANDSHAKE_TIMEOUT = 10  # seconds (the default): a busy machine starts ranks seconds apart
 
 
 def _free_port() -> int:
@@ -31,12 +31,9 @@ def _run(case: str, root: pathlib.Path, nofile: int = 0) -> list[str]:
     port = _free_port()
     env = {**os.environ, "FASTCKPT_HANDSHAKE_TIMEOUT": str(HANDSHAKE_TIMEOUT)}
     children = [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), "2", str(port), case, str(root)]
             + ([str(nofile)] if nofile else []),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env=env,
         )
         for rank in (0, 1)

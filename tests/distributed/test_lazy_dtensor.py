@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pathlib
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from fastckpt.checkpoint.fence_cover import FenceCover, local_part
 from fastckpt.checkpoint.lazy_guard import LazyGuard
+from tests.python_processes import launch
 
 RANKS = pathlib.Path(__file__).with_name("lazy_dtensor_ranks.py")
 
@@ -33,11 +33,8 @@ def _run(case: str, root: pathlib.Path, world: int = 2) -> list[str]:
     """Runs ``world`` ranks of lazy_dtensor_ranks.py; every rank's stdout (each must exit 0)."""
     port = _free_port()
     children = [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), str(world), str(port), case, str(root)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         for rank in range(world)
     ]

@@ -10,7 +10,6 @@ import os
 import pathlib
 import shutil
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from fastckpt import CheckpointManager
 from fastckpt.distributed.peers import choose_peers, ring
 from fastckpt.distributed.replica_store import ReplicaStore
+from tests.python_processes import launch
 
 RANKS = pathlib.Path(__file__).with_name("replication_ranks.py")
 
@@ -35,11 +35,8 @@ def run_ranks(
     or {"code": ..., "stderr": ...} for a rank that printed none."""
     port = str(_free_port())
     children = [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), str(len(nodes)), port, str(base), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env={**os.environ, **(env or {}), "FASTCKPT_NODE": str(node)},
         )
         for rank, node in enumerate(nodes)
@@ -175,11 +172,8 @@ def test_ranks_choose_peers_in_other_failure_domains_from_their_environment(tmp_
     # 4 nodes of 1 rank; FASTCKPT_FAILURE_DOMAIN per rank: nodes 0 and 1 in rack a, 2 and 3 in b
     port = str(_free_port())
     children = [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), "4", port, str(tmp_path), "peers", "1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env={
                 **os.environ,
                 "FASTCKPT_NODE": str(rank),

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import fastckpt  # noqa: E402
 from fastckpt import format  # noqa: E402
-from fastckpt.integrations import hf_shards  # noqa: E402
+from fastckpt.integrations import hf_shards, hf_shards_read  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 
@@ -361,7 +361,7 @@ def test_a_reader_whose_set_was_replaced_while_opening_opens_the_new_set(tmp_pat
     fastckpt.save(first, tmp_path, max_shard_size="8KB")
     old_index = (tmp_path / hf_shards.INDEX_NAME).read_bytes()
     fastckpt.save(second, tmp_path, max_shard_size="8KB")  # the first set's shards are gone
-    real_read = hf_shards._read_index_document
+    real_read = hf_shards_read._read_index_document
     calls = []
 
     def read_old_index_first(index, storage_options):
@@ -371,7 +371,7 @@ def test_a_reader_whose_set_was_replaced_while_opening_opens_the_new_set(tmp_pat
             return document["weight_map"], document.get("metadata", {})
         return real_read(index, storage_options)
 
-    monkeypatch.setattr(hf_shards, "_read_index_document", read_old_index_first)
+    monkeypatch.setattr(hf_shards_read, "_read_index_document", read_old_index_first)
     loaded = fastckpt.load(tmp_path)
     assert len(calls) == 2
     assert all(torch.equal(loaded[k], second[k]) for k in second)

@@ -277,6 +277,26 @@ def test_close_applies_keep_fast_once_the_last_drain_is_done(tmp_path):
     assert layout.committed_steps(str(root)) == [1, 2, 3, 4, 5]
 
 
+def test_a_drained_step_root_retired_first_is_not_kept_as_undrained(tmp_path):
+    """A step kept in the fast tier for a while (as peers' replicas keep one) may be retired
+    from root by root's retention first; once released, keep_fast still applies to it."""
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with fastckpt.CheckpointManager(root, fast=fast, keep_fast=1, keep_last=1) as manager:
+        manager.save(1, _state(1)).result()
+        manager.wait()
+        manager._keep_replicated(1)  # held in both tiers, as the step peers hold
+        for step in (2, 3):
+            manager.save(step, _state(step)).result()
+            manager.wait()
+        assert layout.committed_steps(str(fast)) == [1, 3]
+        manager._keep_replicated(3)  # released: root retires step 1 at its next retention
+        manager.save(4, _state(4)).result()
+        manager.wait()
+        assert layout.committed_steps(str(root)) == [3, 4]
+        manager._keep_replicated(4)
+    assert layout.committed_steps(str(fast)) == [4]
+
+
 def test_a_launched_rank_that_made_its_manager_before_the_group_is_told_what_to_do(
     tmp_path, monkeypatch
 ):

@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from manager_ranks import COLS, ROWS, full
 import fastckpt
 from fastckpt.integrations.dcp import METADATA_FILE
 from fastckpt.series import steps as layout
+from tests.python_processes import launch
 
 RANKS = pathlib.Path(__file__).with_name("manager_ranks.py")
 
@@ -34,11 +34,8 @@ def _run_ranks(*args: str, nodes: bool = False) -> tuple[list[int], list[tuple[s
     exit codes and (stdout, stderr)."""
     port = _free_port()
     children = [
-        subprocess.Popen(
+        launch(
             [sys.executable, str(RANKS), str(rank), "2", str(port), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env={**os.environ, "FASTCKPT_NODE": str(rank)} if nodes else None,
         )
         for rank in (0, 1)

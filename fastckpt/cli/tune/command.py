@@ -186,6 +186,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
     parser.add_argument(
+        "--busy",
+        type=_busy_arg,
+        default=None,
+        metavar="N",
+        help="time the read modes a second time beside N processes running a training-like "
+        "CPU loop, and remember that winner for loads that find the cores busy (default: "
+        "one per core; 0: no contended pass)",
+    )
+    parser.add_argument(
         "--engine",
         action="append",
         type=engine_list_arg,
@@ -316,14 +325,37 @@ def _outcome_per_dir(dirs: Sequence[str], outcomes: Sequence[Outcome]) -> list[O
     return [by_key[filesystem_key(d)] for d in dirs]
 
 
+def _busy_arg(text: str) -> int:
+    """argparse type for ``--busy``: a count of processes, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 or a positive integer, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+    return value
+
+
 def _tune_read_modes(dirs: Sequence[str], args: argparse.Namespace, cache: PageCache) -> None:
     """Times cold checkpoint loads in each read mode and remembers the fastest per file
-    system (see :mod:`fastckpt.cli.tune.read_modes`)."""
-    print(f"Measuring cold checkpoint loads per read mode ({', '.join(READ_MODES)})...", flush=True)
-    figures = measure_read_modes(dirs, args.io_size, cache, max(3, args.loops))
-    for one in figures:
-        print(f"  {one.describe()}")
-    remember_read_modes(figures)
+    system, on the machine as it is and again beside ``--busy`` training-like processes
+    (see :mod:`fastckpt.cli.tune.read_modes`)."""
+    from fastckpt.io.cpu_load import cores
+
+    busy = cores() if getattr(args, "busy", None) is None else args.busy
+    loops = max(3, args.loops)
+    for beside in (0, busy) if busy else (0,):
+        how = f", beside {beside} busy processes" if beside else ""
+        print(
+            f"Measuring cold checkpoint loads per read mode ({', '.join(READ_MODES)}){how}...",
+            flush=True,
+        )
+        figures = measure_read_modes(dirs, args.io_size, cache, loops, busy=beside)
+        for one in figures:
+            print(f"  {one.describe()}")
+        remember_read_modes(figures)
 
 
 def _tune_write_modes(dirs: Sequence[str], args: argparse.Namespace) -> None:

@@ -12,6 +12,13 @@ A figure counts only when the file was proved cold before the load (no page of i
 as ``fincore`` would say); where the cache cannot be emptied (no root, a memory file system),
 nothing is recorded and the output says why.
 
+A checkpoint is often loaded beside a training job that keeps every core busy, and the
+staged copy is worth its CPU only where cores are free. So the modes are timed twice: on the
+machine as it is, and beside ``busy`` processes running a training-like CPU loop
+(:class:`~fastckpt.bench.training_load.TrainingLoad`, one per core by default). Both
+winners are remembered; a load takes the contended one when it finds the cores busy
+(:func:`fastckpt.io.cpu_load.machine_busy`).
+
 Example:
     >>> import tempfile
     >>> from fastckpt.bench.caches import PageCache
@@ -30,6 +37,7 @@ from collections.abc import Iterator, Sequence
 
 from fastckpt.bench.caches import PageCache
 from fastckpt.bench.synthetic import random_layers
+from fastckpt.bench.training_load import TrainingLoad, load_average
 from fastckpt.bench.units import median
 from fastckpt.config import READ_MODES, force_read_mode
 
@@ -41,11 +49,15 @@ _COLD_ENOUGH = 0.01
 
 @dataclasses.dataclass
 class ReadModeFigures:
-    """One directory's cold-load speeds per read mode (GB/s, medians), or why none."""
+    """One directory's cold-load speeds per read mode (GB/s, medians), or why none;
+    ``busy``: the training-like processes beside the loads (0: none) and the load averages
+    at the start and end."""
 
     directory: str
     gbps: dict[str, float] = dataclasses.field(default_factory=dict)
     skipped: str | None = None
+    busy: int = 0
+    load_averages: tuple[tuple[float, ...], ...] = ()
 
     @property
     def winner(self) -> str | None:
@@ -55,25 +67,40 @@ class ReadModeFigures:
         if self.skipped:
             return f"{self.directory}: read modes not measured: {self.skipped}"
         figures = ", ".join(f"{mode} {gbps:.2f}" for mode, gbps in self.gbps.items())
-        return f"{self.directory}: cold loads, GB/s: {figures} -> {self.winner}"
+        beside = f" beside {self.busy} busy processes" if self.busy else ""
+        return f"{self.directory}: cold loads{beside}, GB/s: {figures} -> {self.winner}"
 
 
 def measure_read_modes(
-    dirs: Sequence[str], nbytes: int, cache: PageCache, loops: int
+    dirs: Sequence[str], nbytes: int, cache: PageCache, loops: int, *, busy: int = 0
 ) -> list[ReadModeFigures]:
     """Times ``fastckpt.load`` of an ``nbytes`` checkpoint in each directory, from a cold
-    page cache, in every read mode, interleaved ``loops`` times; medians per mode."""
-    return [_measure_one(directory, nbytes, cache, loops) for directory in dirs]
+    page cache, in every read mode, interleaved ``loops`` times; medians per mode. ``busy``:
+    that many training-like processes run beside every load (started before the first)."""
+    with TrainingLoad(busy):
+        start = load_average()
+        figures = [_measure_one(directory, nbytes, cache, loops) for directory in dirs]
+        end = load_average()
+    for one in figures:
+        one.busy, one.load_averages = busy, (start, end)
+    return figures
 
 
 def remember_read_modes(figures: Sequence[ReadModeFigures]) -> None:
     """Records each measured directory's winner for its file system (see
-    :func:`fastckpt.config.save_tuned_read_mode`)."""
+    :func:`fastckpt.config.save_tuned_read_mode`); figures measured beside busy processes
+    as the contended winner."""
     from fastckpt.config import filesystem_key, save_tuned_read_mode
 
     for one in figures:
-        if one.winner is not None:
-            save_tuned_read_mode(filesystem_key(one.directory), one.winner, one.gbps)
+        if one.winner is None:
+            continue
+        how = None
+        if one.busy:
+            how = {"processes": one.busy, "load_averages": [list(a) for a in one.load_averages]}
+        save_tuned_read_mode(
+            filesystem_key(one.directory), one.winner, one.gbps, contended=bool(one.busy), busy=how
+        )
 
 
 def _measure_one(directory: str, nbytes: int, cache: PageCache, loops: int) -> ReadModeFigures:
