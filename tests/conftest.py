@@ -19,8 +19,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# The default run's longest tests (a minute or more on 2 cores), started first so that no
-# worker is left running one of them alone at the end of the run.
+# The default run's longest tests, started first so that no worker is left running one of
+# them alone at the end of the run (with ``--dist worksteal``, in pyproject.toml's addopts,
+# the other worker takes over the short tests queued behind them).
 LONGEST_FIRST = (
     "tests/test_install.py",
     "tests/test_torture_smoke.py",

@@ -63,30 +63,34 @@ def _offset_arg(file_offset: Any) -> int:
     return file_offset
 
 
-def _example_arg(example_tensor: Any, kwargs: dict[str, Any], method: str) -> Any:
-    """DeepSpeed's binding names this argument ``example_tenosr``; accept both spellings."""
-    if "example_tenosr" in kwargs:
-        if example_tensor is not _UNSET:
-            raise TypeError(f"{method}() got both 'example_tensor' and 'example_tenosr'")
-        example_tensor = kwargs.pop("example_tenosr")
+def _aliased_arg(
+    value: Any, kwargs: dict[str, Any], method: str, name: str, alias: str, *, hint: bool
+) -> Any:
+    """``value``, or the same argument passed under DeepSpeed's spelling ``alias`` (found in
+    ``kwargs``, which must hold nothing else); refuses both, neither, and unknown keywords
+    (``hint``: a missing argument's message names ``alias`` too)."""
+    if alias in kwargs:
+        if value is not _UNSET:
+            raise TypeError(f"{method}() got both {name!r} and {alias!r}")
+        value = kwargs.pop(alias)
     if kwargs:
         raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
-    if example_tensor is _UNSET:
-        raise TypeError(f"{method}() missing required argument 'example_tensor'")
-    return example_tensor
+    if value is _UNSET:
+        spelled = f" (DeepSpeed's {alias!r})" if hint else ""
+        raise TypeError(f"{method}() missing required argument {name!r}{spelled}")
+    return value
+
+
+def _example_arg(example_tensor: Any, kwargs: dict[str, Any], method: str) -> Any:
+    """DeepSpeed's binding names this argument ``example_tenosr``; accept both spellings."""
+    return _aliased_arg(
+        example_tensor, kwargs, method, "example_tensor", "example_tenosr", hint=False
+    )
 
 
 def _pop_async(async_op: Any, kwargs: dict[str, Any], method: str) -> bool:
     """DeepSpeed names the flag ``async`` (a keyword in Python); accept both spellings."""
-    if "async" in kwargs:
-        if async_op is not _UNSET:
-            raise TypeError(f"{method}() got both 'async_op' and 'async'")
-        async_op = kwargs.pop("async")
-    if kwargs:
-        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
-    if async_op is _UNSET:
-        raise TypeError(f"{method}() missing required argument 'async_op' (DeepSpeed's 'async')")
-    return bool(async_op)
+    return bool(_aliased_arg(async_op, kwargs, method, "async_op", "async", hint=True))
 
 
 class _PendingOp:
