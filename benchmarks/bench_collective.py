@@ -248,18 +248,14 @@ def _tc_manager() -> Any:
     return CheckpointManager(config)
 
 
-def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
-    warnings.filterwarnings("ignore")  # DCP's overwrite and deprecation notices
+def _join(rank: int, world: int, port: int) -> tuple[Any, Any]:
+    """Joins the gloo group on loopback (one torch thread per rank); the checkpoint group
+    (made in the foreground, before any thread uses it) and a 1-D device mesh."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
-    import fastckpt
     from fastckpt.distributed.groups import checkpoint_group
-    from fastckpt.series import steps as layout
-    from fastckpt.series.sharded import Ranks, save_step
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -269,8 +265,21 @@ def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> Non
         world_size=world,
         timeout=datetime.timedelta(seconds=1800),
     )
-    group = checkpoint_group()  # every rank, in the foreground, before any thread uses it
-    mesh = init_device_mesh("cpu", (world,))
+    return checkpoint_group(), init_device_mesh("cpu", (world,))
+
+
+def _rank_main(rank: int, world: int, port: int, options: dict[str, Any]) -> None:
+    warnings.filterwarnings("ignore")  # DCP's overwrite and deprecation notices
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    import fastckpt
+    from fastckpt.series import steps as layout
+    from fastckpt.series.sharded import Ranks, save_step
+
+    group, mesh = _join(rank, world, port)
     rows = TENSOR_BYTES // 4 // COLS
     count = max(1, options["per_rank"] // TENSOR_BYTES)
     gen = torch.Generator().manual_seed(rank)
@@ -497,22 +506,11 @@ def _restore_main(rank: int, world: int, port: int, options: dict[str, Any]) -> 
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     import fastckpt
-    from fastckpt.distributed.groups import checkpoint_group
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=1800),
-    )
-    checkpoint_group()
-    mesh = init_device_mesh("cpu", (world,))
+    _, mesh = _join(rank, world, port)
     total = TENSOR_BYTES // 4 // COLS * options["saved_world"]
     mine = total // world  # a multiple of BLOCK_ROWS (the parent picks the world so)
     first, count = rank * mine // BLOCK_ROWS, options["count"]
